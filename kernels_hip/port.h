@@ -1,0 +1,409 @@
+// kernels_hip/port.h — the ONE place that knows which GPU vendor we compile for.
+//
+// Every other kernel file includes this header and uses only what it defines: no vendor `#if` anywhere
+// else, no literal warp width (32/64), no 0xffffffff shuffle mask.
+//
+// It is self-contained on purpose: it includes NO vendor header, so the same text compiles under
+//   * NVRTC (sm_90)                 : defines __CUDACC_RTC__ (and __CUDA_ARCH__); device builtins
+//                                     (threadIdx, __syncthreads, __shfl_xor_sync, ...) are implicit.
+//   * nvcc -x cu (compile checks)   : defines __CUDACC__.
+//   * hiprtc on AMD                 : defines __HIPCC_RTC__ and __AMDGCN__; supplies threadIdx/__global__.
+//   * Debian clang-19 `-x hip --offload-arch=gfx942 --cuda-device-only -nogpuinc -nogpulib`: defines
+//     __HIP__/__AMDGCN__/__AMDGCN_WAVEFRONT_SIZE__ but no HIP headers, so this file supplies the attribute
+//     macros and reads thread/block indices straight from the amdgcn builtins.
+//
+// Naming: functions are `he_*`, macros `HE_*`. Indices are always read through he_thread_idx() & co, never
+// threadIdx, because the no-header clang build has no threadIdx.
+//
+// Memory-order vocabulary used below (same meaning as C++11 / the PTX and AMDGPU memory models):
+//   relaxed  — atomic, but orders nothing else.
+//   acquire  — a load; no later memory access of this thread may be performed before it. Pairs with a
+//              release store (or fetch-op) by another thread at a scope covering both threads: once the
+//              acquire load observes the released value, everything written before the release is visible.
+//   release  — a store / RMW; every earlier memory access of this thread is performed before it.
+//   scope    — who the ordering is promised to: "block" (threads of one block), "device" (all blocks of this
+//              GPU = CUDA gpu scope = HIP agent scope), "system" (other GPUs over NVLink/xGMI and the host =
+//              CUDA sys scope = HIP system scope). Use the narrowest scope that covers the reader.
+#pragma once
+
+// ------------------------------------------------------------------------------------------------------
+// Vendor detection (the only vendor switch in the project).
+// ------------------------------------------------------------------------------------------------------
+#if defined(__AMDGCN__) || defined(__HIP_PLATFORM_AMD__)
+#define HE_AMD 1
+#elif defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(__CUDA_ARCH__)
+#define HE_NVIDIA 1
+#else
+#error "kernels_hip/port.h: unknown GPU compiler (expected NVRTC/nvcc or clang/hiprtc targeting amdgcn)"
+#endif
+
+// Fixed-width integer names without <stdint.h> (not available under NVRTC or -nogpuinc).
+typedef unsigned char he_u8;
+typedef unsigned short he_u16;
+typedef unsigned int he_u32;
+typedef int he_i32;
+typedef unsigned long long he_u64;
+typedef long long he_i64;
+static_assert(sizeof(he_u16) == 2 && sizeof(he_u32) == 4 && sizeof(he_u64) == 8, "integer widths");
+
+// ------------------------------------------------------------------------------------------------------
+// Attribute macros. HIP headers / NVRTC normally provide these; the header-less clang build does not.
+// ------------------------------------------------------------------------------------------------------
+#if HE_AMD
+#ifndef __global__
+#define __global__ __attribute__((global))
+#endif
+#ifndef __device__
+#define __device__ __attribute__((device))
+#endif
+#ifndef __host__
+#define __host__ __attribute__((host))
+#endif
+#ifndef __shared__
+#define __shared__ __attribute__((shared))
+#endif
+#ifndef __constant__
+#define __constant__ __attribute__((constant))
+#endif
+#define HE_INLINE __device__ inline __attribute__((always_inline))
+// amdgpu_flat_work_group_size bounds the block so the register allocator can budget VGPRs for it.
+#define HE_LAUNCH_BOUNDS(max_threads) __attribute__((amdgpu_flat_work_group_size(1, max_threads)))
+#else
+#define HE_INLINE __device__ __forceinline__
+#define HE_LAUNCH_BOUNDS(max_threads) __launch_bounds__(max_threads)
+#endif
+
+// ------------------------------------------------------------------------------------------------------
+// Warp (NVIDIA) / wavefront (AMD) width. gfx942 (MI300X) is wave64; RDNA parts compile as wave32 and the
+// compiler tells us through __AMDGCN_WAVEFRONT_SIZE__.
+// ------------------------------------------------------------------------------------------------------
+#if HE_AMD
+#if defined(__AMDGCN_WAVEFRONT_SIZE__)
+constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE__;
+#else
+constexpr int kWarpSize = 64;
+#endif
+#else
+constexpr int kWarpSize = 32;
+#endif
+constexpr int kMaxBlockThreads = 1024;
+constexpr int kMaxWarpsPerBlock = kMaxBlockThreads / kWarpSize;  // sizes block-reduction scratch
+
+// ------------------------------------------------------------------------------------------------------
+// Thread / block indices (x and y; kernels here use at most 2-D grids and 1-D blocks).
+// ------------------------------------------------------------------------------------------------------
+#if HE_AMD
+HE_INLINE int he_thread_idx() { return (int)__builtin_amdgcn_workitem_id_x(); }
+HE_INLINE int he_block_idx() { return (int)__builtin_amdgcn_workgroup_id_x(); }
+HE_INLINE int he_block_idx_y() { return (int)__builtin_amdgcn_workgroup_id_y(); }
+HE_INLINE int he_block_dim() { return (int)__builtin_amdgcn_workgroup_size_x(); }
+// grid_size is in work-items on AMD (HSA dispatch packet); divide by the block size to get blocks.
+HE_INLINE int he_grid_dim() { return (int)(__builtin_amdgcn_grid_size_x() / __builtin_amdgcn_workgroup_size_x()); }
+HE_INLINE int he_grid_dim_y() { return (int)(__builtin_amdgcn_grid_size_y() / __builtin_amdgcn_workgroup_size_y()); }
+HE_INLINE int he_lane_id() { return (int)__builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u)); }
+#else
+HE_INLINE int he_thread_idx() { return (int)threadIdx.x; }
+HE_INLINE int he_block_idx() { return (int)blockIdx.x; }
+HE_INLINE int he_block_idx_y() { return (int)blockIdx.y; }
+HE_INLINE int he_block_dim() { return (int)blockDim.x; }
+HE_INLINE int he_grid_dim() { return (int)gridDim.x; }
+HE_INLINE int he_grid_dim_y() { return (int)gridDim.y; }
+HE_INLINE int he_lane_id() { return (int)(threadIdx.x & (kWarpSize - 1)); }
+#endif
+HE_INLINE int he_warp_id() { return he_thread_idx() / kWarpSize; }
+HE_INLINE int he_num_warps() { return (he_block_dim() + kWarpSize - 1) / kWarpSize; }
+
+// ------------------------------------------------------------------------------------------------------
+// Bit casts and small math. Fast paths are approximate (≈1-2 ulp); every caller accumulates in fp32.
+// ------------------------------------------------------------------------------------------------------
+#if HE_AMD
+HE_INLINE float he_u32_as_f32(he_u32 u) { return __builtin_bit_cast(float, u); }
+HE_INLINE he_u32 he_f32_as_u32(float f) { return __builtin_bit_cast(he_u32, f); }
+HE_INLINE float he_exp2(float x) { return __builtin_amdgcn_exp2f(x); }  // v_exp_f32
+HE_INLINE float he_rsqrt(float x) { return __builtin_amdgcn_rsqf(x); }  // v_rsq_f32
+HE_INLINE float he_sqrt(float x) { return __builtin_sqrtf(x); }
+HE_INLINE float he_log2(float x) { return __builtin_amdgcn_logf(x); }   // v_log_f32
+#else
+HE_INLINE float he_u32_as_f32(he_u32 u) { return __uint_as_float(u); }
+HE_INLINE he_u32 he_f32_as_u32(float f) { return __float_as_uint(f); }
+HE_INLINE float he_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+HE_INLINE float he_rsqrt(float x) { float y; asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+HE_INLINE float he_sqrt(float x) { float y; asm("sqrt.rn.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+HE_INLINE float he_log2(float x) { float y; asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+#endif
+constexpr float kLog2e = 1.4426950408889634f;
+HE_INLINE float he_exp(float x) { return he_exp2(x * kLog2e); }  // e^x = 2^(x·log2 e); -inf -> 0
+HE_INLINE float he_fmax(float a, float b) { return a > b ? a : b; }
+HE_INLINE float he_fmin(float a, float b) { return a < b ? a : b; }
+HE_INLINE float he_neg_inf() { return he_u32_as_f32(0xff800000u); }
+HE_INLINE float he_nan() { return he_u32_as_f32(0x7fc00000u); }
+
+// ------------------------------------------------------------------------------------------------------
+// bf16 / fp16 stored as raw 16-bit integers (no vendor bf16 type: the headers differ and NVRTC would need
+// cuda_bf16.h). bf16 is the top half of an fp32, so widening is a shift.
+// ------------------------------------------------------------------------------------------------------
+typedef he_u16 he_bf16;
+typedef he_u16 he_f16;
+
+HE_INLINE float he_bf16_to_f32(he_bf16 h) { return he_u32_as_f32(((he_u32)h) << 16); }
+// The two bf16 halves of a 32-bit word: element 0 is the low half (little-endian memory order).
+HE_INLINE float he_bf16lo_to_f32(he_u32 w) { return he_u32_as_f32(w << 16); }
+HE_INLINE float he_bf16hi_to_f32(he_u32 w) { return he_u32_as_f32(w & 0xffff0000u); }
+
+// Round-to-nearest-even; NaN stays a (quiet) NaN instead of rounding into infinity.
+HE_INLINE he_bf16 he_f32_to_bf16(float f) {
+  he_u32 u = he_f32_as_u32(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (he_bf16)((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (he_bf16)(u >> 16);
+}
+
+#if HE_AMD
+HE_INLINE float he_f16_to_f32(he_f16 h) { return (float)__builtin_bit_cast(_Float16, h); }
+HE_INLINE he_f16 he_f32_to_f16(float f) { return __builtin_bit_cast(he_u16, (_Float16)f); }  // RNE
+#else
+HE_INLINE float he_f16_to_f32(he_f16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+HE_INLINE he_f16 he_f32_to_f16(float f) { he_u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+#endif
+HE_INLINE float he_f16lo_to_f32(he_u32 w) { return he_f16_to_f32((he_f16)(w & 0xffffu)); }
+HE_INLINE float he_f16hi_to_f32(he_u32 w) { return he_f16_to_f32((he_f16)(w >> 16)); }
+
+// ------------------------------------------------------------------------------------------------------
+// 16-byte vectors: the unit of every weight load (8 bf16/fp16). Pointers must be 16-byte aligned.
+// ------------------------------------------------------------------------------------------------------
+struct alignas(16) he_vec16 {
+  he_u32 x, y, z, w;
+};
+static_assert(sizeof(he_vec16) == 16, "he_vec16 must be 16 bytes");
+
+// Plain cached 16-byte load (activations, small tables that other threads re-read).
+HE_INLINE he_vec16 he_load16(const void* p) { return *(const he_vec16*)p; }
+
+// Streaming 16-byte load for data read exactly once per step (weights, KV cache): read-only path and no
+// L1 allocation on NVIDIA; non-temporal hint on AMD. Only for memory not written during the kernel.
+#if HE_AMD
+HE_INLINE he_vec16 he_load16_stream(const void* p) {
+  const he_vec16* q = (const he_vec16*)p;
+  he_vec16 v;
+  v.x = __builtin_nontemporal_load(&q->x);
+  v.y = __builtin_nontemporal_load(&q->y);
+  v.z = __builtin_nontemporal_load(&q->z);
+  v.w = __builtin_nontemporal_load(&q->w);
+  return v;
+}
+#else
+HE_INLINE he_vec16 he_load16_stream(const void* p) {
+  he_vec16 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+#endif
+
+// ------------------------------------------------------------------------------------------------------
+// Warp shuffles and reductions. All lanes of the warp must be active (kernels here launch whole warps and
+// keep every lane in the reduction, masking data instead of threads).
+// ------------------------------------------------------------------------------------------------------
+#if HE_AMD
+// ds_bpermute: lane i reads lane (addr/4) of the operand, across the whole wave.
+HE_INLINE float he_shfl_xor(float v, int mask) {
+  int src = he_lane_id() ^ mask;
+  return he_u32_as_f32((he_u32)__builtin_amdgcn_ds_bpermute(src << 2, (int)he_f32_as_u32(v)));
+}
+HE_INLINE int he_shfl_xor_int(int v, int mask) {
+  return __builtin_amdgcn_ds_bpermute((he_lane_id() ^ mask) << 2, v);
+}
+HE_INLINE float he_shfl_down(float v, int delta) {
+  int src = he_lane_id() + delta;
+  if (src >= kWarpSize) src = he_lane_id();  // same contract as CUDA: out-of-range lanes keep their value
+  return he_u32_as_f32((he_u32)__builtin_amdgcn_ds_bpermute(src << 2, (int)he_f32_as_u32(v)));
+}
+HE_INLINE float he_shfl(float v, int src_lane) {
+  return he_u32_as_f32((he_u32)__builtin_amdgcn_ds_bpermute(src_lane << 2, (int)he_f32_as_u32(v)));
+}
+#else
+// The full-warp mask exists only here.
+#define HE_FULL_WARP_MASK 0xffffffffu
+HE_INLINE float he_shfl_xor(float v, int mask) { return __shfl_xor_sync(HE_FULL_WARP_MASK, v, mask); }
+HE_INLINE int he_shfl_xor_int(int v, int mask) { return __shfl_xor_sync(HE_FULL_WARP_MASK, v, mask); }
+HE_INLINE float he_shfl_down(float v, int delta) { return __shfl_down_sync(HE_FULL_WARP_MASK, v, delta); }
+HE_INLINE float he_shfl(float v, int src_lane) { return __shfl_sync(HE_FULL_WARP_MASK, v, src_lane); }
+#endif
+
+// Butterfly reductions: every lane ends with the result (no broadcast needed).
+HE_INLINE float he_warp_sum(float v) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) v += he_shfl_xor(v, o);
+  return v;
+}
+HE_INLINE float he_warp_max(float v) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) v = he_fmax(v, he_shfl_xor(v, o));
+  return v;
+}
+// Arg-max over (value, index): ties go to the smaller index so the result is deterministic and matches
+// numpy's argmax (first occurrence).
+HE_INLINE void he_warp_argmax(float& v, int& idx) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) {
+    float ov = he_shfl_xor(v, o);
+    int oi = he_shfl_xor_int(idx, o);
+    if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Block barrier: all threads of the block arrive, and block-scope memory (shared + global) written before
+// it is visible to the block after it (acq_rel at block scope; __syncthreads has that meaning on NVIDIA).
+// ------------------------------------------------------------------------------------------------------
+#if HE_AMD
+HE_INLINE void he_sync_block() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+#else
+HE_INLINE void he_sync_block() { __syncthreads(); }
+#endif
+
+// Block-wide sum / max: every thread gets the result. `scratch` is __shared__ float[kMaxWarpsPerBlock];
+// the trailing barrier makes it safe to call again with the same scratch immediately.
+HE_INLINE float he_block_sum(float v, float* scratch) {
+  v = he_warp_sum(v);
+  if (he_lane_id() == 0) scratch[he_warp_id()] = v;
+  he_sync_block();
+  float r = 0.f;
+  for (int w = 0; w < he_num_warps(); ++w) r += scratch[w];  // same order in every thread: deterministic
+  he_sync_block();
+  return r;
+}
+HE_INLINE float he_block_max(float v, float* scratch) {
+  v = he_warp_max(v);
+  if (he_lane_id() == 0) scratch[he_warp_id()] = v;
+  he_sync_block();
+  float r = scratch[0];
+  for (int w = 1; w < he_num_warps(); ++w) r = he_fmax(r, scratch[w]);
+  he_sync_block();
+  return r;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// Fences. A fence orders this thread's earlier accesses before its later ones, as seen at the scope:
+//   he_fence_acq_rel_device(): e.g. "write data, fence, relaxed-store flag" publishes data to other blocks.
+//   he_fence_acq_rel_system(): same, seen by peer GPUs and the host (NVLink / xGMI / PCIe-mapped memory).
+//   he_fence_seq_cst_device(): total order with other seq_cst fences (needed by some barrier protocols).
+// ------------------------------------------------------------------------------------------------------
+#if HE_AMD
+HE_INLINE void he_fence_acq_rel_block() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "workgroup"); }
+HE_INLINE void he_fence_acq_rel_device() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent"); }
+HE_INLINE void he_fence_acq_rel_system() { __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, ""); }  // "" = system
+HE_INLINE void he_fence_seq_cst_device() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
+HE_INLINE void he_fence_seq_cst_system() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
+#else
+HE_INLINE void he_fence_acq_rel_block() { asm volatile("fence.acq_rel.cta;" ::: "memory"); }
+HE_INLINE void he_fence_acq_rel_device() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+HE_INLINE void he_fence_acq_rel_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+HE_INLINE void he_fence_seq_cst_device() { asm volatile("fence.sc.gpu;" ::: "memory"); }
+HE_INLINE void he_fence_seq_cst_system() { asm volatile("fence.sc.sys;" ::: "memory"); }
+#endif
+
+// ------------------------------------------------------------------------------------------------------
+// Scoped atomics on 32-bit flags/counters (naturally aligned, in global memory, peer-mapped memory or
+// host-mapped memory). Names are he_<op>_<order>_<scope>.
+//   load_acquire   : see "acquire" above — the reader side of a flag.
+//   store_release  : see "release" above — the writer side of a flag (data first, then the flag).
+//   load_relaxed   : polling without ordering; follow a successful poll with an acquire fence or load.
+//   fetch_add_*    : returns the old value. acq_rel = both (arrival counters of barriers); relaxed = pure
+//                    counting (statistics, work queues whose items carry their own flags).
+// ------------------------------------------------------------------------------------------------------
+#if HE_AMD
+#define HE_AMD_SCOPE_device __HIP_MEMORY_SCOPE_AGENT
+#define HE_AMD_SCOPE_system __HIP_MEMORY_SCOPE_SYSTEM
+#define HE_DEFINE_ATOMICS(scope)                                                                        \
+  HE_INLINE he_u32 he_load_acquire_##scope(const he_u32* p) {                                          \
+    return __hip_atomic_load(p, __ATOMIC_ACQUIRE, HE_AMD_SCOPE_##scope);                                \
+  }                                                                                                     \
+  HE_INLINE he_u32 he_load_relaxed_##scope(const he_u32* p) {                                          \
+    return __hip_atomic_load(p, __ATOMIC_RELAXED, HE_AMD_SCOPE_##scope);                                \
+  }                                                                                                     \
+  HE_INLINE void he_store_release_##scope(he_u32* p, he_u32 v) {                                       \
+    __hip_atomic_store(p, v, __ATOMIC_RELEASE, HE_AMD_SCOPE_##scope);                                   \
+  }                                                                                                     \
+  HE_INLINE void he_store_relaxed_##scope(he_u32* p, he_u32 v) {                                       \
+    __hip_atomic_store(p, v, __ATOMIC_RELAXED, HE_AMD_SCOPE_##scope);                                   \
+  }                                                                                                     \
+  HE_INLINE he_u32 he_fetch_add_acq_rel_##scope(he_u32* p, he_u32 v) {                                 \
+    return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, HE_AMD_SCOPE_##scope);                        \
+  }                                                                                                     \
+  HE_INLINE he_u32 he_fetch_add_relaxed_##scope(he_u32* p, he_u32 v) {                                 \
+    return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, HE_AMD_SCOPE_##scope);                        \
+  }                                                                                                     \
+  HE_INLINE float he_atomic_add_f32_relaxed_##scope(float* p, float v) {                               \
+    return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, HE_AMD_SCOPE_##scope);                        \
+  }
+#else
+// PTX scope names: gpu = device, sys = system. Generic addressing so host-mapped pointers work too.
+#define HE_PTX_SCOPE_device "gpu"
+#define HE_PTX_SCOPE_system "sys"
+#define HE_DEFINE_ATOMICS(scope)                                                                        \
+  HE_INLINE he_u32 he_load_acquire_##scope(const he_u32* p) {                                          \
+    he_u32 v;                                                                                           \
+    asm volatile("ld.acquire." HE_PTX_SCOPE_##scope ".u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");    \
+    return v;                                                                                           \
+  }                                                                                                     \
+  HE_INLINE he_u32 he_load_relaxed_##scope(const he_u32* p) {                                          \
+    he_u32 v;                                                                                           \
+    asm volatile("ld.relaxed." HE_PTX_SCOPE_##scope ".u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");    \
+    return v;                                                                                           \
+  }                                                                                                     \
+  HE_INLINE void he_store_release_##scope(he_u32* p, he_u32 v) {                                       \
+    asm volatile("st.release." HE_PTX_SCOPE_##scope ".u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");      \
+  }                                                                                                     \
+  HE_INLINE void he_store_relaxed_##scope(he_u32* p, he_u32 v) {                                       \
+    asm volatile("st.relaxed." HE_PTX_SCOPE_##scope ".u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");      \
+  }                                                                                                     \
+  HE_INLINE he_u32 he_fetch_add_acq_rel_##scope(he_u32* p, he_u32 v) {                                 \
+    he_u32 old;                                                                                         \
+    asm volatile("atom.acq_rel." HE_PTX_SCOPE_##scope ".add.u32 %0, [%1], %2;"                          \
+                 : "=r"(old) : "l"(p), "r"(v) : "memory");                                              \
+    return old;                                                                                         \
+  }                                                                                                     \
+  HE_INLINE he_u32 he_fetch_add_relaxed_##scope(he_u32* p, he_u32 v) {                                 \
+    he_u32 old;                                                                                         \
+    asm volatile("atom.relaxed." HE_PTX_SCOPE_##scope ".add.u32 %0, [%1], %2;"                          \
+                 : "=r"(old) : "l"(p), "r"(v) : "memory");                                              \
+    return old;                                                                                         \
+  }                                                                                                     \
+  HE_INLINE float he_atomic_add_f32_relaxed_##scope(float* p, float v) {                               \
+    float old;                                                                                          \
+    asm volatile("atom.relaxed." HE_PTX_SCOPE_##scope ".add.f32 %0, [%1], %2;"                          \
+                 : "=f"(old) : "l"(p), "f"(v) : "memory");                                              \
+    return old;                                                                                         \
+  }
+#endif
+HE_DEFINE_ATOMICS(device)
+HE_DEFINE_ATOMICS(system)
+#undef HE_DEFINE_ATOMICS
+
+// ------------------------------------------------------------------------------------------------------
+// Waiting. he_sleep backs a polling loop off so spinning threads leave issue slots and memory bandwidth to
+// the threads doing work. The argument is a hint in nanoseconds; AMD's s_sleep takes an immediate (units of
+// 64 clocks), so it sleeps a fixed short time (~0.1 µs at 2.1 GHz) per call whatever the hint.
+// he_clock_ns: a monotonically increasing wall clock for timeouts (not for fine profiling).
+//   NVIDIA: %globaltimer (ns, updated every ~µs).  AMD: s_memrealtime, a constant 100 MHz counter.
+// ------------------------------------------------------------------------------------------------------
+#if HE_AMD
+HE_INLINE void he_sleep(unsigned ns) { (void)ns; __builtin_amdgcn_s_sleep(2); }
+HE_INLINE he_u64 he_clock_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
+#else
+HE_INLINE void he_sleep(unsigned ns) { __nanosleep(ns); }
+HE_INLINE he_u64 he_clock_ns() {
+  he_u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
+
+// Portable extern "C" kernel declaration; standalone kernels are `HE_KERNEL(256) name(args) {...}`.
+#define HE_KERNEL(max_threads) extern "C" __global__ void HE_LAUNCH_BOUNDS(max_threads)
