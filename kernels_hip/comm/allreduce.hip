@@ -1,0 +1,254 @@
+// kernels_hip/comm/allreduce.hip — custom all-reduce over peer-mapped memory (one process, all GPUs).
+//
+// Every rank owns one "comm buffer" (fine-grained on AMD) that peers write into directly. Its layout is
+// described by ArPeerTable (mirrored by hipengine/comm/allreduce.py::ArPeerTable, sizes asserted on both
+// sides) and holds:
+//   flags  [3 kinds][nblocks][kArMaxRanks] u32   kind 0 = one-shot, 1 = reduce-scatter, 2 = all-gather;
+//                                                 flags[k][b][s] = last epoch rank s signalled to us.
+//   os     [2 parity][world][slot_bytes]         one-shot receive slots, one per source rank
+//   rs     [2 parity][world][chunk_bytes]        two-shot reduce-scatter receive slots
+//   ag     [2 parity][slot_bytes]                two-shot gathered result
+//
+// Protocol (one round = one epoch; the host increments the epoch per call, separately per algorithm):
+//   * Flags hold the epoch number, grow monotonically and are never cleared: a waiter asks "has source s
+//     reached epoch e yet?" ((int)(flag - e) >= 0, wrap-safe), so there is no reset to race with.
+//   * Data regions are double-buffered by epoch parity. A peer can run at most one round ahead of us on a
+//     given block: to finish round e+1 it needs our round-(e+1) flag, which we only send after we have
+//     finished reading round e. So round e+1 writes (other parity) never clobber round-e data we are
+//     still reading, and round e+2 writes cannot start before we are done.
+//   * Work is split into tiles of tile_bytes (= block threads x 16 B); tile t always belongs to "virtual
+//     block" t % nblocks, on every rank, in every algorithm, whatever the message size. A virtual block
+//     only touches its own tiles and its own flag row, so the argument above holds per block and blocks
+//     never wait on each other (no grid barrier; the repeated kernel runs K rounds back to back).
+//   * Sums run in rank order 0..world-1 on every rank (one-shot) or on the chunk's owner (two-shot), so
+//     every rank ends with bitwise-identical results.
+//   * Every spin-wait has a wall-clock timeout; on expiry it writes a code to the status word and the
+//     kernel returns instead of hanging. The host turns that into DeviceError.
+//
+// Visibility rules we rely on (see port.h for the memory-order vocabulary):
+//   writer: every thread stores its data (plain stores, possibly to a peer GPU), then runs a system-scope
+//           release fence, then the block barrier; afterwards one thread per peer publishes the epoch with
+//           a system-scope release store. The per-thread fence makes each thread's own stores visible at
+//           system scope before the barrier, so we do not rely on barrier cumulativity (which AMD's
+//           implementation of a single-thread release does not give for other waves' stores).
+//   reader: one thread per source polls its flag with system-scope acquire loads; the block barrier then
+//           orders everyone after those acquires, and each thread runs a system-scope acquire fence
+//           before reading the received data (invalidating any stale cached line on either vendor).
+#include "port.h"
+
+constexpr int kArMaxRanks = 8;
+constexpr int kArKindOneshot = 0;
+constexpr int kArKindReduceScatter = 1;
+constexpr int kArKindAllGather = 2;
+constexpr int kArKinds = 3;  // rows of the flag array
+static_assert(kArKindAllGather + 1 == kArKinds, "flag kinds");
+
+// Status word codes: 0 = ok; kArStatusTimeout | kind << 8 | source rank = gave up waiting for that rank.
+constexpr he_u32 kArStatusTimeout = 0x10000u;
+
+// One per rank, in that rank's device memory. Python mirror: hipengine/comm/allreduce.py::ArPeerTable.
+struct ArPeerTable {
+  he_u64 base[kArMaxRanks];  // comm buffer of every rank (peer-mapped device pointers, UVA)
+  he_u64 status;             // this rank's status word (he_u32*)
+  he_u32 rank, world;
+  he_u32 nblocks;            // virtual blocks: tile t belongs to block t % nblocks (fixed per communicator)
+  he_u32 tile_bytes;         // bytes per tile = threads per block x 16
+  he_u64 off_flags, off_os, off_rs, off_ag;  // region offsets inside every comm buffer
+  he_u64 slot_bytes;         // largest message, bytes (one-shot slot, gather region)
+  he_u64 chunk_bytes;        // largest two-shot chunk, bytes
+  he_u64 timeout_ns;         // spin-wait limit
+};
+static_assert(sizeof(ArPeerTable) == 144, "ArPeerTable layout changed: update allreduce.py");
+static_assert(__builtin_offsetof(ArPeerTable, status) == 64, "ArPeerTable.status");
+static_assert(__builtin_offsetof(ArPeerTable, off_flags) == 88, "ArPeerTable.off_flags");
+static_assert(__builtin_offsetof(ArPeerTable, timeout_ns) == 136, "ArPeerTable.timeout_ns");
+
+// ---- element types: a 16-byte pack is summed in fp32 and rounded once ------------------------------
+struct ArF32 {
+  static constexpr int kN = 4;
+  HE_INLINE static void add(float* a, he_vec16 v) {
+    a[0] += he_u32_as_f32(v.x); a[1] += he_u32_as_f32(v.y);
+    a[2] += he_u32_as_f32(v.z); a[3] += he_u32_as_f32(v.w);
+  }
+  HE_INLINE static he_vec16 pack(const float* a) {
+    he_vec16 v;
+    v.x = he_f32_as_u32(a[0]); v.y = he_f32_as_u32(a[1]); v.z = he_f32_as_u32(a[2]); v.w = he_f32_as_u32(a[3]);
+    return v;
+  }
+};
+struct ArBf16 {
+  static constexpr int kN = 8;
+  HE_INLINE static void add(float* a, he_vec16 v) {
+    a[0] += he_bf16lo_to_f32(v.x); a[1] += he_bf16hi_to_f32(v.x);
+    a[2] += he_bf16lo_to_f32(v.y); a[3] += he_bf16hi_to_f32(v.y);
+    a[4] += he_bf16lo_to_f32(v.z); a[5] += he_bf16hi_to_f32(v.z);
+    a[6] += he_bf16lo_to_f32(v.w); a[7] += he_bf16hi_to_f32(v.w);
+  }
+  HE_INLINE static he_u32 two(float lo, float hi) {
+    return (he_u32)he_f32_to_bf16(lo) | ((he_u32)he_f32_to_bf16(hi) << 16);
+  }
+  HE_INLINE static he_vec16 pack(const float* a) {
+    he_vec16 v;
+    v.x = two(a[0], a[1]); v.y = two(a[2], a[3]); v.z = two(a[4], a[5]); v.w = two(a[6], a[7]);
+    return v;
+  }
+};
+
+// ---- addressing ---------------------------------------------------------------------------------------
+HE_INLINE char* ar_base(const ArPeerTable* T, int r) { return (char*)T->base[r]; }
+// Flag that `src` sets in `dst`'s buffer for (kind, virtual block).
+HE_INLINE he_u32* ar_flag(const ArPeerTable* T, int dst, int kind, int vb, int src) {
+  return (he_u32*)(ar_base(T, dst) + T->off_flags) + ((he_u64)kind * T->nblocks + vb) * kArMaxRanks + src;
+}
+HE_INLINE bool ar_reached(he_u32 flag, he_u32 epoch) { return (int)(flag - epoch) >= 0; }  // wrap-safe
+
+// Signal: called by the whole block after its data stores. Fence per thread (see header), barrier, then
+// thread p publishes `epoch` into rank p's flag row for us.
+HE_INLINE void ar_signal(const ArPeerTable* T, int kind, int vb, he_u32 epoch) {
+  he_fence_acq_rel_system();  // release: this thread's data stores are visible system-wide before the barrier
+  he_sync_block();
+  const int p = he_thread_idx();
+  if (p < (int)T->world && p != (int)T->rank) {
+    // release store at system scope: pairs with the acquire poll in ar_wait on GPU p.
+    he_store_release_system(ar_flag(T, p, kind, vb, (int)T->rank), epoch);
+  }
+}
+
+// Wait until every peer has published `epoch` (or later) for (kind, vb). Returns false on timeout or when
+// another block already gave up (status word set); the whole block returns the same answer.
+HE_INLINE bool ar_wait(const ArPeerTable* T, int kind, int vb, he_u32 epoch) {
+  __shared__ int s_failed;
+  const int s = he_thread_idx();
+  he_u32* status = (he_u32*)T->status;
+  if (s == 0) s_failed = 0;
+  he_sync_block();
+  if (s < (int)T->world && s != (int)T->rank) {
+    const he_u32* f = ar_flag(T, (int)T->rank, kind, vb, s);
+    const he_u64 t0 = he_clock_ns();
+    // acquire at system scope: once we see the epoch, the source's data stores (released before it) are
+    // visible to this thread; the barrier below extends that to the block.
+    while (!ar_reached(he_load_acquire_system(f), epoch)) {
+      if (he_load_relaxed_device(status) != 0) { s_failed = 1; break; }  // another block timed out: bail
+      if (he_clock_ns() - t0 > T->timeout_ns) {
+        he_store_relaxed_system(status, kArStatusTimeout | ((he_u32)kind << 8) | (he_u32)s);
+        s_failed = 1;
+        break;
+      }
+    }
+  }
+  he_sync_block();
+  const bool ok = s_failed == 0;
+  he_fence_acq_rel_system();  // acquire side for every reading thread (see header)
+  he_sync_block();            // s_failed may be rewritten by the next wait only after everyone read it
+  return ok;
+}
+
+// ---- one-shot: push everything to everyone, everyone sums --------------------------------------------
+// Latency-optimal for small messages: one flag round trip. Each byte crosses every link once per peer.
+template <class E>
+HE_INLINE bool ar_oneshot_block(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T, he_u32 epoch,
+                                int vb) {
+  const int rank = (int)T->rank, world = (int)T->world, tid = he_thread_idx();
+  const he_u64 tile = T->tile_bytes, par = epoch & 1u;
+  const he_u64 ntiles = (nbytes + tile - 1) / tile;
+  // 1. push our tiles into slot `rank` of every peer's one-shot region (this parity).
+  for (he_u64 t = vb; t < ntiles; t += T->nblocks) {
+    const he_u64 off = t * tile + (he_u64)tid * 16;
+    if (off >= nbytes) continue;
+    const he_vec16 v = he_load16((const char*)in + off);
+    for (int p = 0; p < world; ++p) {
+      if (p == rank) continue;
+      char* dst = ar_base(T, p) + T->off_os + (par * world + rank) * T->slot_bytes + off;
+      *(he_vec16*)dst = v;
+    }
+  }
+  ar_signal(T, kArKindOneshot, vb, epoch);
+  if (!ar_wait(T, kArKindOneshot, vb, epoch)) return false;
+  // 2. sum in rank order 0..world-1 (our own contribution straight from `in`): identical bits everywhere.
+  const char* mine = ar_base(T, rank) + T->off_os + par * world * T->slot_bytes;
+  for (he_u64 t = vb; t < ntiles; t += T->nblocks) {
+    const he_u64 off = t * tile + (he_u64)tid * 16;
+    if (off >= nbytes) continue;
+    float acc[E::kN] = {};
+    for (int s = 0; s < world; ++s)
+      E::add(acc, he_load16(s == rank ? (const char*)in + off : mine + (he_u64)s * T->slot_bytes + off));
+    *(he_vec16*)((char*)out + off) = E::pack(acc);
+  }
+  return true;
+}
+
+// ---- two-shot: reduce-scatter (each rank sums one chunk) + all-gather --------------------------------
+// Bandwidth-optimal for large messages: each byte crosses the links ~2x instead of (world-1)x, at the
+// price of two flag round trips. Chunks are whole tiles so a tile has exactly one owner.
+template <class E>
+HE_INLINE bool ar_twoshot_block(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T, he_u32 epoch,
+                                int vb) {
+  const int rank = (int)T->rank, world = (int)T->world, tid = he_thread_idx();
+  const he_u64 tile = T->tile_bytes, par = epoch & 1u;
+  const he_u64 ntiles = (nbytes + tile - 1) / tile;
+  const he_u64 chunk_tiles = (ntiles + world - 1) / world;  // owner of tile t: t / chunk_tiles
+  // 1. reduce-scatter push: tile t goes to its owner's slot `rank`.
+  for (he_u64 t = vb; t < ntiles; t += T->nblocks) {
+    const int owner = (int)(t / chunk_tiles);
+    const he_u64 off = t * tile + (he_u64)tid * 16;
+    if (owner == rank || off >= nbytes) continue;
+    const he_u64 loc = (t - owner * chunk_tiles) * tile + (he_u64)tid * 16;
+    *(he_vec16*)(ar_base(T, owner) + T->off_rs + (par * world + rank) * T->chunk_bytes + loc) =
+        he_load16((const char*)in + off);
+  }
+  ar_signal(T, kArKindReduceScatter, vb, epoch);
+  if (!ar_wait(T, kArKindReduceScatter, vb, epoch)) return false;
+  // 2. sum our chunk in rank order, push the result into every rank's gather region (and our output).
+  const char* rs = ar_base(T, rank) + T->off_rs + par * world * T->chunk_bytes;
+  for (he_u64 t = vb; t < ntiles; t += T->nblocks) {
+    if ((int)(t / chunk_tiles) != rank) continue;
+    const he_u64 off = t * tile + (he_u64)tid * 16;
+    if (off >= nbytes) continue;
+    const he_u64 loc = (t - rank * chunk_tiles) * tile + (he_u64)tid * 16;
+    float acc[E::kN] = {};
+    for (int s = 0; s < world; ++s)
+      E::add(acc, he_load16(s == rank ? (const char*)in + off : rs + (he_u64)s * T->chunk_bytes + loc));
+    const he_vec16 v = E::pack(acc);
+    *(he_vec16*)((char*)out + off) = v;
+    for (int p = 0; p < world; ++p)
+      if (p != rank) *(he_vec16*)(ar_base(T, p) + T->off_ag + par * T->slot_bytes + off) = v;
+  }
+  ar_signal(T, kArKindAllGather, vb, epoch);
+  if (!ar_wait(T, kArKindAllGather, vb, epoch)) return false;
+  // 3. copy the other owners' chunks out of our gather region.
+  const char* ag = ar_base(T, rank) + T->off_ag + par * T->slot_bytes;
+  for (he_u64 t = vb; t < ntiles; t += T->nblocks) {
+    if ((int)(t / chunk_tiles) == rank) continue;
+    const he_u64 off = t * tile + (he_u64)tid * 16;
+    if (off >= nbytes) continue;
+    *(he_vec16*)((char*)out + off) = he_load16(ag + off);
+  }
+  return true;
+}
+
+// ---- standalone kernels -------------------------------------------------------------------------------
+// Launch: grid = min(nblocks, tiles), block = tile_bytes / 16 threads (<= 1024). `nbytes` must be a
+// multiple of 16; in/out are this rank's device buffers (out may not alias in for two-shot peers' reads:
+// it never does, peers read only our comm buffer). The repeated variants run `repeats` back-to-back rounds
+// with epochs epoch0 .. epoch0 + repeats - 1 (the host advances its counter by `repeats`).
+#define AR_KERNELS(NAME, ALGO, E)                                                                        \
+  HE_KERNEL(1024) NAME(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T, he_u32 epoch) {   \
+    ALGO<E>(in, out, nbytes, T, epoch, he_block_idx());                                                  \
+  }                                                                                                      \
+  HE_KERNEL(1024) NAME##_repeat(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T,          \
+                                he_u32 epoch0, he_u32 repeats) {                                         \
+    for (he_u32 k = 0; k < repeats; ++k)                                                                 \
+      if (!ALGO<E>(in, out, nbytes, T, epoch0 + k, he_block_idx())) return;                             \
+  }
+
+AR_KERNELS(allreduce_oneshot_f32, ar_oneshot_block, ArF32)
+AR_KERNELS(allreduce_oneshot_bf16, ar_oneshot_block, ArBf16)
+AR_KERNELS(allreduce_twoshot_f32, ar_twoshot_block, ArF32)
+AR_KERNELS(allreduce_twoshot_bf16, ar_twoshot_block, ArBf16)
+#undef AR_KERNELS
+
+// Busy-waits `ns` nanoseconds (tests: random per-rank delays ahead of an all-reduce on the same stream).
+HE_KERNEL(32) allreduce_delay(he_u64 ns) {
+  const he_u64 t0 = he_clock_ns();
+  while (he_clock_ns() - t0 < ns) he_sleep(200);
+}
