@@ -386,6 +386,16 @@ HE_DEFINE_ATOMICS(device)
 HE_DEFINE_ATOMICS(system)
 #undef HE_DEFINE_ATOMICS
 
+// Relaxed atomic OR on a block-shared word (bitmaps built cooperatively inside one block; the following
+// he_sync_block() orders them for the readers).
+#if HE_AMD
+HE_INLINE void he_atomic_or_relaxed_block(he_u32* p, he_u32 v) {
+  __hip_atomic_fetch_or(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP);
+}
+#else
+HE_INLINE void he_atomic_or_relaxed_block(he_u32* p, he_u32 v) { atomicOr(p, v); }
+#endif
+
 // ------------------------------------------------------------------------------------------------------
 // Waiting. he_sleep backs a polling loop off so spinning threads leave issue slots and memory bandwidth to
 // the threads doing work. The argument is a hint in nanoseconds; AMD's s_sleep takes an immediate (units of

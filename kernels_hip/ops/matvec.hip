@@ -1,0 +1,241 @@
+// Matrix-vector products of the decode step: y = W x, W row-major [rows, in] in bf16 or fp16, x fp32,
+// fp32 accumulation, with the fused prologue (RMSNorm of x into shared memory) and the fused epilogues of
+// a Llama layer:
+//   matvec          y = W·x (+ residual)                  O-proj / down-proj (+ residual add), LM head
+//   matvec_gate_up  y = silu(Wg·x) * (Wu·x)                the MLP's first half
+//   matvec_qkv      [q|k|v] = Wqkv·x + b, RoPE on q and k,  attention's input; k/v appended to the cache
+//                   k/v appended to the KV cache
+// and matmul_small_m, the prefill form: Y[M, rows] = X[M, in] · Wᵀ for M ≤ 8 tokens, which reads each
+// weight once per chunk of prompt tokens.
+//
+// Why this shape. At batch 1 the step is bound by HBM: every weight byte is read once and used once. Each
+// lane issues 16-byte loads (8 weights), a warp sweeps kWarpSize·8 consecutive weights of a row per load,
+// and every lane keeps kUnroll·kRows loads in flight (8 × 16 B × 32 lanes = 4 KiB per warp on NVIDIA) so the
+// memory system sees enough outstanding requests (H200: ~4.8 TB/s × ~1 µs latency ≈ 36 KiB per SM).
+// Weights are read with the streaming load (no L1 allocation): they are used exactly once per step.
+// The grid is sized by the host to a few blocks per SM and blocks stride over row groups, so the fused
+// prologue (x staged in shared memory, ≤ 32 KiB) is paid a few hundred times, not once per row.
+//
+// Requirements (checked by the host wrapper): in % 8 == 0 and 16-byte aligned rows (every model dimension
+// here is a multiple of 64), blockDim a multiple of kWarpSize, dynamic shared memory = in * 4 bytes.
+#ifndef HE_OPS_MATVEC_HIP
+#define HE_OPS_MATVEC_HIP
+#include "port.h"
+#include "ops/rmsnorm.hip"
+
+constexpr int kMatvecUnroll = 4;  // 16-byte loads in flight per lane per row
+
+// Dot product of 8 packed weights with 8 fp32 activations (x 16-byte aligned).
+template <bool kF16>
+HE_INLINE float he_wdot8(const he_vec16 w, const float* x) {
+  const he_u32 q[4] = {w.x, w.y, w.z, w.w};
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float lo = kF16 ? he_f16lo_to_f32(q[j]) : he_bf16lo_to_f32(q[j]);
+    const float hi = kF16 ? he_f16hi_to_f32(q[j]) : he_bf16hi_to_f32(q[j]);
+    s += lo * x[2 * j] + hi * x[2 * j + 1];
+  }
+  return s;
+}
+
+// One warp computes kRows dot products rows[r]·x over `in` elements; every lane returns all kRows sums.
+// xs is the staged activation (shared memory). The first loop keeps kMatvecUnroll·kRows loads in flight;
+// the second finishes rows whose length is not a multiple of the unrolled sweep.
+template <int kRows, bool kF16>
+HE_INLINE void he_matvec_warp(const he_u16* const (&rows)[kRows], int in, const float* xs, float (&acc)[kRows]) {
+  constexpr int kSweep = kWarpSize * 8;
+  const int lane = he_lane_id();
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+  int c = lane * 8;
+  for (; c + (kMatvecUnroll - 1) * kSweep < in; c += kMatvecUnroll * kSweep) {
+    he_vec16 w[kRows][kMatvecUnroll];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int u = 0; u < kMatvecUnroll; ++u) w[r][u] = he_load16_stream(rows[r] + c + u * kSweep);
+#pragma unroll
+    for (int u = 0; u < kMatvecUnroll; ++u)
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] += he_wdot8<kF16>(w[r][u], xs + c + u * kSweep);
+  }
+  for (; c < in; c += kSweep) {
+    he_vec16 w[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) w[r] = he_load16_stream(rows[r] + c);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc[r] += he_wdot8<kF16>(w[r], xs + c);
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = he_warp_sum(acc[r]);
+}
+
+HE_INLINE float he_silu(float g) { return g / (1.f + he_exp(-g)); }
+
+// ---- y = W·x (+ residual) ------------------------------------------------------------------------------
+// Two rows per warp (more loads in flight). residual may alias y: each y[r] is read then written by the
+// same lane. gamma != nullptr fuses RMSNorm(x; gamma, eps) as the prologue.
+template <bool kF16>
+HE_INLINE void he_matvec_body(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma,
+                              float eps, const float* residual, float* y, int rows, int in, float* xs,
+                              float* scratch) {
+  he_rmsnorm_stage(x, gamma, eps, in, xs, scratch);
+  const int units = (rows + 1) / 2;
+  for (int u = he_block_idx() * he_num_warps() + he_warp_id(); u < units; u += he_grid_dim() * he_num_warps()) {
+    const int r0 = 2 * u, r1 = (r0 + 1 < rows) ? r0 + 1 : r0;  // odd tail: recompute r0, write once
+    const he_u16* const rp[2] = {W + (he_i64)r0 * in, W + (he_i64)r1 * in};
+    float acc[2];
+    he_matvec_warp<2, kF16>(rp, in, xs, acc);
+    if (he_lane_id() == 0) {
+      y[r0] = acc[0] + (residual ? residual[r0] : 0.f);
+      if (r1 != r0) y[r1] = acc[1] + (residual ? residual[r1] : 0.f);
+    }
+  }
+}
+
+HE_KERNEL(1024) matvec(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
+                       const float* residual, float* y, int rows, int in, int w_f16) {
+  extern __shared__ float he_xs[];  // [in]
+  __shared__ float scratch[kMaxWarpsPerBlock];
+  if (w_f16) he_matvec_body<true>(W, x, gamma, eps, residual, y, rows, in, he_xs, scratch);
+  else he_matvec_body<false>(W, x, gamma, eps, residual, y, rows, in, he_xs, scratch);
+}
+
+// ---- y = silu(Wg·x) * (Wu·x) ------------------------------------------------------------------------------
+template <bool kF16>
+HE_INLINE void he_matvec_gate_up_body(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
+                                      const float* __restrict__ gamma, float eps, float* y, int rows, int in,
+                                      float* xs, float* scratch) {
+  he_rmsnorm_stage(x, gamma, eps, in, xs, scratch);
+  for (int r = he_block_idx() * he_num_warps() + he_warp_id(); r < rows; r += he_grid_dim() * he_num_warps()) {
+    const he_u16* const rp[2] = {Wg + (he_i64)r * in, Wu + (he_i64)r * in};
+    float acc[2];
+    he_matvec_warp<2, kF16>(rp, in, xs, acc);
+    if (he_lane_id() == 0) y[r] = he_silu(acc[0]) * acc[1];
+  }
+}
+
+HE_KERNEL(1024) matvec_gate_up(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
+                               const float* __restrict__ gamma, float eps, float* y, int rows, int in, int w_f16) {
+  extern __shared__ float he_xs[];
+  __shared__ float scratch[kMaxWarpsPerBlock];
+  if (w_f16) he_matvec_gate_up_body<true>(Wg, Wu, x, gamma, eps, y, rows, in, he_xs, scratch);
+  else he_matvec_gate_up_body<false>(Wg, Wu, x, gamma, eps, y, rows, in, he_xs, scratch);
+}
+
+// ---- QKV + bias + RoPE + KV append -------------------------------------------------------------------------
+// Wqkv is wq, wk, wv stacked: [q_dim + 2·kv_dim, in]. RoPE is in rotate-half form, pairing element i of a
+// head with element i + hd/2, so one warp computes exactly that pair of rows and rotates it in registers:
+//   out[i]        = a·cos − b·sin
+//   out[i + hd/2] = b·cos + a·sin        (a = row i, b = row i + hd/2; cos/sin at [pos][i])
+// cos/sin tables [max_ctx][hd/2] fp32 come from the host (ModelConfig.rope_inv_freq(), float64) so the
+// device never recomputes frequencies. The position is read from device memory (*pos) so a captured
+// graph / the monokernel advances it without relaunch arguments changing.
+// KV cache (per layer): k_cache, v_cache bf16 [num_kv_heads][max_ctx][hd].
+// rope == 0 (Qwen3 qk_norm path): no RoPE/append here; raw q|k|v (+bias) go to q_out [q_dim + 2·kv_dim]
+// and qk_norm_rope finishes the job after the per-head norm.
+template <bool kF16>
+HE_INLINE void he_matvec_qkv_body(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma,
+                                  float eps, const float* __restrict__ bias, const float* __restrict__ cos_t,
+                                  const float* __restrict__ sin_t, const int* __restrict__ pos_p,
+                                  float* __restrict__ q_out, he_bf16* __restrict__ k_cache,
+                                  he_bf16* __restrict__ v_cache, int max_ctx, int q_dim, int kv_dim, int hd,
+                                  int in, int rope, float* xs, float* scratch) {
+  he_rmsnorm_stage(x, gamma, eps, in, xs, scratch);
+  const int half = hd / 2;
+  const int pairs = (q_dim + 2 * kv_dim) / 2;
+  const int pos = *pos_p;
+  for (int p = he_block_idx() * he_num_warps() + he_warp_id(); p < pairs; p += he_grid_dim() * he_num_warps()) {
+    const int head = p / half, i = p % half;
+    const int ra = head * hd + i, rb = ra + half;  // rows in the stacked matrix
+    const he_u16* const rp[2] = {W + (he_i64)ra * in, W + (he_i64)rb * in};
+    float acc[2];
+    he_matvec_warp<2, kF16>(rp, in, xs, acc);
+    if (he_lane_id() != 0) continue;
+    float a = acc[0] + (bias ? bias[ra] : 0.f), b = acc[1] + (bias ? bias[rb] : 0.f);
+    if (!rope) { q_out[ra] = a; q_out[rb] = b; continue; }
+    if (ra < q_dim + kv_dim) {  // q or k: rotate
+      const float c = cos_t[(he_i64)pos * half + i], s = sin_t[(he_i64)pos * half + i];
+      const float ra_v = a * c - b * s, rb_v = b * c + a * s;
+      a = ra_v; b = rb_v;
+    }
+    if (ra < q_dim) { q_out[ra] = a; q_out[rb] = b; continue; }
+    const bool is_k = ra < q_dim + kv_dim;
+    const int kvh = (ra - q_dim - (is_k ? 0 : kv_dim)) / hd;
+    he_bf16* dst = (is_k ? k_cache : v_cache) + ((he_i64)kvh * max_ctx + pos) * hd;
+    dst[i] = he_f32_to_bf16(a);
+    dst[i + half] = he_f32_to_bf16(b);
+  }
+}
+
+HE_KERNEL(1024) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
+                           const float* __restrict__ bias, const float* __restrict__ cos_t,
+                           const float* __restrict__ sin_t, const int* __restrict__ pos_p, float* __restrict__ q_out,
+                           he_bf16* __restrict__ k_cache, he_bf16* __restrict__ v_cache, int max_ctx, int q_dim,
+                           int kv_dim, int hd, int in, int rope, int w_f16) {
+  extern __shared__ float he_xs[];
+  __shared__ float scratch[kMaxWarpsPerBlock];
+  if (w_f16)
+    he_matvec_qkv_body<true>(W, x, gamma, eps, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache, max_ctx, q_dim,
+                             kv_dim, hd, in, rope, he_xs, scratch);
+  else
+    he_matvec_qkv_body<false>(W, x, gamma, eps, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache, max_ctx, q_dim,
+                              kv_dim, hd, in, rope, he_xs, scratch);
+}
+
+// ---- prefill: Y[M, rows] (op)= X[M, in] · Wᵀ, M ≤ kMaxM ---------------------------------------------------
+// Each weight row is loaded once and multiplied with all M token vectors, so a chunk of M prompt tokens
+// costs one pass over the weights (the decode path would cost M). X is read through L1/L2 (M·in·4 bytes,
+// far smaller than W). Rows of X past M are clamped to row M-1 and their results dropped, so one
+// instantiation serves every M ≤ kMaxM.
+// mode: 0  Y = XWᵀ (+ bias)           1  Y += XWᵀ (residual add, in place)
+//       2  Y = silu(X Wgᵀ) * (X Wuᵀ)  (W2 = Wu)
+constexpr int kMaxM = 8;
+
+template <bool kF16>
+HE_INLINE void he_matmul_small_m_body(const he_u16* __restrict__ W, const he_u16* __restrict__ W2,
+                                      const float* __restrict__ X, const float* __restrict__ bias, float* Y,
+                                      int M, int rows, int in, int mode) {
+  constexpr int kSweep = kWarpSize * 8;
+  const int lane = he_lane_id();
+  const int nw = (mode == 2) ? 2 : 1;
+  for (int r = he_block_idx() * he_num_warps() + he_warp_id(); r < rows; r += he_grid_dim() * he_num_warps()) {
+    float acc[2][kMaxM];
+#pragma unroll
+    for (int m = 0; m < kMaxM; ++m) { acc[0][m] = 0.f; acc[1][m] = 0.f; }
+    for (int c = lane * 8; c < in; c += kSweep) {
+      he_vec16 w[2];
+      w[0] = he_load16_stream(W + (he_i64)r * in + c);
+      w[1] = (nw == 2) ? he_load16_stream(W2 + (he_i64)r * in + c) : w[0];
+#pragma unroll
+      for (int m = 0; m < kMaxM; ++m) {
+        const float* xr = X + (he_i64)(m < M ? m : M - 1) * in + c;
+        const he_vec16 a = he_load16(xr), b = he_load16(xr + 4);
+        const float xv[8] = {he_u32_as_f32(a.x), he_u32_as_f32(a.y), he_u32_as_f32(a.z), he_u32_as_f32(a.w),
+                             he_u32_as_f32(b.x), he_u32_as_f32(b.y), he_u32_as_f32(b.z), he_u32_as_f32(b.w)};
+        acc[0][m] += he_wdot8<kF16>(w[0], xv);
+        if (nw == 2) acc[1][m] += he_wdot8<kF16>(w[1], xv);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kMaxM; ++m) {
+      const float s0 = he_warp_sum(acc[0][m]);
+      const float s1 = (nw == 2) ? he_warp_sum(acc[1][m]) : 0.f;
+      if (lane == 0 && m < M) {
+        float* dst = Y + (he_i64)m * rows + r;
+        if (mode == 0) *dst = s0 + (bias ? bias[r] : 0.f);
+        else if (mode == 1) *dst += s0;
+        else *dst = he_silu(s0) * s1;
+      }
+    }
+  }
+}
+
+HE_KERNEL(1024) matmul_small_m(const he_u16* __restrict__ W, const he_u16* __restrict__ W2,
+                               const float* __restrict__ X, const float* __restrict__ bias, float* Y, int M, int rows,
+                               int in, int mode, int w_f16) {
+  if (w_f16) he_matmul_small_m_body<true>(W, W2, X, bias, Y, M, rows, in, mode);
+  else he_matmul_small_m_body<false>(W, W2, X, bias, Y, M, rows, in, mode);
+}
+#endif

@@ -1,0 +1,190 @@
+// Token selection on the device: greedy argmax and temperature / top-k / top-p / min-p / repetition-penalty
+// sampling with a counter-based RNG, so the decode loop never ships the 128K-entry logits to the host.
+//
+// Semantics (the numpy oracle in hipengine/gpu/ops.py mirrors them line by line):
+//   1. repetition penalty over the set of tokens in `history` (each token once, however often it occurs):
+//      z = l / rp if l > 0 else l · rp                             (HF RepetitionPenaltyLogitsProcessor)
+//   2. temperature == 0 → argmax of z (first index on ties) and stop.
+//   3. z /= temperature;  m = max z;  weights e_i = exp(z_i − m)
+//   4. top-k: keep z_i ≥ t_k, the largest threshold keeping ≥ k tokens (ties at the boundary all kept)
+//   5. top-p: among kept, keep z_i ≥ t_p, the largest threshold whose kept mass ≥ top_p · (kept mass)
+//   6. min-p: keep e_i ≥ min_p (e is relative to the top token, which is always kept)
+//   7. draw u = Philox4x32-10(key = seed, counter = (step, 0, 0, 0)).x / 2^32 (top 24 bits), and return
+//      the first kept index i (in index order) whose running sum of kept weights exceeds u · Σ kept.
+// Thresholds are found by bisection on the value axis (each probe a block-wide count or sum), which needs
+// no sort and no scratch beyond one fp32 copy of the logits.
+// One block of kSampleThreads threads does everything (one SM; ~128 values per thread for a 128K vocab).
+#ifndef HE_OPS_SAMPLING_HIP
+#define HE_OPS_SAMPLING_HIP
+#include "port.h"
+
+constexpr int kSampleThreads = 1024;
+constexpr int kBisectIters = 32;
+
+// Philox4x32-10 (Salmon et al., SC'11): 10 rounds of multiply-xor on a 128-bit counter with a 64-bit key.
+HE_INLINE void he_philox4x32_10(he_u32 (&c)[4], he_u32 k0, he_u32 k1) {
+  for (int r = 0; r < 10; ++r) {
+    const he_u64 p0 = (he_u64)0xD2511F53u * c[0], p1 = (he_u64)0xCD9E8D57u * c[2];
+    const he_u32 hi0 = (he_u32)(p0 >> 32), lo0 = (he_u32)p0, hi1 = (he_u32)(p1 >> 32), lo1 = (he_u32)p1;
+    c[0] = hi1 ^ c[1] ^ k0;
+    c[1] = lo1;
+    c[2] = hi0 ^ c[3] ^ k1;
+    c[3] = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+}
+
+// Block-wide (count, sum of weights) of kept entries with z ≥ thr.
+HE_INLINE void he_kept_stats(const float* z, int n, float m, float thr, float& count, float& mass, float* scratch) {
+  float c = 0.f, s = 0.f;
+  for (int i = he_thread_idx(); i < n; i += he_block_dim()) {
+    const float v = z[i];
+    if (v >= thr) { c += 1.f; s += he_exp(v - m); }
+  }
+  count = he_block_sum(c, scratch);
+  mass = he_block_sum(s, scratch);
+}
+
+// Shared memory: kMaxWarpsPerBlock floats of scratch + kSampleThreads floats of slice sums + the history
+// bitmap (ceil(n/32) words) as dynamic shared memory.
+HE_INLINE int he_sample_block(const float* __restrict__ logits, int n, const int* __restrict__ history,
+                              int hist_len, float temperature, int top_k, float top_p, float min_p, float rep_pen,
+                              he_u32 seed_lo, he_u32 seed_hi, he_u32 step, float* z, float* scratch,
+                              float* slice_sums, he_u32* bitmap) {
+  const int t = he_thread_idx(), nt = he_block_dim();
+  const int words = (n + 31) / 32;
+  const bool penalize = rep_pen != 1.f && hist_len > 0;
+  if (penalize) {
+    for (int w = t; w < words; w += nt) bitmap[w] = 0u;
+    he_sync_block();
+    for (int j = t; j < hist_len; j += nt) {
+      const int tok = history[j];
+      if (tok >= 0 && tok < n) he_atomic_or_relaxed_block(&bitmap[tok >> 5], 1u << (tok & 31));
+    }
+    he_sync_block();
+  }
+  const float inv_t = temperature > 0.f ? 1.f / temperature : 1.f;
+  float best = he_neg_inf();
+  int best_i = 0x7fffffff;
+  for (int i = t; i < n; i += nt) {
+    float v = logits[i];
+    if (penalize && ((bitmap[i >> 5] >> (i & 31)) & 1u)) v = v > 0.f ? v / rep_pen : v * rep_pen;
+    if (temperature > 0.f) v *= inv_t;
+    z[i] = v;
+    if (v > best) { best = v; best_i = i; }  // strided order: first index wins within a thread
+  }
+  // block argmax (ties → smaller index)
+  he_warp_argmax(best, best_i);
+  __shared__ float am_v[kMaxWarpsPerBlock];
+  __shared__ int am_i[kMaxWarpsPerBlock];
+  if (he_lane_id() == 0) { am_v[he_warp_id()] = best; am_i[he_warp_id()] = best_i; }
+  he_sync_block();
+  float m = am_v[0];
+  int arg = am_i[0];
+  for (int w = 1; w < he_num_warps(); ++w)
+    if (am_v[w] > m || (am_v[w] == m && am_i[w] < arg)) { m = am_v[w]; arg = am_i[w]; }
+  he_sync_block();
+  if (!(temperature > 0.f)) return arg;
+
+  // thresholds on z (all threads compute the same values: the reductions broadcast)
+  float local_min = -he_neg_inf();
+  for (int i = t; i < n; i += nt) local_min = he_fmin(local_min, z[i]);
+  const float zmin = -he_block_max(-local_min, scratch);
+  float thr = zmin;  // the kept set is z ≥ thr; start with everything
+  float count, mass;
+  if (top_k > 0 && top_k < n) {
+    float a = zmin, b = m;  // invariant: count(z ≥ a) ≥ k
+    for (int it = 0; it < kBisectIters; ++it) {
+      const float mid = 0.5f * (a + b);
+      he_kept_stats(z, n, m, mid, count, mass, scratch);
+      if (count >= (float)top_k) a = mid; else b = mid;
+    }
+    thr = a;
+  }
+  if (top_p < 1.f) {
+    he_kept_stats(z, n, m, thr, count, mass, scratch);
+    const float target = top_p * mass;
+    float a = thr, b = m;  // invariant: mass(z ≥ a) ≥ target
+    for (int it = 0; it < kBisectIters; ++it) {
+      const float mid = 0.5f * (a + b);
+      float c2, m2;
+      he_kept_stats(z, n, m, mid, c2, m2, scratch);
+      if (m2 >= target) a = mid; else b = mid;
+    }
+    thr = a;
+  }
+  if (min_p > 0.f) thr = he_fmax(thr, m + he_log2(min_p) / kLog2e);  // e^(z−m) ≥ min_p
+  thr = he_fmin(thr, m);                                               // the top token is always kept
+
+  // inverse CDF in index order: each thread owns a contiguous slice
+  const int per = (n + nt - 1) / nt;
+  const int b0 = t * per, b1 = (b0 + per < n) ? b0 + per : n;
+  float s = 0.f;
+  for (int i = b0; i < b1; ++i) if (z[i] >= thr) s += he_exp(z[i] - m);
+  slice_sums[t] = s;
+  he_sync_block();
+  __shared__ int chosen;
+  __shared__ float prefix_base;
+  if (t == 0) {
+    he_u32 c[4] = {step, 0u, 0u, 0u};
+    he_philox4x32_10(c, seed_lo, seed_hi);
+    const float u = (float)(c[0] >> 8) * (1.f / 16777216.f);
+    float total = 0.f;
+    for (int j = 0; j < nt; ++j) total += slice_sums[j];
+    const float target = u * total;
+    float run = 0.f;
+    int owner = -1;
+    for (int j = 0; j < nt; ++j) {
+      if (slice_sums[j] > 0.f) {
+        if (target < run + slice_sums[j]) { owner = j; break; }
+        owner = j;  // rounding fallback: the last non-empty slice
+      }
+      run += slice_sums[j];
+    }
+    if (owner >= 0 && !(target < run + slice_sums[owner])) run -= slice_sums[owner];
+    chosen = owner;
+    prefix_base = target - run;  // remaining mass to walk inside the owner's slice
+  }
+  he_sync_block();
+  __shared__ int result;
+  if (t == chosen) {
+    float left = prefix_base;
+    int last = -1, pick = -1;
+    for (int i = b0; i < b1; ++i) {
+      if (z[i] >= thr) {
+        last = i;
+        left -= he_exp(z[i] - m);
+        if (left < 0.f) { pick = i; break; }
+      }
+    }
+    result = pick >= 0 ? pick : last;
+  }
+  he_sync_block();
+  return chosen >= 0 ? result : arg;
+}
+
+// Samples one token from logits [n]. history [hist_len] int32: tokens seen so far (prompt + generated),
+// for the repetition penalty. seed (64 bits as two words) and step (position) key the RNG, so the same
+// request replays the same tokens. Writes out_token[0]; z [n] is fp32 scratch (may alias logits).
+HE_KERNEL(1024) sample(const float* logits, int n, const int* __restrict__ history, const int* __restrict__ hist_len_p,
+                       float temperature, int top_k, float top_p, float min_p, float rep_pen, he_u32 seed_lo,
+                       he_u32 seed_hi, const int* __restrict__ step_p, int* __restrict__ out_token, float* z) {
+  extern __shared__ he_u32 he_bitmap[];
+  __shared__ float scratch[kMaxWarpsPerBlock];
+  __shared__ float slice_sums[kSampleThreads];
+  const int tok = he_sample_block(logits, n, history, *hist_len_p, temperature, top_k, top_p, min_p, rep_pen,
+                                  seed_lo, seed_hi, (he_u32)*step_p, z, scratch, slice_sums, he_bitmap);
+  if (he_thread_idx() == 0) out_token[0] = tok;
+}
+
+// End of a decode step, on the device: the sampled token becomes the next step's input and joins the
+// history; the position advances. One thread. Keeps the captured graph's arguments constant.
+HE_KERNEL(32) decode_advance(const int* __restrict__ token, int* __restrict__ history, int* __restrict__ hist_len,
+                             int* __restrict__ pos, int hist_cap) {
+  if (he_thread_idx() != 0) return;
+  const int h = *hist_len;
+  if (h < hist_cap) { history[h] = *token; *hist_len = h + 1; }
+  *pos = *pos + 1;
+}
+#endif
