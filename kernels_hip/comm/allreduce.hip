@@ -6,7 +6,7 @@
 //   flags  [3 kinds][nblocks][kArMaxRanks] u32   kind 0 = one-shot, 1 = reduce-scatter, 2 = all-gather;
 //                                                 flags[k][b][s] = last epoch rank s signalled to us.
 //   os     [2 parity][world][slot_bytes]         one-shot receive slots, one per source rank
-//   rs     [2 parity][world][chunk_bytes]        two-shot reduce-scatter receive slots
+//   rs     [2 parity][world][slot_bytes]         two-shot reduce-scatter receive slots
 //   ag     [2 parity][slot_bytes]                two-shot gathered result
 //
 // Protocol (one round = one epoch; the host increments the epoch per call, separately per algorithm):
@@ -20,6 +20,10 @@
 //     block" t % nblocks, on every rank, in every algorithm, whatever the message size. A virtual block
 //     only touches its own tiles and its own flag row, so the argument above holds per block and blocks
 //     never wait on each other (no grid barrier; the repeated kernel runs K rounds back to back).
+//     Every region is therefore addressed by the tile's position in the whole message, never by its
+//     position inside a chunk: chunk boundaries move with the message size, and a chunk-relative slot
+//     would be written by block b in one round and read by block b' in another (the Python protocol
+//     model found exactly that race in a first version).
 //   * Sums run in rank order 0..world-1 on every rank (one-shot) or on the chunk's owner (two-shot), so
 //     every rank ends with bitwise-identical results.
 //   * Every spin-wait has a wall-clock timeout; on expiry it writes a code to the status word and the
@@ -55,13 +59,12 @@ struct ArPeerTable {
   he_u32 tile_bytes;         // bytes per tile = threads per block x 16
   he_u64 off_flags, off_os, off_rs, off_ag;  // region offsets inside every comm buffer
   he_u64 slot_bytes;         // largest message, bytes (one-shot slot, gather region)
-  he_u64 chunk_bytes;        // largest two-shot chunk, bytes
   he_u64 timeout_ns;         // spin-wait limit
 };
-static_assert(sizeof(ArPeerTable) == 144, "ArPeerTable layout changed: update allreduce.py");
+static_assert(sizeof(ArPeerTable) == 136, "ArPeerTable layout changed: update allreduce.py");
 static_assert(__builtin_offsetof(ArPeerTable, status) == 64, "ArPeerTable.status");
 static_assert(__builtin_offsetof(ArPeerTable, off_flags) == 88, "ArPeerTable.off_flags");
-static_assert(__builtin_offsetof(ArPeerTable, timeout_ns) == 136, "ArPeerTable.timeout_ns");
+static_assert(__builtin_offsetof(ArPeerTable, timeout_ns) == 128, "ArPeerTable.timeout_ns");
 
 // ---- element types: a 16-byte pack is summed in fp32 and rounded once ------------------------------
 struct ArF32 {
@@ -192,22 +195,20 @@ HE_INLINE bool ar_twoshot_block(const void* in, void* out, he_u64 nbytes, const 
     const int owner = (int)(t / chunk_tiles);
     const he_u64 off = t * tile + (he_u64)tid * 16;
     if (owner == rank || off >= nbytes) continue;
-    const he_u64 loc = (t - owner * chunk_tiles) * tile + (he_u64)tid * 16;
-    *(he_vec16*)(ar_base(T, owner) + T->off_rs + (par * world + rank) * T->chunk_bytes + loc) =
+    *(he_vec16*)(ar_base(T, owner) + T->off_rs + (par * world + rank) * T->slot_bytes + off) =
         he_load16((const char*)in + off);
   }
   ar_signal(T, kArKindReduceScatter, vb, epoch);
   if (!ar_wait(T, kArKindReduceScatter, vb, epoch)) return false;
   // 2. sum our chunk in rank order, push the result into every rank's gather region (and our output).
-  const char* rs = ar_base(T, rank) + T->off_rs + par * world * T->chunk_bytes;
+  const char* rs = ar_base(T, rank) + T->off_rs + par * world * T->slot_bytes;
   for (he_u64 t = vb; t < ntiles; t += T->nblocks) {
     if ((int)(t / chunk_tiles) != rank) continue;
     const he_u64 off = t * tile + (he_u64)tid * 16;
     if (off >= nbytes) continue;
-    const he_u64 loc = (t - rank * chunk_tiles) * tile + (he_u64)tid * 16;
     float acc[E::kN] = {};
     for (int s = 0; s < world; ++s)
-      E::add(acc, he_load16(s == rank ? (const char*)in + off : rs + (he_u64)s * T->chunk_bytes + loc));
+      E::add(acc, he_load16(s == rank ? (const char*)in + off : rs + (he_u64)s * T->slot_bytes + off));
     const he_vec16 v = E::pack(acc);
     *(he_vec16*)((char*)out + off) = v;
     for (int p = 0; p < world; ++p)
