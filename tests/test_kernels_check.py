@@ -1,0 +1,75 @@
+"""`hipengine kernels check`: every kernel unit compiles for gfx942 (clang-19) and sm_90 (NVRTC), warnings as
+errors; and the checker itself reports failures, warnings and missing compilers correctly."""
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from hipengine.errors import DeviceError
+from hipengine.gpu import backend_cuda, check
+
+HAVE_CLANG = bool(shutil.which(check.CLANG) and shutil.which(check.READELF))
+REQUIRE_CLANG = bool(os.environ.get("HIPENGINE_REQUIRE_CLANG"))
+HAVE_NVRTC = backend_cuda.nvrtc_available()
+
+
+def _targets():
+    out = []
+    if HAVE_CLANG or REQUIRE_CLANG:  # CI sets HIPENGINE_REQUIRE_CLANG: a missing clang-19 must fail there
+        out.append("gfx942")
+    if HAVE_NVRTC:
+        out.append("sm_90")
+    return out
+
+
+@pytest.mark.skipif(not _targets(), reason="neither clang-19 nor NVRTC installed")
+def test_all_kernel_units_compile(capsys):
+    rc = check.run(SimpleNamespace(arch=_targets(), skip_missing=False, no_cache=False, jobs=2))
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert " FAIL " not in out
+
+
+GOOD = '#include "port.h"\nHE_KERNEL(256) good(float* x) { x[he_thread_idx()] = 1.0f; }\n'
+WARN = '#include "port.h"\nHE_KERNEL(256) warn(float* x) { int unused = 3; x[he_thread_idx()] = 1.0f; }\n'
+BAD = '#include "port.h"\nHE_KERNEL(256) bad(float* x) { x[he_thread_idx()] = no_such_thing; }\n'
+
+
+@pytest.fixture
+def kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
+    files = {}
+    for name, text in (("good", GOOD), ("warn", WARN), ("bad", BAD)):
+        files[name] = tmp_path / f"{name}.hip"
+        files[name].write_text(text)
+    return files
+
+
+@pytest.mark.parametrize("target", ["gfx942", "sm_90"])
+def test_checker_reports_errors_and_warnings(kernels, target):
+    if target == "gfx942" and not HAVE_CLANG:
+        pytest.skip("clang-19 not installed")
+    if target == "sm_90" and not HAVE_NVRTC:
+        pytest.skip("NVRTC not installed")
+    res = {r.file.rsplit("/", 1)[-1]: r for r in check.check_all([target], list(kernels.values()))}
+    assert res["good.hip"].ok, res["good.hip"].message
+    assert res["good.hip"].registers
+    assert not res["warn.hip"].ok and "unused" in res["warn.hip"].message
+    assert not res["bad.hip"].ok and "no_such_thing" in res["bad.hip"].message
+    # Second run: the success is cached, failures are re-reported.
+    again = {r.file.rsplit("/", 1)[-1]: r for r in check.check_all([target], list(kernels.values()))}
+    assert again["good.hip"].cached and not again["bad.hip"].ok
+
+
+def test_missing_clang_is_an_error_unless_skipped(kernels, monkeypatch):
+    monkeypatch.setattr(check, "CLANG", "clang++-does-not-exist")
+    with pytest.raises(DeviceError, match="clang"):
+        check.check_all(["gfx942"], [kernels["good"]])
+    res = check.check_all(["gfx942"], [kernels["good"]], skip_missing=True)
+    assert all(r.skipped and r.ok for r in res)
+
+
+def test_unknown_target():
+    with pytest.raises(DeviceError, match="unknown target"):
+        check.check_all(["gfx1100"], [])
