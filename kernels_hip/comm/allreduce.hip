@@ -61,10 +61,10 @@ struct ArPeerTable {
   he_u64 slot_bytes;         // largest message, bytes (one-shot slot, gather region)
   he_u64 timeout_ns;         // spin-wait limit
 };
+// Every field is naturally aligned and the sizes add up to 136, so there is no padding and the offsets
+// follow from the declaration order (NVRTC has no offsetof); Python asserts the same size and offsets.
+static_assert(sizeof(ArPeerTable) == 8 * kArMaxRanks + 8 + 4 * 4 + 8 * 4 + 8 + 8, "ArPeerTable has padding");
 static_assert(sizeof(ArPeerTable) == 136, "ArPeerTable layout changed: update allreduce.py");
-static_assert(__builtin_offsetof(ArPeerTable, status) == 64, "ArPeerTable.status");
-static_assert(__builtin_offsetof(ArPeerTable, off_flags) == 88, "ArPeerTable.off_flags");
-static_assert(__builtin_offsetof(ArPeerTable, timeout_ns) == 128, "ArPeerTable.timeout_ns");
 
 // ---- element types: a 16-byte pack is summed in fp32 and rounded once ------------------------------
 struct ArF32 {
