@@ -7,8 +7,8 @@
 
 Warnings are errors for both (clang -Wall -Werror, close to what NVRTC warns about by default; any "warning"
 in the NVRTC log fails the unit). Units are kernels_hip/{ops,comm,monokernel}/*.hip; headers are checked
-through the units that include them. Successful results are cached under the compile cache keyed by source+includes, target, options and compiler, so an
-unchanged tree re-checks in well under a second.
+through the units that include them. Successful results are cached under the compile cache, keyed by
+source+includes, target, options and compiler, so an unchanged tree re-checks in well under a second.
 """
 from __future__ import annotations
 

@@ -1,0 +1,80 @@
+// kernels_hip/ops/probe.hip — the machine's ceilings, measured by `hipengine bench probe`.
+//
+//   probe_read      : stream a large buffer once (HBM read bandwidth, the decode roofline's numerator).
+//   probe_copy      : read one buffer, write another (copy bandwidth; also peer reads/writes over NVLink/xGMI).
+//   probe_empty     : does nothing (launch overhead, eager and inside a graph).
+//   probe_pingpong  : one thread per GPU bouncing a counter through peer-mapped flags (one-way latency).
+//
+// The read kernel is a real reduction (a 32-bit wrapping sum of every word), so the compiler cannot drop
+// the loads and the host can check the grid-stride indexing against numpy.
+#include "port.h"
+
+// Vectors loaded per thread per iteration: independent loads in flight hide HBM latency (Little's law);
+// 4 x 16 B per thread with a few blocks per SM/CU saturates HBM3/HBM3e on H200 and MI300X.
+constexpr int kProbeUnroll = 4;
+
+HE_INLINE he_u32 he_vec16_sum(he_vec16 v) { return v.x + v.y + v.z + v.w; }
+
+// sum(words of src[0:n_vec]) mod 2^32, accumulated into *out (which the host zeroes).
+// src: (n_vec,) 16-byte vectors, 16-byte aligned. Launch any grid; 1-D blocks of whole warps.
+HE_KERNEL(1024) probe_read(const he_vec16* src, he_u64 n_vec, he_u32* out) {
+  const he_u64 stride = (he_u64)he_grid_dim() * he_block_dim();
+  he_u64 i = (he_u64)he_block_idx() * he_block_dim() + he_thread_idx();
+  he_u32 acc = 0;
+  // Main loop: kProbeUnroll loads issued before any is consumed.
+  for (; i + (kProbeUnroll - 1) * stride < n_vec; i += kProbeUnroll * stride) {
+    he_vec16 v[kProbeUnroll];
+#pragma unroll
+    for (int u = 0; u < kProbeUnroll; ++u) v[u] = he_load16_stream(src + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kProbeUnroll; ++u) acc += he_vec16_sum(v[u]);
+  }
+  for (; i < n_vec; i += stride) acc += he_vec16_sum(he_load16_stream(src + i));
+  // Warp reduction, then one relaxed atomic per warp: integer addition is associative, so the result is
+  // exact whatever the order (the host compares it bit for bit).
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) acc += (he_u32)he_shfl_xor_int((int)acc, o);
+  if (he_lane_id() == 0) he_fetch_add_relaxed_device(out, acc);
+}
+
+// dst[0:n_vec] = src[0:n_vec]. src and dst may be on different GPUs (peer access enabled).
+HE_KERNEL(1024) probe_copy(const he_vec16* src, he_vec16* dst, he_u64 n_vec) {
+  const he_u64 stride = (he_u64)he_grid_dim() * he_block_dim();
+  he_u64 i = (he_u64)he_block_idx() * he_block_dim() + he_thread_idx();
+  for (; i + (kProbeUnroll - 1) * stride < n_vec; i += kProbeUnroll * stride) {
+    he_vec16 v[kProbeUnroll];
+#pragma unroll
+    for (int u = 0; u < kProbeUnroll; ++u) v[u] = he_load16_stream(src + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kProbeUnroll; ++u) dst[i + u * stride] = v[u];
+  }
+  for (; i < n_vec; i += stride) dst[i] = he_load16_stream(src + i);
+}
+
+HE_KERNEL(1024) probe_empty() {}
+
+// Ping-pong between two GPUs, one thread each. `local` lives on this GPU (polled here), `remote` on the other
+// GPU (written from here through peer mapping). Round r: the initiator publishes r into the responder's flag
+// and waits to see r in its own; the responder waits for r and answers r. One round = two one-way trips.
+// Release/acquire at system scope: the flag value is the only payload, but the same pattern publishes data.
+// result[0] = elapsed ns on the initiator (he_clock_ns), result[1] = rounds completed (< rounds on timeout).
+HE_KERNEL(64) probe_pingpong(he_u32* local, he_u32* remote, int rounds, int initiator, he_u64 timeout_ns,
+                             he_u64* result) {
+  if (he_block_idx() != 0 || he_thread_idx() != 0) return;
+  const he_u64 start = he_clock_ns();
+  int done = 0;
+  for (int r = 1; r <= rounds; ++r) {
+    if (initiator) he_store_release_system(remote, (he_u32)r);
+    bool timed_out = false;
+    // Relaxed polling keeps the loop cheap; the acquire load after it orders what follows.
+    while (he_load_relaxed_system(local) != (he_u32)r) {
+      if (he_clock_ns() - start > timeout_ns) { timed_out = true; break; }
+    }
+    if (timed_out) break;
+    (void)he_load_acquire_system(local);
+    if (!initiator) he_store_release_system(remote, (he_u32)r);
+    done = r;
+  }
+  result[0] = he_clock_ns() - start;
+  result[1] = (he_u64)done;
+}
