@@ -60,3 +60,20 @@ def test_cuda_backend_absent_is_quiet():
     # On this CPU machine there is no libcuda: available() must say False, never raise.
     assert backend_cuda.available() in (True, False)
     assert backend_cuda.device_count() >= 0
+
+
+def test_probe_without_gpu_is_a_clear_error(monkeypatch):
+    from hipengine.bench import probe
+    from hipengine.gpu import runtime
+
+    monkeypatch.setattr(runtime, "device_count", lambda: 0)
+    monkeypatch.setattr(runtime, "backend_name", lambda: None)
+    with pytest.raises(DeviceError, match="no GPU"):
+        probe.probe(log=lambda *_: None)
+
+
+def test_bench_git_commit():
+    from hipengine.bench import git_commit
+
+    c = git_commit()
+    assert c == "unknown" or len(c) == 40

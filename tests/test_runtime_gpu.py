@@ -153,3 +153,25 @@ def test_peer_copy():
     dst = r1.malloc(a.nbytes)
     r0.copy_dtod(dst, src, a.nbytes)
     np.testing.assert_array_equal(r1.download(dst, a.shape, a.dtype), a)
+
+
+def test_probe_ceilings(rt):
+    from hipengine.bench import probe
+
+    read = probe.hbm_read(rt, nbytes=1 << 30, reps=3)  # checks its own checksum
+    assert read["bytes_per_s"] > 100e9
+    copy = probe.copy_bandwidth(rt, nbytes=256 << 20, grid=read["grid"], reps=3)
+    assert copy["bytes_per_s"] > 50e9
+    launch = probe.launch_overhead(rt, launches=50, reps=3)
+    assert 0 < launch["graph_us"] < 100 and launch["eager_us"] > 0
+
+
+@pytest.mark.multigpu
+def test_probe_peer_pair():
+    from hipengine.bench import probe
+    from hipengine.gpu.runtime import get_runtime
+
+    p = probe.peer_pair(get_runtime(0), get_runtime(1), nbytes=64 << 20, rounds=200, reps=2)
+    if "error" in p:
+        pytest.skip(p["error"])
+    assert p["copy_kernel_bytes_per_s"] > 1e9 and 0 < p["one_way_latency_us"] < 100
