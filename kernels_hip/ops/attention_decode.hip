@@ -17,7 +17,7 @@
 //      across lane groups (shuffles) and warps (shared memory, fixed order).
 // Splits that start past the sequence end write l = 0 and are skipped by the combine, so the grid can be
 // sized once for max_ctx (graph capture / monokernel) while *pos grows.
-// Requirements: hd % 8 == 0, hd/8 a power of two ≤ kWarpSize, G ≤ kAttnMaxGroup; dynamic shared memory
+// Requirements: hd % 8 == 0, hd ≤ 8·kWarpSize, G ≤ kAttnMaxGroup; dynamic shared memory
 // = (2·G·hd + G·chunk) · 4 bytes.
 #ifndef HE_OPS_ATTENTION_DECODE_HIP
 #define HE_OPS_ATTENTION_DECODE_HIP
@@ -42,9 +42,13 @@ HE_INLINE void he_attention_split_block(const float* __restrict__ q, const he_bf
   const int t = he_thread_idx(), nt = he_block_dim();
   const int start = split * chunk;
   const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
-  const int lpr = hd / 8;                 // lanes per K/V row
+  // Lanes per K/V row: hd/8 rounded up to a power of two so xor shuffles stay inside the lane group;
+  // lanes past the row's end (hd = 24 → 3 of 4 lanes busy) contribute zeros.
+  int lpr = 1;
+  while (lpr * 8 < hd) lpr *= 2;
   const int rpw = kWarpSize / lpr;        // rows per warp per sweep
   const int lane = he_lane_id(), sub = lane % lpr, rw = lane / lpr;
+  const bool dim_ok = sub * 8 < hd;
   const int rows_per_sweep = he_num_warps() * rpw;
   const float qscale = he_rsqrt((float)hd) * kLog2e;
 
@@ -67,9 +71,10 @@ HE_INLINE void he_attention_split_block(const float* __restrict__ q, const he_bf
   for (int p0 = 0; p0 < n; p0 += rows_per_sweep) {
     const int p = p0 + he_warp_id() * rpw + rw;
     const bool valid = p < n;
-    const he_vec16 kv = he_load16_stream(kbase + (he_i64)(valid ? p : 0) * hd + sub * 8);
+    he_vec16 kv = {0u, 0u, 0u, 0u};
+    if (dim_ok) kv = he_load16_stream(kbase + (he_i64)(valid ? p : 0) * hd + sub * 8);
     for (int g = 0; g < G; ++g) {
-      float s = he_dot8_bf16(kv, qs + g * hd + sub * 8);
+      float s = dim_ok ? he_dot8_bf16(kv, qs + g * hd + sub * 8) : 0.f;
       for (int o = lpr / 2; o > 0; o >>= 1) s += he_shfl_xor(s, o);  // stays inside the lane group
       if (valid && sub == 0) sc[g * chunk + p] = s;
     }
@@ -102,7 +107,7 @@ HE_INLINE void he_attention_split_block(const float* __restrict__ q, const he_bf
   const he_bf16* vbase = v_cache + ((he_i64)kvh * max_ctx + start) * hd;
   for (int p0 = 0; p0 < n; p0 += rows_per_sweep) {
     const int p = p0 + he_warp_id() * rpw + rw;
-    if (p < n) {
+    if (p < n && dim_ok) {
       const he_vec16 v = he_load16_stream(vbase + (he_i64)p * hd + sub * 8);
       const float vf[8] = {he_bf16lo_to_f32(v.x), he_bf16hi_to_f32(v.x), he_bf16lo_to_f32(v.y),
                            he_bf16hi_to_f32(v.y), he_bf16lo_to_f32(v.z), he_bf16hi_to_f32(v.z),
@@ -128,7 +133,7 @@ HE_INLINE void he_attention_split_block(const float* __restrict__ q, const he_bf
   }
   // ...then across warps in a fixed order (deterministic sums).
   for (int w = 0; w < he_num_warps(); ++w) {
-    if (he_warp_id() == w && rw == 0) {
+    if (he_warp_id() == w && rw == 0 && dim_ok) {
 #pragma unroll
       for (int g = 0; g < kAttnMaxGroup; ++g)
         if (g < G)

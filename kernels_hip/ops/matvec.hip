@@ -5,8 +5,7 @@
 //   matvec_gate_up  y = silu(Wg·x) * (Wu·x)                the MLP's first half
 //   matvec_qkv      [q|k|v] = Wqkv·x + b, RoPE on q and k,  attention's input; k/v appended to the cache
 //                   k/v appended to the KV cache
-// and matmul_small_m, the prefill form: Y[M, rows] = X[M, in] · Wᵀ for M ≤ 8 tokens, which reads each
-// weight once per chunk of prompt tokens.
+// (prefill.hip holds the multi-token form, built on he_wdot8.)
 //
 // Why this shape. At batch 1 the step is bound by HBM: every weight byte is read once and used once. Each
 // lane issues 16-byte loads (8 weights), a warp sweeps kWarpSize·8 consecutive weights of a row per load,
@@ -184,58 +183,4 @@ HE_KERNEL(1024) matvec_qkv(const he_u16* __restrict__ W, const float* x, const f
                               kv_dim, hd, in, rope, he_xs, scratch);
 }
 
-// ---- prefill: Y[M, rows] (op)= X[M, in] · Wᵀ, M ≤ kMaxM ---------------------------------------------------
-// Each weight row is loaded once and multiplied with all M token vectors, so a chunk of M prompt tokens
-// costs one pass over the weights (the decode path would cost M). X is read through L1/L2 (M·in·4 bytes,
-// far smaller than W). Rows of X past M are clamped to row M-1 and their results dropped, so one
-// instantiation serves every M ≤ kMaxM.
-// mode: 0  Y = XWᵀ (+ bias)           1  Y += XWᵀ (residual add, in place)
-//       2  Y = silu(X Wgᵀ) * (X Wuᵀ)  (W2 = Wu)
-constexpr int kMaxM = 8;
-
-template <bool kF16>
-HE_INLINE void he_matmul_small_m_body(const he_u16* __restrict__ W, const he_u16* __restrict__ W2,
-                                      const float* __restrict__ X, const float* __restrict__ bias, float* Y,
-                                      int M, int rows, int in, int mode) {
-  constexpr int kSweep = kWarpSize * 8;
-  const int lane = he_lane_id();
-  const int nw = (mode == 2) ? 2 : 1;
-  for (int r = he_block_idx() * he_num_warps() + he_warp_id(); r < rows; r += he_grid_dim() * he_num_warps()) {
-    float acc[2][kMaxM];
-#pragma unroll
-    for (int m = 0; m < kMaxM; ++m) { acc[0][m] = 0.f; acc[1][m] = 0.f; }
-    for (int c = lane * 8; c < in; c += kSweep) {
-      he_vec16 w[2];
-      w[0] = he_load16_stream(W + (he_i64)r * in + c);
-      w[1] = (nw == 2) ? he_load16_stream(W2 + (he_i64)r * in + c) : w[0];
-#pragma unroll
-      for (int m = 0; m < kMaxM; ++m) {
-        const float* xr = X + (he_i64)(m < M ? m : M - 1) * in + c;
-        const he_vec16 a = he_load16(xr), b = he_load16(xr + 4);
-        const float xv[8] = {he_u32_as_f32(a.x), he_u32_as_f32(a.y), he_u32_as_f32(a.z), he_u32_as_f32(a.w),
-                             he_u32_as_f32(b.x), he_u32_as_f32(b.y), he_u32_as_f32(b.z), he_u32_as_f32(b.w)};
-        acc[0][m] += he_wdot8<kF16>(w[0], xv);
-        if (nw == 2) acc[1][m] += he_wdot8<kF16>(w[1], xv);
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < kMaxM; ++m) {
-      const float s0 = he_warp_sum(acc[0][m]);
-      const float s1 = (nw == 2) ? he_warp_sum(acc[1][m]) : 0.f;
-      if (lane == 0 && m < M) {
-        float* dst = Y + (he_i64)m * rows + r;
-        if (mode == 0) *dst = s0 + (bias ? bias[r] : 0.f);
-        else if (mode == 1) *dst += s0;
-        else *dst = he_silu(s0) * s1;
-      }
-    }
-  }
-}
-
-HE_KERNEL(1024) matmul_small_m(const he_u16* __restrict__ W, const he_u16* __restrict__ W2,
-                               const float* __restrict__ X, const float* __restrict__ bias, float* Y, int M, int rows,
-                               int in, int mode, int w_f16) {
-  if (w_f16) he_matmul_small_m_body<true>(W, W2, X, bias, Y, M, rows, in, mode);
-  else he_matmul_small_m_body<false>(W, W2, X, bias, Y, M, rows, in, mode);
-}
 #endif

@@ -19,13 +19,14 @@
 #include "port.h"
 
 constexpr int kSampleThreads = 1024;
-constexpr int kBisectIters = 32;
+constexpr int kBisectIters = 32;   // halvings of the value range: below fp32 resolution of the logits
+constexpr int kWordBits = 32;      // bits per bitmap word (not a warp width)
 
 // Philox4x32-10 (Salmon et al., SC'11): 10 rounds of multiply-xor on a 128-bit counter with a 64-bit key.
 HE_INLINE void he_philox4x32_10(he_u32 (&c)[4], he_u32 k0, he_u32 k1) {
   for (int r = 0; r < 10; ++r) {
     const he_u64 p0 = (he_u64)0xD2511F53u * c[0], p1 = (he_u64)0xCD9E8D57u * c[2];
-    const he_u32 hi0 = (he_u32)(p0 >> 32), lo0 = (he_u32)p0, hi1 = (he_u32)(p1 >> 32), lo1 = (he_u32)p1;
+    const he_u32 hi0 = (he_u32)(p0 >> kWordBits), lo0 = (he_u32)p0, hi1 = (he_u32)(p1 >> kWordBits), lo1 = (he_u32)p1;
     c[0] = hi1 ^ c[1] ^ k0;
     c[1] = lo1;
     c[2] = hi0 ^ c[3] ^ k1;
@@ -53,14 +54,14 @@ HE_INLINE int he_sample_block(const float* __restrict__ logits, int n, const int
                               he_u32 seed_lo, he_u32 seed_hi, he_u32 step, float* z, float* scratch,
                               float* slice_sums, he_u32* bitmap) {
   const int t = he_thread_idx(), nt = he_block_dim();
-  const int words = (n + 31) / 32;
+  const int words = (n + kWordBits - 1) / kWordBits;
   const bool penalize = rep_pen != 1.f && hist_len > 0;
   if (penalize) {
     for (int w = t; w < words; w += nt) bitmap[w] = 0u;
     he_sync_block();
     for (int j = t; j < hist_len; j += nt) {
       const int tok = history[j];
-      if (tok >= 0 && tok < n) he_atomic_or_relaxed_block(&bitmap[tok >> 5], 1u << (tok & 31));
+      if (tok >= 0 && tok < n) he_atomic_or_relaxed_block(&bitmap[tok / kWordBits], 1u << (tok % kWordBits));
     }
     he_sync_block();
   }
@@ -69,7 +70,7 @@ HE_INLINE int he_sample_block(const float* __restrict__ logits, int n, const int
   int best_i = 0x7fffffff;
   for (int i = t; i < n; i += nt) {
     float v = logits[i];
-    if (penalize && ((bitmap[i >> 5] >> (i & 31)) & 1u)) v = v > 0.f ? v / rep_pen : v * rep_pen;
+    if (penalize && ((bitmap[i / kWordBits] >> (i % kWordBits)) & 1u)) v = v > 0.f ? v / rep_pen : v * rep_pen;
     if (temperature > 0.f) v *= inv_t;
     z[i] = v;
     if (v > best) { best = v; best_i = i; }  // strided order: first index wins within a thread
@@ -180,7 +181,7 @@ HE_KERNEL(1024) sample(const float* logits, int n, const int* __restrict__ histo
 
 // End of a decode step, on the device: the sampled token becomes the next step's input and joins the
 // history; the position advances. One thread. Keeps the captured graph's arguments constant.
-HE_KERNEL(32) decode_advance(const int* __restrict__ token, int* __restrict__ history, int* __restrict__ hist_len,
+HE_KERNEL(kMaxBlockThreads) decode_advance(const int* __restrict__ token, int* __restrict__ history, int* __restrict__ hist_len,
                              int* __restrict__ pos, int hist_cap) {
   if (he_thread_idx() != 0) return;
   const int h = *hist_len;

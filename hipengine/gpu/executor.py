@@ -1,0 +1,318 @@
+"""GpuBackend: the per-op GPU executor (one kernel launch per op, decode captured into a graph).
+
+Device state
+  weights   per layer: wqkv [q+2kv, d] (wq|wk|wv stacked, so one launch fuses QKV + bias + RoPE + KV append),
+            wo, w_gate, w_up, w_down in bf16 (fp16 when the loader hands fp16 arrays); norms and biases fp32.
+  kv cache  bf16 [layers][kv_heads][max_context][head_dim] (K and V separate), see attention_decode.hip.
+  state     pos (int32, the position the next token is written at), token, history (prompt + generated
+            ids, for the repetition penalty), all in device memory so the captured decode graph has
+            constant arguments.
+Decode (one step): embedding -> per layer [matvec_qkv (norm prologue, RoPE, append) -> attention split +
+combine -> O-proj + residual -> gate/up (norm prologue, SiLU·mul) -> down + residual] -> LM head (final
+norm prologue). Prefill runs chunks of up to 8 tokens through the small-M matmul so each weight is read
+once per chunk. Sampling runs on the device (sampling.hip); the host reads back one int per token.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..backend import Backend, SamplingParams
+from ..errors import DeviceError, RequestError, UnsupportedError
+from . import ops as O
+from .runtime import get_runtime
+
+
+class GpuBackend(Backend):
+    def __init__(self, loaded, max_context: int | None = None, tp: int = 1, monokernel: bool = True,
+                 allreduce: str = "custom", device: int = 0):
+        if tp != 1:
+            raise UnsupportedError(f"tensor parallelism (tp={tp}) is not implemented in the GPU executor yet; "
+                                   "use tp=1")
+        # monokernel=True is accepted and ignored: the per-op path is the only GPU path so far.
+        self.monokernel, self.allreduce = monokernel, allreduce
+        cfg = self.config = loaded.config
+        self.max_context = int(max_context or min(cfg.max_position_embeddings, 4096))
+        if self.max_context <= 0:
+            raise RequestError(f"max_context must be positive, got {self.max_context}")
+        if cfg.head_dim % 8 or cfg.hidden_size % 8 or cfg.intermediate_size % 8:
+            raise UnsupportedError("GPU executor needs hidden, intermediate and head_dim divisible by 8")
+        if cfg.num_heads // cfg.num_kv_heads > O.ATTN_MAX_GROUP:
+            raise UnsupportedError(f"GPU attention supports up to {O.ATTN_MAX_GROUP} query heads per KV head")
+        if cfg.sliding_window is not None and cfg.sliding_window < self.max_context:
+            raise UnsupportedError("sliding-window attention is not implemented on the GPU; use "
+                                   f"--max-context {cfg.sliding_window} or the CPU backend")
+        self.rt = rt = get_runtime(device)
+        self.ops = O.Ops(rt)
+        self._check_fits(loaded)
+        self.stream = rt.stream()
+        self._bufs = []
+        self._upload_weights(loaded.weights)
+        self._alloc_state()
+        self._graph = None
+        self.pos = 0
+
+    # ---- setup ----------------------------------------------------------------------------------------------
+    def _check_fits(self, loaded) -> None:
+        cfg = self.config
+        w_bytes = cfg.decode_bytes_per_token(2.0) + cfg.vocab_size * cfg.hidden_size * 2  # + embedding table
+        kv_bytes = 2 * cfg.num_layers * cfg.kv_dim * self.max_context * 2
+        need = w_bytes + kv_bytes + 64 * 2**20
+        free, total = self.rt.mem_info()
+        if need > free:
+            raise DeviceError(f"model needs {need / 2**30:.2f} GiB on GPU {self.rt.device_index} "
+                              f"({w_bytes / 2**30:.2f} weights + {kv_bytes / 2**30:.2f} KV cache at "
+                              f"max_context {self.max_context}) but only {free / 2**30:.2f} GiB is free; "
+                              "lower --max-context or use a larger GPU / tp")
+
+    def _buf(self, nbytes: int):
+        b = self.rt.malloc(max(int(nbytes), 4))
+        self._bufs.append(b)
+        return b
+
+    def _up(self, arr: np.ndarray):
+        arr = np.ascontiguousarray(arr)
+        b = self._buf(arr.nbytes)
+        self.rt.copy_htod(b, arr)
+        return b
+
+    def _up_w(self, arrays: list[np.ndarray]):
+        """Upload one or more weights stacked along rows as bf16/fp16 bits; returns (buffer, is_f16)."""
+        f16 = all(a.dtype == np.float16 for a in arrays)
+        parts = [(np.ascontiguousarray(a).view(np.uint16) if f16 else O.to_bf16(a)) for a in arrays]
+        bits = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        return self._up(bits), f16
+
+    def _upload_weights(self, weights) -> None:
+        cfg = self.config
+        f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            L = {}
+            # one tensor at a time: the lazy preset weights are generated, converted and dropped in turn
+            L["wqkv"], L["f16"] = self._up_w([weights[p + "wq"], weights[p + "wk"], weights[p + "wv"]])
+            L["wo"], _ = self._up_w([weights[p + "wo"]])
+            L["w_gate"], _ = self._up_w([weights[p + "w_gate"]])
+            L["w_up"], _ = self._up_w([weights[p + "w_up"]])
+            L["w_down"], _ = self._up_w([weights[p + "w_down"]])
+            L["attn_norm"] = self._up(f32(weights[p + "attn_norm"]))
+            L["ffn_norm"] = self._up(f32(weights[p + "ffn_norm"]))
+            L["bqkv"] = (self._up(np.concatenate([f32(weights[p + n]) for n in ("bq", "bk", "bv")]))
+                         if cfg.attention_bias else None)
+            if cfg.qk_norm:
+                L["q_norm"], L["k_norm"] = self._up(f32(weights[p + "q_norm"])), self._up(f32(weights[p + "k_norm"]))
+            self.layers.append(L)
+        embed = weights["embed"]
+        self.embed, self.embed_f16 = self._up_w([embed])
+        if cfg.tie_word_embeddings:
+            self.lm_head, self.head_f16 = self.embed, self.embed_f16
+        else:
+            self.lm_head, self.head_f16 = self._up_w([weights["lm_head"]])
+        self.final_norm = self._up(f32(weights["final_norm"]))
+        cos, sin = O.rope_tables(cfg.rope_inv_freq(), self.max_context)
+        self.cos, self.sin = self._up(cos), self._up(sin)
+
+    def _alloc_state(self) -> None:
+        cfg, C = self.config, self.max_context
+        d, qd, kvd, hd = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim
+        M = O.MAX_M
+        per_layer = cfg.num_kv_heads * C * hd * 2
+        self.k_cache = self._buf(cfg.num_layers * per_layer)
+        self.v_cache = self._buf(cfg.num_layers * per_layer)
+        self.kv_layer_bytes = per_layer
+        self.nsplit, self.chunk = O.attention_plan(C, cfg.num_kv_heads, self.rt.num_sms)
+        f4 = 4
+        self.x = self._buf(M * d * f4)  # residual stream [M, d]
+        self.xn = self._buf(M * max(d, cfg.intermediate_size) * f4)  # normed input / MLP hidden [M, *]
+        self.qkv = self._buf(M * (qd + 2 * kvd) * f4)
+        self.q = self._buf(M * qd * f4)
+        self.att = self._buf(M * qd * f4)
+        self.h = self._buf(M * cfg.intermediate_size * f4)
+        self.partial = self._buf(O.Ops.partial_floats(M, cfg.num_heads, hd, self.nsplit) * f4)
+        self.logits = self._buf(M * cfg.vocab_size * f4)
+        self.z = self._buf(cfg.vocab_size * f4)
+        self.pos_buf = self._buf(4)
+        self.tokens = self._buf(M * 4)
+        self.history = self._buf(C * 4)
+        self.hist_len = self._buf(4)
+
+    # ---- one decode step (also what the graph captures) -------------------------------------------------
+    def _kc(self, i):
+        return self.k_cache.ptr + i * self.kv_layer_bytes
+
+    def _vc(self, i):
+        return self.v_cache.ptr + i * self.kv_layer_bytes
+
+    def _decode_launches(self, s) -> None:
+        cfg, ops = self.config, self.ops
+        d, qd, kvd, hd, F = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.intermediate_size
+        eps = cfg.rms_norm_eps
+        ops.embedding(self.embed, self.tokens, 1, cfg.vocab_size, d, self.x, self.embed_f16, stream=s)
+        for i, L in enumerate(self.layers):
+            f16 = L["f16"]
+            if cfg.qk_norm:
+                ops.matvec_qkv(L["wqkv"], self.x, self.qkv, self._kc(i), self._vc(i), self.cos, self.sin,
+                               self.pos_buf, max_ctx=self.max_context, q_dim=qd, kv_dim=kvd, hd=hd, inn=d,
+                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=False, f16=f16, stream=s)
+                ops.qk_norm_rope(self.qkv, self.q, self._kc(i), self._vc(i), self.cos, self.sin, self.pos_buf,
+                                 T=1, nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
+                                 q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps, stream=s)
+            else:
+                ops.matvec_qkv(L["wqkv"], self.x, self.q, self._kc(i), self._vc(i), self.cos, self.sin,
+                               self.pos_buf, max_ctx=self.max_context, q_dim=qd, kv_dim=kvd, hd=hd, inn=d,
+                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=True, f16=f16, stream=s)
+            ops.attention(self.q, self._kc(i), self._vc(i), self.partial, self.att, self.pos_buf, T=1,
+                          nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
+                          nsplit=self.nsplit, chunk=self.chunk, stream=s)
+            ops.matvec(L["wo"], self.att, self.x, d, qd, residual=self.x, f16=f16, stream=s)
+            ops.matvec_gate_up(L["w_gate"], L["w_up"], self.x, self.h, F, d, gamma=L["ffn_norm"], eps=eps,
+                               f16=f16, stream=s)
+            ops.matvec(L["w_down"], self.h, self.x, d, F, residual=self.x, f16=f16, stream=s)
+        ops.matvec(self.lm_head, self.x, self.logits, cfg.vocab_size, d, gamma=self.final_norm, eps=eps,
+                   f16=self.head_f16, stream=s)
+
+    def _decode_graph(self):
+        if self._graph is None and os.environ.get("HIPENGINE_NO_GRAPH") != "1":
+            self._decode_launches(self.stream)  # compile + warm every kernel outside the capture
+            self.stream.synchronize()
+            self.rt.begin_capture(self.stream)
+            try:
+                self._decode_launches(self.stream)
+            finally:
+                self._graph = self.rt.end_capture(self.stream)
+        return self._graph
+
+    def _run_decode(self) -> None:
+        g = self._decode_graph()
+        if g is None:
+            self._decode_launches(self.stream)
+        else:
+            g.launch(self.stream)
+
+    def _set_int(self, buf, value: int) -> None:
+        self.rt.copy_htod(buf, np.array([value], np.int32), stream=self.stream)
+
+    # ---- Backend API ----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.pos = 0
+
+    def decode(self, token_id: int) -> np.ndarray:
+        if self.pos >= self.max_context:
+            raise RequestError(f"context of {self.max_context} tokens is full")
+        self._set_int(self.tokens, int(token_id))
+        self._set_int(self.pos_buf, self.pos)
+        self._run_decode()
+        self.pos += 1
+        return self._read_logits(1)[0]
+
+    def _read_logits(self, rows: int) -> np.ndarray:
+        self.stream.synchronize()
+        return self.rt.download(self.logits, (rows, self.config.vocab_size), np.float32)
+
+    def prefill(self, token_ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
+        ids = np.asarray(token_ids, np.int64).reshape(-1)
+        if ids.size == 0:
+            raise RequestError("empty prompt")
+        if self.pos + ids.size > self.max_context:
+            raise RequestError(f"prompt of {ids.size} tokens at position {self.pos} exceeds the context of "
+                               f"{self.max_context} tokens")
+        out = []
+        for c0 in range(0, ids.size, O.MAX_M):
+            chunk = ids[c0:c0 + O.MAX_M]
+            last = c0 + O.MAX_M >= ids.size
+            self._prefill_chunk(chunk, logits=all_logits or last)
+            if all_logits or last:
+                lg = self._read_logits(chunk.size)
+                out.append(lg if all_logits else lg[-1:])
+        res = np.concatenate(out, axis=0)
+        return res if all_logits else res[-1]
+
+    def _prefill_chunk(self, ids: np.ndarray, logits: bool) -> None:
+        cfg, ops, s = self.config, self.ops, self.stream
+        d, qd, kvd, hd, F = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.intermediate_size
+        eps, M = cfg.rms_norm_eps, int(ids.size)
+        self.rt.copy_htod(self.tokens, ids.astype(np.int32), stream=s)
+        self._set_int(self.pos_buf, self.pos)
+        ops.embedding(self.embed, self.tokens, M, cfg.vocab_size, d, self.x, self.embed_f16, stream=s)
+        for i, L in enumerate(self.layers):
+            f16 = L["f16"]
+            ops.rmsnorm(self.x, L["attn_norm"], eps, d, self.xn, rows=M, stream=s)
+            ops.matmul_small_m(L["wqkv"], self.xn, self.qkv, M, qd + 2 * kvd, d, mode=0, bias=L["bqkv"], f16=f16,
+                               stream=s)
+            ops.qk_norm_rope(self.qkv, self.q, self._kc(i), self._vc(i), self.cos, self.sin, self.pos_buf, T=M,
+                             nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
+                             q_norm=L.get("q_norm"), k_norm=L.get("k_norm"), eps=eps, stream=s)
+            ops.attention(self.q, self._kc(i), self._vc(i), self.partial, self.att, self.pos_buf, T=M,
+                          nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
+                          nsplit=self.nsplit, chunk=self.chunk, stream=s)
+            ops.matmul_small_m(L["wo"], self.att, self.x, M, d, qd, mode=1, f16=f16, stream=s)
+            ops.rmsnorm(self.x, L["ffn_norm"], eps, d, self.xn, rows=M, stream=s)
+            ops.matmul_small_m(L["w_gate"], self.xn, self.h, M, F, d, mode=2, W2=L["w_up"], f16=f16, stream=s)
+            ops.matmul_small_m(L["w_down"], self.h, self.x, M, d, F, mode=1, f16=f16, stream=s)
+        if logits:
+            ops.rmsnorm(self.x, self.final_norm, eps, d, self.xn, rows=M, stream=s)
+            ops.matmul_small_m(self.lm_head, self.xn, self.logits, M, cfg.vocab_size, d, mode=0, f16=self.head_f16,
+                               stream=s)
+        self.pos += M
+
+    def generate_ids(self, prompt_ids, params: SamplingParams,
+                     should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
+        """Like sampling.host_generate, but the token is chosen on the device (sampling.hip); the host reads
+        back one int32 per step. The RNG is Philox keyed by (seed, position), so a seeded request replays."""
+        prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise RequestError("empty prompt")
+        if prompt.size > self.max_context:
+            raise RequestError(f"prompt is {prompt.size} tokens, longer than the context of {self.max_context} tokens")
+        eos = set() if params.ignore_eos else {int(e) for e in self.config.eos_token_ids}
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        if should_stop():
+            return
+        self.reset()
+        self.prefill(prompt)
+        # the last prompt row's logits are row (size-1) % 8 of the chunk buffer: move them to row 0
+        last_row = (prompt.size - 1) % O.MAX_M
+        if last_row:
+            self.rt.copy_dtod(self.logits, self.logits.ptr + last_row * self.config.vocab_size * 4,
+                              self.config.vocab_size * 4, stream=self.stream)
+        s = self.stream
+        self.rt.copy_htod(self.history, prompt.astype(np.int32), stream=s)
+        self._set_int(self.hist_len, int(prompt.size))
+        self._set_int(self.pos_buf, self.pos)
+        tok_host = np.zeros(1, np.int32)
+        for n in range(params.max_tokens):
+            # step counter for the RNG = the position the sampled token will occupy (pos_buf)
+            self.ops.sample(self.logits, self.config.vocab_size, self.history, self.hist_len, self.pos_buf,
+                            self.tokens, self.z, temperature=params.temperature, top_k=params.top_k,
+                            top_p=params.top_p, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
+                            seed=seed, stream=s)
+            s.synchronize()
+            self.rt.copy_dtoh(tok_host, self.tokens)
+            tok = int(tok_host[0])
+            yield tok
+            if tok in eos or n + 1 >= params.max_tokens or self.pos >= self.max_context or should_stop():
+                return
+            self._run_decode()  # token and position are already on the device
+            self.ops.decode_advance(self.tokens, self.history, self.hist_len, self.pos_buf, self.max_context,
+                                    stream=s)
+            self.pos += 1
+
+    def close(self) -> None:
+        if getattr(self, "_graph", None) is not None:
+            try:
+                self._graph.destroy()
+            except Exception:
+                pass
+            self._graph = None
+        for b in getattr(self, "_bufs", []):
+            try:
+                b.free()
+            except Exception:
+                pass
+        self._bufs = []
+
+    def __del__(self):
+        self.close()

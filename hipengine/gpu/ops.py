@@ -1,0 +1,269 @@
+"""Launch wrappers for the per-op kernels (kernels_hip/ops/*.hip) and their float64 numpy oracles.
+
+One method per standalone kernel; tests, benchmarks and the per-op executor all launch through here, so a
+kernel's launch geometry, shared-memory size and preconditions are defined once. ``ref_*`` functions are the
+oracles (float64, same semantics as the kernel comments) used by tests/test_ops_gpu.py.
+
+Pointer arguments take a DeviceBuffer, a raw device address (int) or None (a null pointer: "no bias",
+"no norm", "no residual"). bf16 helpers convert with round-to-nearest-even, exactly as port.h does.
+"""
+from __future__ import annotations
+
+import math
+from ctypes import c_float, c_int32, c_uint32, c_void_p
+
+import numpy as np
+
+from ..errors import DeviceError, UnsupportedError
+from .runtime import DeviceBuffer, HostBuffer
+
+MATVEC_THREADS = 256  # 8 warps (NVIDIA) / 4 waves (AMD) per block
+ATTN_THREADS = 256
+SAMPLE_THREADS = 1024  # must equal kSampleThreads in sampling.hip
+MAX_M = 8  # kMaxM in prefill.hip
+ATTN_MAX_GROUP = 8  # kAttnMaxGroup in attention_decode.hip
+
+
+# ---- host-side dtype helpers --------------------------------------------------------------------------------
+def to_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), round to nearest even; NaN stays NaN (port.h's he_f32_to_bf16)."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    if nan.any():
+        r[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return r
+
+
+def from_bf16(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def weight_bits(a: np.ndarray) -> tuple[np.ndarray, bool]:
+    """(uint16 bits, is_f16) for upload: fp16 arrays stay fp16, everything else becomes bf16."""
+    if a.dtype == np.float16:
+        return np.ascontiguousarray(a).view(np.uint16), True
+    return to_bf16(a), False
+
+
+def bits_to_f64(bits: np.ndarray, f16: bool) -> np.ndarray:
+    return (bits.view(np.float16) if f16 else from_bf16(bits)).astype(np.float64)
+
+
+def _p(x) -> c_void_p:
+    if x is None:
+        return c_void_p(0)
+    if isinstance(x, DeviceBuffer):
+        return c_void_p(x.ptr)
+    if isinstance(x, HostBuffer):
+        return c_void_p(x.dptr)
+    return c_void_p(int(x))
+
+
+def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int) -> tuple[int, int]:
+    """(nsplit, chunk): enough (kv head, split) blocks to cover ~2 blocks per SM at full context, chunks a
+    multiple of 32 positions between 32 and 512. Fixed per max_ctx so a captured graph stays valid."""
+    want = max(1, math.ceil(2 * num_sms / num_kv_heads))
+    chunk = math.ceil(max_ctx / want)
+    chunk = min(512, max(32, (chunk + 31) // 32 * 32))
+    return math.ceil(max_ctx / chunk), chunk
+
+
+class Ops:
+    """Compiled op modules for one device, with one launcher per kernel."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self._mods: dict[str, object] = {}
+        self.warps_per_block = MATVEC_THREADS // rt.warp_size
+
+    def fn(self, source: str, name: str):
+        mod = self._mods.get(source)
+        if mod is None:
+            mod = self._mods[source] = self.rt.compile(f"ops/{source}.hip")
+        return mod.function(name)
+
+    def _grid(self, units: int) -> int:
+        """Blocks for a grid-stride kernel over `units` warp tasks: at most 4 blocks per SM, so the fused
+        prologue is paid a few hundred times per launch rather than once per row."""
+        need = max(1, math.ceil(units / self.warps_per_block))
+        return min(need, 4 * self.rt.num_sms)
+
+    def _check_in(self, inn: int) -> None:
+        if inn % 8:
+            raise UnsupportedError(f"matvec input length {inn} is not a multiple of 8 (16-byte weight loads)")
+        if inn * 4 > self.rt.max_shared_per_block:
+            raise UnsupportedError(f"matvec input length {inn} needs {inn * 4} B of shared memory; the device "
+                                   f"allows {self.rt.max_shared_per_block}")
+
+    # ---- embedding / norms ------------------------------------------------------------------------------
+    def embedding(self, table, tokens, T: int, vocab: int, hidden: int, out, f16=False, stream=None):
+        self.rt.launch(self.fn("embedding", "embedding"), T, 256,
+                       [_p(table), _p(tokens), c_int32(vocab), c_int32(hidden), _p(out), c_int32(int(f16))],
+                       stream=stream)
+
+    def rmsnorm(self, x, gamma, eps: float, n: int, y, rows: int = 1, stream=None):
+        self.rt.launch(self.fn("rmsnorm", "rmsnorm"), rows, 256,
+                       [_p(x), _p(gamma), c_float(eps), c_int32(n), _p(y)], stream=stream)
+
+    # ---- matvecs ------------------------------------------------------------------------------------------
+    def matvec(self, W, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, residual=None, f16=False,
+               stream=None, grid: int | None = None):
+        self._check_in(inn)
+        g = grid or self._grid((rows + 1) // 2)
+        self.rt.launch(self.fn("matvec", "matvec"), g, MATVEC_THREADS,
+                       [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
+                        c_int32(int(f16))], shared=inn * 4, stream=stream)
+
+    def matvec_gate_up(self, Wg, Wu, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
+                       stream=None, grid: int | None = None):
+        self._check_in(inn)
+        g = grid or self._grid(rows)
+        self.rt.launch(self.fn("matvec", "matvec_gate_up"), g, MATVEC_THREADS,
+                       [_p(Wg), _p(Wu), _p(x), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
+                        c_int32(int(f16))], shared=inn * 4, stream=stream)
+
+    def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,
+                   hd: int, inn: int, gamma=None, eps: float = 0.0, bias=None, rope: bool = True, f16=False,
+                   stream=None):
+        self._check_in(inn)
+        g = self._grid((q_dim + 2 * kv_dim) // 2)
+        self.rt.launch(self.fn("matvec", "matvec_qkv"), g, MATVEC_THREADS,
+                       [_p(W), _p(x), _p(gamma), c_float(eps), _p(bias), _p(cos), _p(sin), _p(pos), _p(q_out),
+                        _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(q_dim), c_int32(kv_dim), c_int32(hd),
+                        c_int32(inn), c_int32(int(rope)), c_int32(int(f16))], shared=inn * 4, stream=stream)
+
+    def matmul_small_m(self, W, X, Y, M: int, rows: int, inn: int, mode: int = 0, W2=None, bias=None, f16=False,
+                       stream=None):
+        """mode 0: Y = X Wᵀ (+bias); 1: Y += X Wᵀ; 2: Y = silu(X Wᵀ) * (X W2ᵀ). X [M, inn], Y [M, rows]."""
+        if not 1 <= M <= MAX_M:
+            raise DeviceError(f"matmul_small_m takes 1..{MAX_M} rows of X, got {M}")
+        if inn % 8:
+            raise UnsupportedError(f"matmul input length {inn} is not a multiple of 8")
+        self.rt.launch(self.fn("prefill", "matmul_small_m"), self._grid(rows), MATVEC_THREADS,
+                       [_p(W), _p(W2), _p(X), _p(bias), _p(Y), c_int32(M), c_int32(rows), c_int32(inn),
+                        c_int32(mode), c_int32(int(f16))], stream=stream)
+
+    # ---- attention ----------------------------------------------------------------------------------------
+    def qk_norm_rope(self, qkv, q_out, k_cache, v_cache, cos, sin, pos, *, T: int, nh: int, nkv: int, hd: int,
+                     max_ctx: int, q_norm=None, k_norm=None, eps: float = 0.0, stream=None):
+        block = max(self.rt.warp_size, min(256, (hd // 2 + self.rt.warp_size - 1) // self.rt.warp_size
+                                           * self.rt.warp_size))
+        self.rt.launch(self.fn("qk_norm", "qk_norm_rope"), (nh + 2 * nkv, T), block,
+                       [_p(qkv), _p(q_norm), _p(k_norm), c_float(eps), _p(cos), _p(sin), _p(pos), _p(q_out),
+                        _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(nh), c_int32(nkv), c_int32(hd)],
+                       stream=stream)
+
+    def attention(self, q, k_cache, v_cache, partial, out, pos, *, T: int, nh: int, nkv: int, hd: int,
+                  max_ctx: int, nsplit: int, chunk: int, stream=None):
+        """partial: fp32 scratch of T·nh·nsplit·(hd+2) floats (see partial_floats)."""
+        G = nh // nkv
+        if G > ATTN_MAX_GROUP or hd % 8 or hd > 8 * self.rt.warp_size:
+            raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
+        shared = (2 * G * hd + G * chunk) * 4
+        self.rt.launch(self.fn("attention_decode", "attention_split"), (nkv * nsplit, T), ATTN_THREADS,
+                       [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
+                        c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream)
+        self.rt.launch(self.fn("attention_decode", "attention_combine"), (nh, T), 128,
+                       [_p(partial), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)], stream=stream)
+
+    @staticmethod
+    def partial_floats(T: int, nh: int, hd: int, nsplit: int) -> int:
+        return T * nh * nsplit * (hd + 2)
+
+    # ---- sampling -----------------------------------------------------------------------------------------
+    def sample(self, logits, n: int, history, hist_len, step, out_token, z, *, temperature=0.0, top_k=0,
+               top_p=1.0, min_p=0.0, repetition_penalty=1.0, seed=0, stream=None):
+        seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+        self.rt.launch(self.fn("sampling", "sample"), 1, SAMPLE_THREADS,
+                       [_p(logits), c_int32(n), _p(history), _p(hist_len), c_float(temperature), c_int32(top_k),
+                        c_float(top_p), c_float(min_p), c_float(repetition_penalty), c_uint32(seed & 0xFFFFFFFF),
+                        c_uint32(seed >> 32), _p(step), _p(out_token), _p(z)],
+                       shared=((n + 31) // 32) * 4, stream=stream)
+
+    def decode_advance(self, token, history, hist_len, pos, hist_cap: int, stream=None):
+        self.rt.launch(self.fn("sampling", "decode_advance"), 1, self.rt.warp_size,
+                       [_p(token), _p(history), _p(hist_len), _p(pos), c_int32(hist_cap)], stream=stream)
+
+
+# ---- float64 oracles ------------------------------------------------------------------------------------------
+def ref_rmsnorm(x, gamma, eps):
+    x = np.asarray(x, np.float64)
+    if gamma is None:
+        return x
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(gamma, np.float64)
+
+
+def ref_silu(g):
+    return g / (1.0 + np.exp(-g))
+
+
+def ref_rope(x, cos, sin):
+    """x (..., hd) rotate-half with cos/sin (..., hd/2)."""
+    h = x.shape[-1] // 2
+    a, b = x[..., :h], x[..., h:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def rope_tables(inv_freq: np.ndarray, max_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [max_ctx, hd/2] float32 from ModelConfig.rope_inv_freq() (float64 angles)."""
+    ang = np.arange(max_ctx, dtype=np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def ref_attention(q, k, v, seq):
+    """q (nh, hd), k/v (nkv, >=seq, hd) float64 -> (nh*hd) over positions [0, seq)."""
+    nh, hd = q.shape
+    nkv = k.shape[0]
+    G = nh // nkv
+    out = np.empty((nh, hd))
+    for h in range(nh):
+        kk, vv = k[h // G, :seq], v[h // G, :seq]
+        s = kk @ q[h] / math.sqrt(hd)
+        e = np.exp(s - s.max())
+        out[h] = (e / e.sum()) @ vv
+    return out.reshape(-1)
+
+
+def philox4x32_10(counter, key) -> list[int]:
+    """Philox4x32-10, bit-exact with he_philox4x32_10 in sampling.hip."""
+    c = [int(v) & 0xFFFFFFFF for v in counter]
+    k0, k1 = int(key[0]) & 0xFFFFFFFF, int(key[1]) & 0xFFFFFFFF
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        hi0, lo0, hi1, lo1 = p0 >> 32, p0 & 0xFFFFFFFF, p1 >> 32, p1 & 0xFFFFFFFF
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    return c
+
+
+def sample_uniform(seed: int, step: int) -> float:
+    c = philox4x32_10([step, 0, 0, 0], [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF])
+    return float(np.float32((c[0] >> 8) * (1.0 / 16777216.0)))
+
+
+def ref_sample_keep(logits, history, temperature, top_k, top_p, min_p, rep_pen):
+    """(z, kept mask, argmax) with the kernel's semantics, thresholds exact (sort-based), float64."""
+    z = np.asarray(logits, np.float64).copy()
+    if rep_pen != 1.0 and len(history):
+        seen = np.unique(np.asarray(history))
+        seen = seen[(seen >= 0) & (seen < z.size)]
+        z[seen] = np.where(z[seen] > 0, z[seen] / rep_pen, z[seen] * rep_pen)
+    if temperature <= 0:
+        return z, None, int(np.argmax(z))
+    z = z / temperature
+    m = z.max()
+    keep = np.ones(z.size, bool)
+    if 0 < top_k < z.size:
+        kth = np.sort(z)[::-1][top_k - 1]
+        keep &= z >= kth
+    if top_p < 1.0:
+        e = np.where(keep, np.exp(z - m), 0.0)
+        order = np.argsort(-z, kind="stable")
+        cum = np.cumsum(e[order])
+        n_keep = int(np.searchsorted(cum, top_p * e.sum() * (1 - 1e-12))) + 1
+        thr = z[order[n_keep - 1]]
+        keep &= z >= thr
+    if min_p > 0:
+        keep &= np.exp(z - m) >= min_p
+    return z, keep, int(np.argmax(z))

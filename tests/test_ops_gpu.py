@@ -1,0 +1,301 @@
+"""Every per-op kernel against a float64 numpy oracle: |out - ref| <= atol + rtol*|ref|.
+
+Fresh random inputs each run, shapes that are not multiples of the block/sweep, outputs poisoned with NaN
+before launch, and every launch option the wrappers expose (bf16/fp16 weights, fused norm, residual, bias,
+RoPE on/off, qk-norm, prefill M, group sizes, splits).
+"""
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+RNG = np.random.default_rng()
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from hipengine.gpu import ops as O
+    from hipengine.gpu.runtime import get_runtime
+
+    rt = get_runtime(0)
+    return rt, O.Ops(rt), O
+
+
+def poisoned(rt, n, dtype=np.float32):
+    a = np.full(n, np.nan, np.float32)
+    if dtype == np.uint16:
+        a = np.full(n, 0x7FC0, np.uint16)
+    return rt.upload(a)
+
+
+def close(out, ref, rtol, atol):
+    out = np.asarray(out, np.float64)
+    assert not np.isnan(out).any(), "NaN in output (unwritten element?)"
+    err = np.abs(out - ref)
+    bad = err > atol + rtol * np.abs(ref)
+    assert not bad.any(), f"{bad.sum()} of {bad.size} off; worst {err.max():.3g} (atol {atol:.3g}, rtol {rtol})"
+
+
+def weights(O, rows, inn, f16, scale=1.0):
+    w = (RNG.standard_normal((rows, inn)) * scale / math.sqrt(inn)).astype(np.float32)
+    bits = w.astype(np.float16).view(np.uint16) if f16 else O.to_bf16(w)
+    return bits, O.bits_to_f64(bits, f16)
+
+
+@pytest.mark.parametrize("f16", [False, True])
+def test_embedding(gpu, f16):
+    rt, ops, O = gpu
+    vocab, hidden = 97, 200
+    bits, ref = weights(O, vocab, hidden, f16, scale=math.sqrt(hidden))
+    toks = np.array([0, 96, 5, 200, -1], np.int32)  # last two out of range -> zero rows
+    out = poisoned(rt, len(toks) * hidden)
+    ops.embedding(rt.upload(bits), rt.upload(toks), len(toks), vocab, hidden, out, f16)
+    got = rt.download(out, (len(toks), hidden), np.float32)
+    exp = np.stack([ref[t] if 0 <= t < vocab else np.zeros(hidden) for t in toks])
+    close(got, exp, 0, 0)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 7), (3, 1000), (2, 2048)])
+def test_rmsnorm(gpu, rows, n):
+    rt, ops, O = gpu
+    x = RNG.standard_normal((rows, n)).astype(np.float32) * 3
+    g = (1 + 0.3 * RNG.standard_normal(n)).astype(np.float32)
+    y = poisoned(rt, rows * n)
+    ops.rmsnorm(rt.upload(x), rt.upload(g), 1e-5, n, y, rows=rows)
+    close(rt.download(y, (rows, n), np.float32), O.ref_rmsnorm(x, g, 1e-5), 1e-5, 1e-5)
+
+
+MATVEC_SHAPES = [(1, 8), (7, 264), (333, 2056), (2051, 576), (64, 8192)]
+
+
+@pytest.mark.parametrize("rows,inn", MATVEC_SHAPES)
+@pytest.mark.parametrize("f16", [False, True])
+@pytest.mark.parametrize("norm,residual", [(False, False), (True, False), (False, True)])
+def test_matvec(gpu, rows, inn, f16, norm, residual):
+    rt, ops, O = gpu
+    bits, W = weights(O, rows, inn, f16)
+    x = RNG.standard_normal(inn).astype(np.float32)
+    g = (1 + 0.3 * RNG.standard_normal(inn)).astype(np.float32) if norm else None
+    xn = O.ref_rmsnorm(x, g, 1e-5)
+    ref = W @ xn
+    if residual:
+        r = RNG.standard_normal(rows).astype(np.float32)
+        y = rt.upload(r)  # in place: y = W x + y
+        ref = ref + r
+    else:
+        y = poisoned(rt, rows)
+    ops.matvec(rt.upload(bits), rt.upload(x), y, rows, inn, gamma=rt.upload(g) if norm else None, eps=1e-5,
+               residual=y if residual else None, f16=f16)
+    scale = np.abs(W) @ np.abs(xn)  # accumulation error bound grows with sum |w x|
+    close(rt.download(y, rows, np.float32), ref, 1e-5, 1e-5 * scale.max() + 1e-6)
+
+
+@pytest.mark.parametrize("grid", [1, 3, 1000])
+def test_matvec_grid_sizes(gpu, grid):
+    """The grid-stride loop is correct whatever grid the caller picks (the monokernel picks its own)."""
+    rt, ops, O = gpu
+    rows, inn = 517, 1032
+    bits, W = weights(O, rows, inn, False)
+    x = RNG.standard_normal(inn).astype(np.float32)
+    y = poisoned(rt, rows)
+    ops.matvec(rt.upload(bits), rt.upload(x), y, rows, inn, grid=grid)
+    close(rt.download(y, rows, np.float32), W @ x, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("rows,inn", [(1, 8), (333, 576), (1537, 2048)])
+@pytest.mark.parametrize("f16", [False, True])
+def test_matvec_gate_up(gpu, rows, inn, f16):
+    rt, ops, O = gpu
+    bg, Wg = weights(O, rows, inn, f16, scale=2.0)
+    bu, Wu = weights(O, rows, inn, f16)
+    x = RNG.standard_normal(inn).astype(np.float32)
+    g = (1 + 0.3 * RNG.standard_normal(inn)).astype(np.float32)
+    xn = O.ref_rmsnorm(x, g, 1e-6)
+    ref = O.ref_silu(Wg @ xn) * (Wu @ xn)
+    y = poisoned(rt, rows)
+    ops.matvec_gate_up(rt.upload(bg), rt.upload(bu), rt.upload(x), y, rows, inn, gamma=rt.upload(g), eps=1e-6,
+                       f16=f16)
+    close(rt.download(y, rows, np.float32), ref, 1e-4, 1e-5)
+
+
+QKV_CASES = [  # nh, nkv, hd, inn
+    (4, 2, 24, 64), (6, 2, 16, 96), (32, 8, 64, 2048), (12, 2, 128, 264), (8, 8, 32, 72)]
+
+
+def _kv_ref(O, qkv, nh, nkv, hd, cos_p, sin_p, q_norm=None, k_norm=None, eps=1e-6, rope=True):
+    q = qkv[:nh * hd].reshape(nh, hd)
+    k = qkv[nh * hd:(nh + nkv) * hd].reshape(nkv, hd)
+    v = qkv[(nh + nkv) * hd:].reshape(nkv, hd)
+    if q_norm is not None:
+        q, k = O.ref_rmsnorm(q, q_norm, eps), O.ref_rmsnorm(k, k_norm, eps)
+    if rope:
+        q, k = O.ref_rope(q, cos_p, sin_p), O.ref_rope(k, cos_p, sin_p)
+    return q, k, v
+
+
+@pytest.mark.parametrize("nh,nkv,hd,inn", QKV_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rope", [True, False])
+def test_matvec_qkv(gpu, nh, nkv, hd, inn, bias, rope):
+    rt, ops, O = gpu
+    rows, max_ctx = (nh + 2 * nkv) * hd, 50
+    bits, W = weights(O, rows, inn, False)
+    x = RNG.standard_normal(inn).astype(np.float32)
+    g = (1 + 0.3 * RNG.standard_normal(inn)).astype(np.float32)
+    b = (0.1 * RNG.standard_normal(rows)).astype(np.float32) if bias else None
+    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2) / hd))
+    cos, sin = O.rope_tables(inv, max_ctx)
+    pos = int(RNG.integers(0, max_ctx))
+    qkv = W @ O.ref_rmsnorm(x, g, 1e-5) + (b if bias else 0)
+    q_out = poisoned(rt, rows)
+    kc, vc = poisoned(rt, nkv * max_ctx * hd, np.uint16), poisoned(rt, nkv * max_ctx * hd, np.uint16)
+    ops.matvec_qkv(rt.upload(bits), rt.upload(x), q_out, kc, vc, rt.upload(cos), rt.upload(sin),
+                   rt.upload(np.array([pos], np.int32)), max_ctx=max_ctx, q_dim=nh * hd, kv_dim=nkv * hd, hd=hd,
+                   inn=inn, gamma=rt.upload(g), eps=1e-5, bias=rt.upload(b) if bias else None, rope=rope)
+    if not rope:
+        close(rt.download(q_out, rows, np.float32), qkv, 1e-4, 1e-5)
+        return
+    q, k, v = _kv_ref(O, qkv, nh, nkv, hd, cos[pos].astype(np.float64), sin[pos].astype(np.float64))
+    close(rt.download(q_out, rows, np.float32)[:nh * hd], q.reshape(-1), 1e-4, 1e-5)
+    kcache = O.from_bf16(rt.download(kc, (nkv, max_ctx, hd), np.uint16))
+    vcache = O.from_bf16(rt.download(vc, (nkv, max_ctx, hd), np.uint16))
+    close(kcache[:, pos], k, 2 ** -8, 1e-5)  # bf16 storage
+    close(vcache[:, pos], v, 2 ** -8, 1e-5)
+    others = np.delete(np.arange(max_ctx), pos)
+    assert np.isnan(kcache[:, others]).all() and np.isnan(vcache[:, others]).all(), "wrote outside position"
+
+
+@pytest.mark.parametrize("nh,nkv,hd", [(4, 2, 24), (16, 8, 128), (6, 2, 64)])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("norm", [False, True])
+def test_qk_norm_rope(gpu, nh, nkv, hd, T, norm):
+    rt, ops, O = gpu
+    max_ctx, pos0 = 40, int(RNG.integers(0, 30))
+    W = (nh + 2 * nkv) * hd
+    qkv = RNG.standard_normal((T, W)).astype(np.float32)
+    qn = (1 + 0.3 * RNG.standard_normal(hd)).astype(np.float32) if norm else None
+    kn = (1 + 0.3 * RNG.standard_normal(hd)).astype(np.float32) if norm else None
+    cos, sin = O.rope_tables(1.0 / (1e6 ** (np.arange(0, hd, 2) / hd)), max_ctx)
+    q_out = poisoned(rt, T * nh * hd)
+    kc, vc = poisoned(rt, nkv * max_ctx * hd, np.uint16), poisoned(rt, nkv * max_ctx * hd, np.uint16)
+    ops.qk_norm_rope(rt.upload(qkv), q_out, kc, vc, rt.upload(cos), rt.upload(sin), rt.upload(np.array([pos0], np.int32)),
+                     T=T, nh=nh, nkv=nkv, hd=hd, max_ctx=max_ctx, q_norm=rt.upload(qn) if norm else None,
+                     k_norm=rt.upload(kn) if norm else None, eps=1e-6)
+    qg = rt.download(q_out, (T, nh * hd), np.float32)
+    kcache = O.from_bf16(rt.download(kc, (nkv, max_ctx, hd), np.uint16))
+    vcache = O.from_bf16(rt.download(vc, (nkv, max_ctx, hd), np.uint16))
+    for t in range(T):
+        p = pos0 + t
+        q, k, v = _kv_ref(O, qkv[t].astype(np.float64), nh, nkv, hd, cos[p].astype(np.float64),
+                          sin[p].astype(np.float64), qn, kn, 1e-6)
+        close(qg[t], q.reshape(-1), 1e-5, 1e-5)
+        close(kcache[:, p], k, 2 ** -8, 1e-5)
+        close(vcache[:, p], v, 2 ** -8, 1e-5)
+
+
+ATTN_CASES = [  # nh, nkv, hd, seq, max_ctx, T
+    (4, 2, 24, 37, 64, 1), (32, 8, 64, 1000, 1024, 1), (12, 2, 128, 5, 4096, 1), (6, 6, 16, 300, 512, 3),
+    (32, 8, 128, 3000, 4096, 1), (16, 2, 64, 77, 100, 8), (9, 3, 64, 1, 32, 1)]
+
+
+@pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", ATTN_CASES)
+def test_attention(gpu, nh, nkv, hd, seq, max_ctx, T):
+    """Query t sees positions [0, pos0 + t]; pos0 = seq - T. Splits past the end must be skipped."""
+    rt, ops, O = gpu
+    nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms)
+    k = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32) * 2)
+    v = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32))
+    q = RNG.standard_normal((T, nh * hd)).astype(np.float32)
+    pos0 = seq - T
+    part = poisoned(rt, O.Ops.partial_floats(T, nh, hd, nsplit))
+    out = poisoned(rt, T * nh * hd)
+    ops.attention(rt.upload(q), rt.upload(k), rt.upload(v), part, out, rt.upload(np.array([pos0], np.int32)), T=T,
+                  nh=nh, nkv=nkv, hd=hd, max_ctx=max_ctx, nsplit=nsplit, chunk=chunk)
+    got = rt.download(out, (T, nh * hd), np.float32)
+    kf, vf = O.from_bf16(k).astype(np.float64), O.from_bf16(v).astype(np.float64)
+    for t in range(T):
+        ref = O.ref_attention(q[t].reshape(nh, hd).astype(np.float64), kf, vf, pos0 + t + 1)
+        close(got[t], ref, 1e-4, 1e-5)
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("rows,inn", [(13, 72), (333, 2056)])
+def test_matmul_small_m(gpu, M, mode, rows, inn):
+    rt, ops, O = gpu
+    bits, W = weights(O, rows, inn, False)
+    bits2, W2 = weights(O, rows, inn, True)
+    X = RNG.standard_normal((M, inn)).astype(np.float32)
+    b = RNG.standard_normal(rows).astype(np.float32)
+    if mode == 2:  # gate/up in fp16 exercises the other weight type
+        bits, W = weights(O, rows, inn, True)
+        ref = O.ref_silu(X @ W.T) * (X @ W2.T)
+        Y = poisoned(rt, M * rows)
+    elif mode == 1:
+        Y0 = RNG.standard_normal((M, rows)).astype(np.float32)
+        ref = Y0 + X @ W.T
+        Y = rt.upload(Y0)
+    else:
+        ref = X @ W.T + b
+        Y = poisoned(rt, M * rows)
+    ops.matmul_small_m(rt.upload(bits), rt.upload(X), Y, M, rows, inn, mode=mode,
+                       W2=rt.upload(bits2) if mode == 2 else None, bias=rt.upload(b) if mode == 0 else None,
+                       f16=mode == 2)
+    close(rt.download(Y, (M, rows), np.float32), ref, 1e-4, 1e-4)
+
+
+def _run_sample(rt, ops, logits, history, step, **kw):
+    n = logits.size
+    out = rt.upload(np.array([-7], np.int32))
+    hist = rt.upload(np.asarray(history if len(history) else [0], np.int32))
+    ops.sample(rt.upload(logits), n, hist, rt.upload(np.array([len(history)], np.int32)),
+               rt.upload(np.array([step], np.int32)), out, rt.malloc(n * 4), **kw)
+    return int(rt.download(out, 1, np.int32)[0])
+
+
+@pytest.mark.parametrize("n", [5, 1000, 128256])
+def test_sample_greedy(gpu, n):
+    rt, ops, O = gpu
+    logits = RNG.standard_normal(n).astype(np.float32)
+    assert _run_sample(rt, ops, logits, [], 0) == int(np.argmax(logits))
+    tied = np.zeros(n, np.float32)
+    tied[[n // 2, n - 1]] = 3.0
+    assert _run_sample(rt, ops, tied, [], 0) == n // 2  # first index wins, like numpy
+    # repetition penalty flips the winner in greedy mode too (HF semantics)
+    two = np.full(n, -5, np.float32)
+    two[[1, 3]] = [2.0, 1.5]
+    assert _run_sample(rt, ops, two, [1, 1, 4], 0, repetition_penalty=2.0) == 3
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=5),
+                                dict(temperature=1.3, top_p=0.5), dict(temperature=1.0, min_p=0.2),
+                                dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.3)])
+def test_sample_distribution(gpu, kw):
+    """The token is the kept one whose cumulative-weight interval (index order) contains u·total."""
+    rt, ops, O = gpu
+    n = 50000
+    history = RNG.integers(0, n, 20).tolist()
+    for trial in range(6):
+        logits = (RNG.standard_normal(n) * 3).astype(np.float32)
+        seed, step = int(RNG.integers(0, 2 ** 63)), int(RNG.integers(0, 10000))
+        tok = _run_sample(rt, ops, logits, history, step, seed=seed, **kw)
+        z, keep, _ = O.ref_sample_keep(logits, history, kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0),
+                                       kw.get("min_p", 0.0), kw.get("repetition_penalty", 1.0))
+        assert keep[tok], f"sampled a token outside the kept set ({kw})"
+        e = np.where(keep, np.exp(z - z.max()), 0.0)
+        cum = np.cumsum(e)
+        target = O.sample_uniform(seed, step) * cum[-1]
+        slack = 1e-4 * cum[-1]
+        assert cum[tok] - e[tok] - slack <= target <= cum[tok] + slack
+
+
+def test_decode_advance(gpu):
+    rt, ops, O = gpu
+    tok, hist = rt.upload(np.array([42], np.int32)), rt.upload(np.zeros(4, np.int32))
+    hl, pos = rt.upload(np.array([3], np.int32)), rt.upload(np.array([9], np.int32))
+    ops.decode_advance(tok, hist, hl, pos, 4)
+    ops.decode_advance(tok, hist, hl, pos, 4)  # history full: position still advances
+    assert rt.download(hist, 4, np.int32).tolist() == [0, 0, 0, 42]
+    assert int(rt.download(hl, 1, np.int32)[0]) == 4 and int(rt.download(pos, 1, np.int32)[0]) == 11

@@ -1,0 +1,57 @@
+"""Portability rules for the kernels (CPU only): port.h is the only vendor switch.
+
+* no vendor `#if` (HE_AMD, __AMDGCN__, __CUDA_ARCH__, __HIP_PLATFORM_*, ...) in any kernel file but port.h;
+* op code uses kWarpSize and port.h's shuffles: no literal 32 (outside a named constexpr), no 0xffffffff
+  mask, no warpSize / __shfl* / threadIdx-style builtins (the header-less gfx942 build has none of them).
+"""
+import re
+from pathlib import Path
+
+import pytest
+
+KDIR = Path(__file__).resolve().parents[1] / "kernels_hip"
+VENDOR = re.compile(r"^\s*#\s*(if|ifdef|ifndef|elif)\b.*\b(HE_AMD|HE_NVIDIA|__AMDGCN\w*|__CUDA\w*|__HIP\w*|"
+                    r"__NVCC__|__gfx\w+|__HIPCC\w*)")
+BANNED_IN_OPS = [
+    (re.compile(r"(?<![\w.])32(?![\w.])"), "literal 32 (use kWarpSize or a named constexpr)"),
+    (re.compile(r"0x[fF]{8}\b"), "full-warp mask literal (port.h owns it)"),
+    (re.compile(r"\bwarpSize\b"), "warpSize (use kWarpSize)"),
+    (re.compile(r"\b__shfl\w*"), "vendor shuffle (use he_shfl_*)"),
+    (re.compile(r"\b(threadIdx|blockIdx|blockDim|gridDim)\b"), "vendor index builtin (use he_thread_idx() & co)"),
+    (re.compile(r"\b__syncthreads\b"), "__syncthreads (use he_sync_block)"),
+]
+
+
+def _code(text: str) -> str:
+    """Source without comments (so prose may say '32 lanes')."""
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def _kernel_files():
+    return sorted(p for p in KDIR.rglob("*") if p.suffix in (".hip", ".h", ".cuh") and p.name != "port.h")
+
+
+def test_port_header_exists():
+    assert (KDIR / "port.h").is_file()
+
+
+@pytest.mark.parametrize("path", _kernel_files(), ids=lambda p: str(p.relative_to(KDIR)))
+def test_no_vendor_conditionals(path):
+    bad = [ln for ln in _code(path.read_text()).splitlines() if VENDOR.search(ln)]
+    assert not bad, f"{path.name}: vendor #if outside port.h: {bad[:3]}"
+
+
+OP_FILES = sorted((KDIR / "ops").glob("*.hip"))
+
+
+@pytest.mark.parametrize("path", OP_FILES, ids=lambda p: p.name)
+def test_ops_are_warp_width_agnostic(path):
+    problems = []
+    for i, line in enumerate(_code(path.read_text()).splitlines(), 1):
+        if re.match(r"\s*constexpr\b", line):  # a named constant may carry its literal value
+            continue
+        for rx, why in BANNED_IN_OPS:
+            if rx.search(line):
+                problems.append(f"line {i}: {why}: {line.strip()}")
+    assert not problems, f"{path.name}:\n" + "\n".join(problems[:5])
