@@ -177,3 +177,200 @@ def test_contract_checker_catches_drift(tmp_path):
     assert "hipMemcpyHtoD takes 3..3 args" in text
     assert "hipMalloc returns 1 value(s)" in text
     assert "hipStreamCaptureMode.nope does not exist" in text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fake HIP: runs backend_hip's control flow on the CPU. Memory is real host memory (so copies, memsets and
+# mapped buffers really move bytes) and the one "kernel" decodes kernelParams exactly as the HIP runtime
+# would, which pins down the argument-passing convention that no AMD GPU in CI could otherwise exercise.
+# ---------------------------------------------------------------------------------------------------------
+class _FakeHip:
+    def __init__(self, real):
+        self._real = real
+        self._mem = {}
+        self.launches = []
+        self.ok = real.hipError_t.hipSuccess
+
+    def __getattr__(self, name):  # enums and constants come from the real bindings
+        return getattr(self._real, name)
+
+    def _alloc(self, n):
+        import ctypes
+
+        buf = (ctypes.c_uint8 * n)()
+        addr = ctypes.addressof(buf)
+        self._mem[addr] = buf
+        return addr
+
+    def hipInit(self, flags): return (self.ok,)
+    def hipGetDeviceCount(self): return (self.ok, 1)
+    def hipSetDevice(self, deviceId): return (self.ok,)
+
+    def hipGetDeviceProperties(self, deviceId):
+        from types import SimpleNamespace
+
+        return (self.ok, SimpleNamespace(gcnArchName=b"gfx942:sramecc+:xnack-", name=b"AMD Instinct MI300X",
+                                         multiProcessorCount=304, warpSize=64, sharedMemPerBlockOptin=0,
+                                         sharedMemPerBlock=65536, l2CacheSize=0, totalGlobalMem=192 << 30,
+                                         cooperativeLaunch=1))
+
+    def hipDeviceGetAttribute(self, attr, deviceId): return (self.ok, 4 << 20)
+    def hipMalloc(self, size): return (self.ok, self._alloc(size))
+    def hipExtMallocWithFlags(self, sizeBytes, flags): return (self.ok, self._alloc(sizeBytes))
+    def hipHostMalloc(self, size, flags): return (self.ok, self._alloc(size))
+    def hipHostGetDevicePointer(self, hstPtr, flags): return (self.ok, hstPtr)
+    def hipFree(self, ptr): self._mem.pop(ptr); return (self.ok,)
+    def hipHostFree(self, ptr): self._mem.pop(ptr); return (self.ok,)
+
+    def _copy(self, dst, src, n):
+        import ctypes
+
+        ctypes.memmove(dst, src, n)
+        return (self.ok,)
+
+    def hipMemcpyHtoD(self, dst, src, sizeBytes): return self._copy(dst, src, sizeBytes)
+    def hipMemcpyDtoH(self, dst, src, sizeBytes): return self._copy(dst, src, sizeBytes)
+    def hipMemcpyHtoDAsync(self, dst, src, sizeBytes, stream): return self._copy(dst, src, sizeBytes)
+    def hipMemcpyDtoHAsync(self, dst, src, sizeBytes, stream): return self._copy(dst, src, sizeBytes)
+    def hipMemcpyDtoDAsync(self, dst, src, sizeBytes, stream): return self._copy(dst, src, sizeBytes)
+
+    def hipMemsetD8Async(self, dest, value, count, stream):
+        import ctypes
+
+        ctypes.memset(dest, value, count)
+        return (self.ok,)
+
+    def hipMemGetInfo(self): return (self.ok, 100 << 30, 192 << 30)
+    def hipStreamSynchronize(self, stream): return (self.ok,)
+    def hipDeviceSynchronize(self): return (self.ok,)
+    def hipModuleLoadData(self, image): return (self.ok, "module")
+    def hipModuleGetFunction(self, module, kname): return (self.ok, kname.decode())
+    def hipFuncGetAttribute(self, attrib, hfunc): return (self.ok, 42)
+    def hipModuleOccupancyMaxActiveBlocksPerMultiprocessor(self, f, blockSize, dynSharedMemPerBlk): return (self.ok, 8)
+
+    def hipModuleLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, kernelParams, extra):
+        import ctypes
+
+        assert extra is None
+        if f == "fill" and kernelParams:  # fill(float* x, float v, int n): x[0:n] = v
+            params = (ctypes.c_void_p * 3).from_address(kernelParams)
+            x = ctypes.c_void_p.from_address(params[0]).value
+            v = ctypes.c_float.from_address(params[1]).value
+            n = ctypes.c_int32.from_address(params[2]).value
+            (ctypes.c_float * n).from_address(x)[:] = [v] * n
+        self.launches.append((f, (gx, gy, gz), (bx, by, bz), shared, stream))
+        return (self.ok,)
+
+    def hipModuleLaunchCooperativeKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, kernelParams):
+        return self.hipModuleLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, stream, kernelParams, None)
+
+    def hipStreamCreateWithFlags(self, flags): return (self.ok, "stream")
+    def hipStreamDestroy(self, stream): return (self.ok,)
+    def hipEventCreate(self): return (self.ok, "event")
+    def hipEventRecord(self, event, stream): return (self.ok,)
+    def hipEventSynchronize(self, event): return (self.ok,)
+    def hipEventQuery(self, event): return (self._real.hipError_t.hipErrorNotReady,)
+    def hipEventElapsedTime(self, start, stop): return (self.ok, 1.5)
+    def hipEventDestroy(self, event): return (self.ok,)
+    def hipStreamBeginCapture(self, stream, mode): return (self.ok,)
+    def hipStreamEndCapture(self, stream): return (self.ok, "graph")
+    def hipGraphInstantiateWithFlags(self, graph, flags): return (self.ok, "exec")
+    def hipGraphLaunch(self, graphExec, stream): return (self.ok,)
+    def hipGraphExecDestroy(self, graphExec): return (self.ok,)
+    def hipGraphDestroy(self, graph): return (self.ok,)
+    def hipDeviceCanAccessPeer(self, deviceId, peerDeviceId): return (self.ok, 1)
+    def hipDeviceEnablePeerAccess(self, peerDeviceId, flags): return (self._real.hipError_t.hipErrorPeerAccessAlreadyEnabled,)
+    def hipGetErrorString(self, hipError): return (self.ok, b"fake error")
+
+
+class _FakeHiprtc:
+    def __init__(self, real):
+        self._real = real
+        self.options = None
+        self.ok = real.hiprtcResult.HIPRTC_SUCCESS
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def hiprtcVersion(self): return (self.ok, 6, 4)
+    def hiprtcCreateProgram(self, src, name, numHeaders, headers, includeNames): return (self.ok, "prog")
+
+    def hiprtcCompileProgram(self, prog, numOptions, options):
+        assert numOptions == len(options)
+        self.options = [o.decode() for o in options]
+        return (self.ok,)
+
+    def hiprtcGetProgramLogSize(self, prog): return (self.ok, 1)
+    def hiprtcGetProgramLog(self, prog, log): return (self.ok,)
+    def hiprtcGetCodeSize(self, prog): return (self.ok, 8)
+
+    def hiprtcGetCode(self, prog, code):
+        code[:] = b"\x7fELFcode"
+        return (self.ok,)
+
+    def hiprtcDestroyProgram(self, prog): return (self.ok,)
+
+
+def test_hip_backend_runs_on_fake_hip(monkeypatch, tmp_path):
+    import ctypes
+
+    import numpy as np
+
+    pytest.importorskip("hip")
+    from hip import hip as real_hip
+    from hip import hiprtc as real_hiprtc
+
+    from hipengine.gpu import backend_hip
+
+    fake, fake_rtc = _FakeHip(real_hip), _FakeHiprtc(real_hiprtc)
+    # The fake's methods must themselves match the real signatures, or this test would prove nothing.
+    for name in dir(fake):
+        if name.startswith("hip") and callable(getattr(type(fake), name, None)):
+            ours = list(inspect.signature(getattr(fake, name)).parameters)
+            assert len(ours) == len(inspect.signature(getattr(real_hip, name)).parameters), name
+    monkeypatch.setattr(backend_hip, "hip", fake)
+    monkeypatch.setattr(backend_hip, "hiprtc", fake_rtc)
+    monkeypatch.setattr(backend_hip, "_INIT", None)
+    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path))
+
+    assert backend_hip.available() and backend_hip.device_count() == 1
+    rt = backend_hip.create_runtime(0)
+    assert (rt.arch, rt.warp_size, rt.num_sms, rt.l2_bytes) == ("gfx942", 64, 304, 4 << 20)
+    assert rt.max_shared_per_block == 65536 and rt.vendor == "amd"
+
+    mod = rt.compile("__global__ void fill(float* x, float v, int n) {}\n", defines={"N": 4})
+    assert "--offload-arch=gfx942" in fake_rtc.options and "-DN=4" in fake_rtc.options
+    assert mod.binary == b"\x7fELFcode"
+    fn = mod.function("fill")
+    assert fn.num_regs == 42 and rt.max_active_blocks(fn, 256) == 8
+
+    x = rt.upload(np.zeros(16, np.float32))
+    rt.launch(fn, 1, 64, [x, ctypes.c_float(2.5), ctypes.c_int32(16)])
+    np.testing.assert_array_equal(rt.download(x, (16,), np.float32), 2.5)
+    rt.launch(fn, (2, 3), (64, 1, 1), [x, ctypes.c_float(-1.0), ctypes.c_int32(8)], cooperative=True)
+    np.testing.assert_array_equal(rt.download(x, (16,), np.float32), [-1.0] * 8 + [2.5] * 8)
+    assert fake.launches[-1][1:3] == ((2, 3, 1), (64, 1, 1))
+    with pytest.raises(backend_hip.DeviceError, match="ctypes scalar"):
+        rt.launch(fn, 1, 64, [x, 2.5, 16])
+
+    y = rt.malloc_fine_grained(64)
+    assert y.fine_grained
+    rt.copy_dtod(y, x, 64)
+    rt.memset(x, 0, 64)
+    assert rt.download(y, (16,), np.float32)[0] == -1.0 and not rt.download(x, (16,), np.float32).any()
+    hb = rt.host_alloc_mapped(32)
+    assert hb.array.shape == (32,) and hb.dptr
+    hb.free()
+    x.free()
+
+    s, e0, e1 = rt.stream(), rt.event(), rt.event()
+    e0.record(s)
+    e1.record(s)
+    assert e0.elapsed_ms(e1) == 1.5 and not e1.query()
+    rt.begin_capture(s)
+    rt.launch(fn, 1, 64, [], stream=s)
+    g = rt.end_capture(s)
+    g.launch(s)
+    g.destroy()
+    assert rt.mem_info() == (100 << 30, 192 << 30)
+    rt.enable_peer_access(backend_hip.create_runtime(0))  # "already enabled" is not an error

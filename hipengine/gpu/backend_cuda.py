@@ -385,6 +385,7 @@ class CudaRuntime(Runtime):
         self._current()
         handle = check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
         mod = self._modules[memo] = Module(self, handle, name, cubin, log_box[0])
+        compiler.show_warnings(name, log_box[0], "NVRTC")
         return mod
 
     # ---- memory -----------------------------------------------------------

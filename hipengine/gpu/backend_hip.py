@@ -319,6 +319,7 @@ class HipRuntime(Runtime):
         self._current()
         handle = check(hip.hipModuleLoadData(code), f"hipModuleLoadData({name})")
         mod = self._modules[memo] = Module(self, handle, name, code, log_box[0])
+        compiler.show_warnings(name, log_box[0], "hiprtc")
         return mod
 
     # ---- memory -----------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -132,6 +133,13 @@ def cached_build(text: str, directory: Path | None, arch: str, options: list[str
     except OSError:
         pass  # a read-only or full cache directory only costs a recompile next time
     return data
+
+
+def show_warnings(name: str, log: str, tool: str) -> None:
+    """Print a fresh compile's warnings to stderr (cached builds stay quiet: they were shown when built).
+    ``hipengine kernels check`` turns the same warnings into failures."""
+    if log and "warning" in log.lower():
+        print(f"hipengine: {tool} warnings in {name}:\n{first_lines(log)}", file=sys.stderr)
 
 
 def first_lines(log: str, n: int = 20) -> str:
