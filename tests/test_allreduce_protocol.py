@@ -73,3 +73,26 @@ def test_layout_and_table():
     assert int.from_bytes(raw[64:72], "little") == 0xBEEF0  # offsetof(status) == 64, as static_asserted
     assert int.from_bytes(raw[72:76], "little") == 2 and MAX_RANKS == 8
     assert "rank 3" in status_message(0x10000 | (2 << 8) | 3) and "all-gather" in status_message(0x10203)
+
+
+def test_nccl_table_and_missing_library(monkeypatch, tmp_path):
+    import os
+
+    from hipengine.comm import nccl
+    from hipengine.errors import DeviceError
+
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"  # set at import, before any library load
+    for name in ("ncclGetUniqueId", "ncclCommInitAll", "ncclAllReduce", "ncclGroupStart", "ncclGroupEnd",
+                 "ncclCommDestroy", "ncclGetErrorString", "ncclGetVersion"):
+        assert name in nccl.PROTOTYPES
+    assert ctypes.sizeof(nccl.ncclUniqueId) == 128 and nccl.DTYPES["bfloat16"] == 9
+    assert nccl.raw_stream(None) == 0 and nccl.raw_stream(type("S", (), {"handle": 1234})()) == 1234
+    monkeypatch.setenv("HIPENGINE_NCCL_LIB", str(tmp_path / "libnccl.so.2"))
+    monkeypatch.setattr(nccl, "_LIB", None)
+    with pytest.raises(DeviceError, match="cannot load"):
+        nccl.lib()
+    monkeypatch.delenv("HIPENGINE_NCCL_LIB")
+    try:
+        nccl.library_path()
+    except DeviceError as e:
+        assert "\n" not in str(e) and "nvidia-nccl-cu13" in str(e)

@@ -56,10 +56,11 @@ def library_path() -> str:
     if env:
         return env
     candidates: list[str] = []
-    spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
-    if spec and spec.submodule_search_locations:
-        for d in spec.submodule_search_locations:
-            candidates += sorted(str(p) for p in (Path(d) / "lib").glob("libnccl.so*"))
+    # The nvidia-nccl-cu* wheels put the library under the ``nvidia`` namespace package (nvidia/nccl/lib,
+    # or nvidia/cu13/lib for the CUDA-13 family layout); look in every ``nvidia/*/lib``.
+    spec = importlib.util.find_spec("nvidia")
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        candidates += sorted(str(p) for p in Path(d).glob("*/lib/libnccl.so*"))
     rocm = os.environ.get("ROCM_PATH", "/opt/rocm")
     candidates += [f"{rocm}/lib/librccl.so", "librccl.so", "libnccl.so.2"]
     for c in candidates:
@@ -76,7 +77,10 @@ def library_path() -> str:
 class _Lib:
     def __init__(self, path: str):
         self.path = path
-        self.dll = ctypes.CDLL(path)
+        try:
+            self.dll = ctypes.CDLL(path)
+        except OSError as e:
+            raise DeviceError(f"cannot load the NCCL/RCCL library {path}: {e}") from None
         for name, (res, args) in PROTOTYPES.items():
             fn = getattr(self.dll, name)
             fn.restype, fn.argtypes = res, args
