@@ -374,3 +374,149 @@ def test_hip_backend_runs_on_fake_hip(monkeypatch, tmp_path):
     g.destroy()
     assert rt.mem_info() == (100 << 30, 192 << 30)
     rt.enable_peer_access(backend_hip.create_runtime(0))  # "already enabled" is not an error
+
+
+class _FakeCuda:
+    """The CUDA driver on the CPU, same idea as _FakeHip (NVRTC stays real: it needs no GPU)."""
+
+    def __init__(self, real):
+        self._real = real
+        self._mem = {}
+        self.launches = []
+        self.ok = real.CUresult.CUDA_SUCCESS
+        self.func_attrs = {}
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    _alloc = _FakeHip._alloc
+
+    def cuInit(self, Flags): return (self.ok,)
+    def cuDeviceGetCount(self): return (self.ok, 2)
+    def cuDeviceGet(self, ordinal): return (self.ok, ordinal)
+    def cuDevicePrimaryCtxRetain(self, dev): return (self.ok, f"ctx{dev}")
+    def cuCtxSetCurrent(self, ctx): return (self.ok,)
+
+    def cuDeviceGetAttribute(self, attrib, dev):
+        A = self._real.CUdevice_attribute
+        table = {A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9, A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
+                 A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: 132, A.CU_DEVICE_ATTRIBUTE_WARP_SIZE: 32,
+                 A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 232448,
+                 A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE: 60 << 20, A.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH: 1}
+        return (self.ok, table[attrib])
+
+    def cuDeviceTotalMem(self, dev): return (self.ok, 141 << 30)
+    def cuDeviceGetName(self, length, dev): return (self.ok, b"NVIDIA H200" + b"\0" * (length - 11))
+    def cuMemAlloc(self, bytesize): return (self.ok, self._alloc(bytesize))
+    def cuMemFree(self, dptr): self._mem.pop(dptr); return (self.ok,)
+    def cuMemHostAlloc(self, bytesize, Flags): return (self.ok, self._alloc(bytesize))
+    def cuMemHostGetDevicePointer(self, p, Flags): return (self.ok, p)
+    def cuMemFreeHost(self, p): self._mem.pop(p); return (self.ok,)
+    _copy = _FakeHip._copy
+
+    def cuMemcpyHtoD(self, dstDevice, srcHost, ByteCount): return self._copy(dstDevice, srcHost, ByteCount)
+    def cuMemcpyDtoH(self, dstHost, srcDevice, ByteCount): return self._copy(dstHost, srcDevice, ByteCount)
+    def cuMemcpyHtoDAsync(self, dstDevice, srcHost, ByteCount, hStream): return self._copy(dstDevice, srcHost, ByteCount)
+    def cuMemcpyDtoHAsync(self, dstHost, srcDevice, ByteCount, hStream): return self._copy(dstHost, srcDevice, ByteCount)
+    def cuMemcpyDtoDAsync(self, dstDevice, srcDevice, ByteCount, hStream): return self._copy(dstDevice, srcDevice, ByteCount)
+
+    def cuMemsetD8Async(self, dstDevice, uc, N, hStream):
+        import ctypes
+
+        ctypes.memset(dstDevice, uc, N)
+        return (self.ok,)
+
+    def cuMemGetInfo(self): return (self.ok, 100 << 30, 141 << 30)
+    def cuStreamSynchronize(self, hStream): return (self.ok,)
+    def cuCtxSynchronize(self): return (self.ok,)
+
+    def cuModuleLoadData(self, image):
+        assert bytes(image[:4]) == b"\x7fELF"  # a real CUBIN from NVRTC
+        return (self.ok, "module")
+
+    def cuModuleGetFunction(self, hmod, name): return (self.ok, name.decode())
+    def cuFuncGetAttribute(self, attrib, hfunc): return (self.ok, 40)
+
+    def cuFuncSetAttribute(self, hfunc, attrib, value):
+        self.func_attrs[(hfunc, attrib)] = value
+        return (self.ok,)
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, func, blockSize, dynamicSMemSize): return (self.ok, 6)
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, hStream, kernelParams, extra):
+        return _FakeHip.hipModuleLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, hStream, kernelParams,
+                                              None if extra == 0 else extra)
+
+    def cuLaunchCooperativeKernel(self, f, gx, gy, gz, bx, by, bz, shared, hStream, kernelParams):
+        return self.cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, hStream, kernelParams, 0)
+
+    def cuStreamCreate(self, Flags): return (self.ok, "stream")
+    def cuStreamDestroy(self, hStream): return (self.ok,)
+    def cuEventCreate(self, Flags): return (self.ok, "event")
+    def cuEventRecord(self, hEvent, hStream): return (self.ok,)
+    def cuEventSynchronize(self, hEvent): return (self.ok,)
+    def cuEventQuery(self, hEvent): return (self.ok,)
+    def cuEventElapsedTime(self, hStart, hEnd): return (self.ok, 0.25)
+    def cuEventDestroy(self, hEvent): return (self.ok,)
+    def cuStreamBeginCapture(self, hStream, mode): return (self.ok,)
+    def cuStreamEndCapture(self, hStream): return (self.ok, "graph")
+    def cuGraphInstantiate(self, hGraph, flags): return (self.ok, "exec")
+    def cuGraphLaunch(self, hGraphExec, hStream): return (self.ok,)
+    def cuGraphExecDestroy(self, hGraphExec): return (self.ok,)
+    def cuGraphDestroy(self, hGraph): return (self.ok,)
+    def cuDeviceCanAccessPeer(self, dev, peerDev): return (self.ok, 1)
+    def cuCtxEnablePeerAccess(self, peerContext, Flags): return (self.ok,)
+    def cuGetErrorString(self, error): return (self.ok, b"fake")
+
+
+def test_cuda_backend_runs_on_fake_driver(monkeypatch, tmp_path):
+    import ctypes
+
+    import numpy as np
+
+    pytest.importorskip("cuda.bindings")
+    from cuda.bindings import driver as real_cu
+
+    from hipengine.gpu import backend_cuda
+
+    if not backend_cuda.nvrtc_available():
+        pytest.skip("NVRTC not installed")
+    fake = _FakeCuda(real_cu)
+    for name in dir(fake):
+        if name.startswith("cu") and callable(getattr(type(fake), name, None)):
+            ours = list(inspect.signature(getattr(fake, name)).parameters)
+            assert len(ours) == len(inspect.signature(getattr(real_cu, name)).parameters), name
+    monkeypatch.setattr(backend_cuda, "cu", fake)
+    monkeypatch.setattr(backend_cuda, "_INIT", None)
+    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path))
+
+    assert backend_cuda.available() and backend_cuda.device_count() == 2
+    rt, rt1 = backend_cuda.create_runtime(0), backend_cuda.create_runtime(1)
+    assert (rt.arch, rt.name, rt.num_sms, rt.warp_size) == ("sm_90", "NVIDIA H200", 132, 32)
+    src = '#include "port.h"\nHE_KERNEL(256) fill(float* x, float v, int n) { if (he_thread_idx() < n) x[he_thread_idx()] = v; }\n'
+    mod = rt.compile(src)
+    assert rt.compile(src) is mod
+    fn = mod.function("fill")
+    x = rt.upload(np.zeros(16, np.float32))
+    rt.launch(fn, 1, 64, [x, ctypes.c_float(3.0), ctypes.c_int32(16)], shared=100_000)
+    np.testing.assert_array_equal(rt.download(x, (16,), np.float32), 3.0)
+    attr = real_cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    assert fake.func_attrs[("fill", attr)] == 100_000  # > 48 KiB opted in automatically
+    rt.launch(fn, 1, 64, [x, ctypes.c_float(1.0), ctypes.c_int32(4)], cooperative=True, stream=rt.stream())
+    assert rt.download(x, (16,), np.float32)[:5].tolist() == [1, 1, 1, 1, 3]
+    hb = rt.host_alloc_mapped(8)
+    hb.array[:] = 5
+    rt.copy_dtoh(out := np.zeros(8, np.uint8), hb.dptr)
+    assert (out == 5).all()
+    s = rt.stream()
+    e0, e1 = rt.event().record(s), rt.event().record(s)
+    assert e0.elapsed_ms(e1) == 0.25 and e1.query()
+    rt.begin_capture(s)
+    g = rt.end_capture(s)
+    g.launch(s)
+    g.destroy()
+    assert rt.max_active_blocks(fn, 256) == 6 and fn.num_regs == 40
+    assert rt.can_access_peer(rt1)
+    rt.enable_peer_access(rt1)
+    with pytest.raises(backend_cuda.DeviceError, match="graph capture needs"):
+        rt.begin_capture(None)
