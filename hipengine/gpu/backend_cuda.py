@@ -425,6 +425,9 @@ class CudaRuntime(Runtime):
             raise DeviceError("copy_dtoh needs a C-contiguous destination array")
         self._current()
         if stream is None:
+            # Our streams are non-blocking, so a legacy-stream copy would not wait for them: synchronise the
+            # device first so a plain download always returns what every earlier launch wrote.
+            check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
             check(cu.cuMemcpyDtoH(dst.ctypes.data, _ptr(src), dst.nbytes), "cuMemcpyDtoH")
         else:
             check(cu.cuMemcpyDtoHAsync(dst.ctypes.data, _ptr(src), dst.nbytes, _stream(stream)), "cuMemcpyDtoHAsync")

@@ -361,6 +361,8 @@ class HipRuntime(Runtime):
             raise DeviceError("copy_dtoh needs a C-contiguous destination array")
         self._current()
         if stream is None:
+            # Our streams are non-blocking: synchronise first so a plain download sees every earlier launch.
+            check(hip.hipDeviceSynchronize(), "hipDeviceSynchronize")
             check(hip.hipMemcpyDtoH(dst.ctypes.data, _ptr(src), dst.nbytes), "hipMemcpyDtoH")
         else:
             check(hip.hipMemcpyDtoHAsync(dst.ctypes.data, _ptr(src), dst.nbytes, _stream(stream)), "hipMemcpyDtoHAsync")
