@@ -37,7 +37,7 @@ def test_tp_not_supported_yet():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from hipengine.loader import load_model
-    from tests.tiny_models import save_tiny_model
+    from tiny_models import save_tiny_model
 
     path, _ = save_tiny_model("llama", tmp_path_factory.mktemp("tiny_llama"), seed=3, max_position_embeddings=1024)
     return load_model(path, progress=False)
