@@ -355,7 +355,8 @@ class CudaRuntime(Runtime):
         self.cooperative_launch = bool(attr("COOPERATIVE_LAUNCH"))
         self.total_mem = int(check(cu.cuDeviceTotalMem(self.dev), "cuDeviceTotalMem"))
         raw = check(cu.cuDeviceGetName(256, self.dev), "cuDeviceGetName")
-        self.name = raw.split(b"\x00", 1)[0].decode(errors="replace").strip()
+        raw = raw.decode(errors="replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+        self.name = raw.split("\x00", 1)[0].strip()
         self._modules: dict[str, Module] = {}
 
     def __repr__(self):
