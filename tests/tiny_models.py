@@ -110,3 +110,88 @@ def save_tiny_model(kind: str, path, seed: int = 0, max_shard_size: str | None =
     if tokenizer:
         write_byte_tokenizer(path, model.config.vocab_size)
     return path, model
+
+
+def _permute_like_llama_cpp(w, n_head: int):
+    """What llama.cpp's converter does to llama q/k rows: rotate-half pairs -> interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf_from_hf(model, path, qtype: str = "F32") -> Path:
+    """Write a transformers tiny model as a GGUF file the way llama.cpp's converter lays it out (llama q/k rows
+    permuted, llama3 scaling as a rope_freqs tensor). Matrices are stored as ``qtype`` (F32, F16, BF16, Q8_0,
+    ...; quantized through gguf.quants), norms and biases as F32."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(H)
+    w.add_head_count_kv(Hkv)
+    w.add_key_length(D)
+    w.add_value_length(D)
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    w.add_rope_freq_base(float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    if cfg.model_type == "mistral" and cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    qt = gguf.GGMLQuantizationType[qtype]
+
+    def add(name, arr, quantize=True):
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if quantize and arr.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
+            if qt == gguf.GGMLQuantizationType.F16:
+                w.add_tensor(name, arr.astype(np.float16))
+            else:
+                w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(name, arr)
+
+    if rp.get("rope_type") == "llama3":  # llama.cpp stores llama3 scaling as per-frequency divisors
+        from hipengine.config import ModelConfig
+
+        kw = dict(family="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                  intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
+                  num_heads=H, num_kv_heads=Hkv, head_dim=D, rope_theta=float(rp["rope_theta"]))
+        rs = {k: v for k, v in rp.items() if k != "rope_theta"}
+        base, scaled = ModelConfig(**kw).rope_inv_freq(), ModelConfig(**kw, rope_scaling=rs).rope_inv_freq()
+        w.add_rope_scaling_orig_ctx_len(int(rs["original_max_position_embeddings"]))
+        add("rope_freqs.weight", base / scaled, quantize=False)
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        add("output.weight", sd["lm_head.weight"])
+    perm = arch == "llama"
+    names = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+             "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_proj.bias": "attn_q.bias",
+             "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in names.items():
+            key = f"model.layers.{i}.{hf}"
+            if key not in sd:
+                continue
+            arr = sd[key]
+            if perm and hf.startswith("self_attn.q_proj"):
+                arr = _permute_like_llama_cpp(arr, H)
+            elif perm and hf.startswith("self_attn.k_proj"):
+                arr = _permute_like_llama_cpp(arr, Hkv)
+            add(f"blk.{i}.{gg}", arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

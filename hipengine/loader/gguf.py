@@ -120,7 +120,7 @@ def read_config(reader, tensors: dict, path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm=arch == "qwen3",
-        sliding_window=int(sw) if (sw and arch == "mistral") else None,
+        sliding_window=int(sw) if (sw and arch in ("llama", "mistral")) else None,
         bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids,
         name=str(_field(reader, "general.name", path.stem)),
         extra={"gguf_architecture": arch, "tokenizer_model": _field(reader, "tokenizer.ggml.model")},
