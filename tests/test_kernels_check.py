@@ -73,3 +73,12 @@ def test_missing_clang_is_an_error_unless_skipped(kernels, monkeypatch):
 def test_unknown_target():
     with pytest.raises(DeviceError, match="unknown target"):
         check.check_all(["gfx1100"], [])
+
+
+@pytest.mark.skipif(not HAVE_NVRTC, reason="NVRTC not installed")
+def test_cli_entry_point(capsys):
+    from hipengine.cli import main
+
+    assert main(["kernels", "check", "--arch", "sm_90"]) == 0
+    out = capsys.readouterr().out
+    assert "ops/probe.hip" in out and "sm_90" in out and "0 failed" in out
