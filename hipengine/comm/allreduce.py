@@ -346,7 +346,8 @@ class CustomAllReduce:
     DTYPES = {"float32": "f32", "bfloat16": "bf16", "f32": "f32", "bf16": "bf16"}
 
     def __init__(self, devices: list[int] | None = None, max_bytes: int = 8 << 20, nblocks: int | None = None,
-                 threads: int = 256, timeout_s: float = 5.0, streams: list | None = None):
+                 threads: int = 256, timeout_s: float = 5.0, streams: list | None = None,
+                 defines: dict | None = None):
         from ..gpu.runtime import device_count, get_runtime
 
         devices = list(range(device_count())) if devices is None else list(devices)
@@ -383,7 +384,7 @@ class CustomAllReduce:
         for r, rt in enumerate(self.rts):
             tab = self.layout.table(r, bases, self.status[r].ptr, timeout_ns)
             self.tables.append(rt.upload(np.frombuffer(bytes(tab), dtype=np.uint8)))
-            self.fns.append(rt.compile("comm/allreduce.hip"))
+            self.fns.append(rt.compile("comm/allreduce.hip", defines=defines))
         for rt in self.rts:
             rt.synchronize()
 

@@ -105,13 +105,21 @@ HE_INLINE he_u32* ar_flag(const ArPeerTable* T, int dst, int kind, int vb, int s
 }
 HE_INLINE bool ar_reached(he_u32 flag, he_u32 epoch) { return (int)(flag - epoch) >= 0; }  // wrap-safe
 
+// AR_FENCE_EVERY_THREAD=1 (default): the per-thread fences described in the header, correct by the letter
+// of both vendors' models. =0 keeps only the signalling thread's release (relies on barrier cumulativity,
+// which PTX guarantees); it exists to measure what the extra fences cost, not for production use.
+#ifndef AR_FENCE_EVERY_THREAD
+#define AR_FENCE_EVERY_THREAD 1
+#endif
+
 // Signal: called by the whole block after its data stores. Fence per thread (see header), barrier, then
 // thread p publishes `epoch` into rank p's flag row for us.
 HE_INLINE void ar_signal(const ArPeerTable* T, int kind, int vb, he_u32 epoch) {
-  he_fence_acq_rel_system();  // release: this thread's data stores are visible system-wide before the barrier
+  if (AR_FENCE_EVERY_THREAD) he_fence_acq_rel_system();  // release: this thread's stores, before the barrier
   he_sync_block();
   const int p = he_thread_idx();
   if (p < (int)T->world && p != (int)T->rank) {
+    if (!AR_FENCE_EVERY_THREAD) he_fence_acq_rel_system();
     // release store at system scope: pairs with the acquire poll in ar_wait on GPU p.
     he_store_release_system(ar_flag(T, p, kind, vb, (int)T->rank), epoch);
   }
@@ -141,7 +149,7 @@ HE_INLINE bool ar_wait(const ArPeerTable* T, int kind, int vb, he_u32 epoch) {
   }
   he_sync_block();
   const bool ok = s_failed == 0;
-  he_fence_acq_rel_system();  // acquire side for every reading thread (see header)
+  if (AR_FENCE_EVERY_THREAD) he_fence_acq_rel_system();  // acquire side for every reading thread (see header)
   he_sync_block();            // s_failed may be rewritten by the next wait only after everyone read it
   return ok;
 }
