@@ -21,7 +21,7 @@ import pytest
 from hipengine.server import create_app
 
 API_KEY = "test-key-123"
-N = 3  # tokens per generation: enough to compare text, cheap on the CPU reference
+N = 2  # tokens per generation: enough to compare text, cheap on the CPU reference
 
 
 @functools.lru_cache(maxsize=1)
