@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -249,10 +250,13 @@ def main(argv=None) -> int:
     hbm, hbm_src = hbm_read_bw(rt, stream)
     res = dict(gpu=rt.name, arch=rt.arch, sms=rt.num_sms, hbm_read_gbps=hbm / 1e9, hbm_source=hbm_src,
                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    res["commit"] = os.environ.get("HIPENGINE_COMMIT") or "unknown"
     try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        if out.returncode == 0:
+            res["commit"] = out.stdout.strip()
     except Exception:
-        res["commit"] = "unknown"
+        pass
     res["matvec"] = bench_matvecs(rt, ops, stream, hbm)
     res["attention"] = bench_attention(rt, ops, stream, hbm)
     if not a.skip_decode:

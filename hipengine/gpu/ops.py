@@ -165,7 +165,8 @@ class Ops:
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
                         c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream)
         self.rt.launch(self.fn("attention_decode", "attention_combine"), (nh, T), 128,
-                       [_p(partial), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)], stream=stream)
+                       [_p(partial), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)], shared=nsplit * 4,
+                       stream=stream)
 
     @staticmethod
     def partial_floats(T: int, nh: int, hd: int, nsplit: int) -> int:

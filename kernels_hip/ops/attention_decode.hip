@@ -24,6 +24,7 @@
 #include "port.h"
 
 constexpr int kAttnMaxGroup = 8;
+constexpr int kAttnUnroll = 4;  // K/V rows loaded per lane group before use
 
 HE_INLINE float he_dot8_bf16(const he_vec16 k, const float* q) {
   return he_bf16lo_to_f32(k.x) * q[0] + he_bf16hi_to_f32(k.x) * q[1] + he_bf16lo_to_f32(k.y) * q[2] +
@@ -66,17 +67,23 @@ HE_INLINE void he_attention_split_block(const float* __restrict__ q, const he_bf
   }
   he_sync_block();
 
-  // 1. scores
+  // 1. scores. kAttnUnroll rows per lane group are loaded before any is used (latency hiding).
   const he_bf16* kbase = k_cache + ((he_i64)kvh * max_ctx + start) * hd;
-  for (int p0 = 0; p0 < n; p0 += rows_per_sweep) {
-    const int p = p0 + he_warp_id() * rpw + rw;
-    const bool valid = p < n;
-    he_vec16 kv = {0u, 0u, 0u, 0u};
-    if (dim_ok) kv = he_load16_stream(kbase + (he_i64)(valid ? p : 0) * hd + sub * 8);
-    for (int g = 0; g < G; ++g) {
-      float s = dim_ok ? he_dot8_bf16(kv, qs + g * hd + sub * 8) : 0.f;
-      for (int o = lpr / 2; o > 0; o >>= 1) s += he_shfl_xor(s, o);  // stays inside the lane group
-      if (valid && sub == 0) sc[g * chunk + p] = s;
+  for (int p0 = 0; p0 < n; p0 += kAttnUnroll * rows_per_sweep) {
+    he_vec16 kv[kAttnUnroll];
+#pragma unroll
+    for (int j = 0; j < kAttnUnroll; ++j) {
+      const int p = p0 + j * rows_per_sweep + he_warp_id() * rpw + rw;
+      kv[j] = (p < n && dim_ok) ? he_load16_stream(kbase + (he_i64)p * hd + sub * 8) : he_vec16{0u, 0u, 0u, 0u};
+    }
+#pragma unroll
+    for (int j = 0; j < kAttnUnroll; ++j) {
+      const int p = p0 + j * rows_per_sweep + he_warp_id() * rpw + rw;
+      for (int g = 0; g < G; ++g) {
+        float s = dim_ok ? he_dot8_bf16(kv[j], qs + g * hd + sub * 8) : 0.f;
+        for (int o = lpr / 2; o > 0; o >>= 1) s += he_shfl_xor(s, o);  // stays inside the lane group
+        if (p < n && sub == 0) sc[g * chunk + p] = s;
+      }
     }
   }
   he_sync_block();
@@ -105,19 +112,28 @@ HE_INLINE void he_attention_split_block(const float* __restrict__ q, const he_bf
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
   const he_bf16* vbase = v_cache + ((he_i64)kvh * max_ctx + start) * hd;
-  for (int p0 = 0; p0 < n; p0 += rows_per_sweep) {
-    const int p = p0 + he_warp_id() * rpw + rw;
-    if (p < n && dim_ok) {
-      const he_vec16 v = he_load16_stream(vbase + (he_i64)p * hd + sub * 8);
-      const float vf[8] = {he_bf16lo_to_f32(v.x), he_bf16hi_to_f32(v.x), he_bf16lo_to_f32(v.y),
-                           he_bf16hi_to_f32(v.y), he_bf16lo_to_f32(v.z), he_bf16hi_to_f32(v.z),
-                           he_bf16lo_to_f32(v.w), he_bf16hi_to_f32(v.w)};
+  for (int p0 = 0; p0 < n; p0 += kAttnUnroll * rows_per_sweep) {
+    he_vec16 vv[kAttnUnroll];
 #pragma unroll
-      for (int g = 0; g < kAttnMaxGroup; ++g) {
-        if (g < G) {
-          const float e = sc[g * chunk + p];
+    for (int j = 0; j < kAttnUnroll; ++j) {
+      const int p = p0 + j * rows_per_sweep + he_warp_id() * rpw + rw;
+      vv[j] = (p < n && dim_ok) ? he_load16_stream(vbase + (he_i64)p * hd + sub * 8) : he_vec16{0u, 0u, 0u, 0u};
+    }
 #pragma unroll
-          for (int j = 0; j < 8; ++j) acc[g][j] += e * vf[j];
+    for (int j = 0; j < kAttnUnroll; ++j) {
+      const int p = p0 + j * rows_per_sweep + he_warp_id() * rpw + rw;
+      if (p < n && dim_ok) {
+        const he_vec16 v = vv[j];
+        const float vf[8] = {he_bf16lo_to_f32(v.x), he_bf16hi_to_f32(v.x), he_bf16lo_to_f32(v.y),
+                             he_bf16hi_to_f32(v.y), he_bf16lo_to_f32(v.z), he_bf16hi_to_f32(v.z),
+                             he_bf16lo_to_f32(v.w), he_bf16hi_to_f32(v.w)};
+#pragma unroll
+        for (int g = 0; g < kAttnMaxGroup; ++g) {
+          if (g < G) {
+            const float e = sc[g * chunk + p];
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) acc[g][jj] += e * vf[jj];
+          }
         }
       }
     }
@@ -169,21 +185,29 @@ HE_KERNEL(256) attention_split(const float* __restrict__ q, const he_bf16* __res
 }
 
 // out[h] = Σ_s 2^(m_s − M) o_s / Σ_s 2^(m_s − M) l_s  over non-empty splits.  grid = (num_heads, T).
-HE_INLINE void he_attention_combine_head(const float* __restrict__ pr, int nsplit, int hd, float* __restrict__ out) {
-  float M = he_neg_inf();
-  for (int s = 0; s < nsplit; ++s)
-    if (pr[s * (hd + 2) + hd + 1] > 0.f) M = he_fmax(M, pr[s * (hd + 2) + hd]);
-  float L = 0.f;
-  for (int s = 0; s < nsplit; ++s) {
-    const float l = pr[s * (hd + 2) + hd + 1];
-    if (l > 0.f) L += l * he_exp2(pr[s * (hd + 2) + hd] - M);
+// The split weights are computed in parallel (one thread per split) into shared memory; a serial loop over
+// splits would chain nsplit dependent global loads (~0.5 µs each).
+HE_INLINE void he_attention_combine_head(const float* __restrict__ pr, int nsplit, int hd, float* __restrict__ out,
+                                         float* wsh, float* scratch) {
+  const int t = he_thread_idx(), nt = he_block_dim();
+  float m = he_neg_inf();
+  for (int s = t; s < nsplit; s += nt)
+    if (pr[s * (hd + 2) + hd + 1] > 0.f) m = he_fmax(m, pr[s * (hd + 2) + hd]);
+  const float M = he_block_max(m, scratch);
+  float l = 0.f;
+  for (int s = t; s < nsplit; s += nt) {
+    const float ls = pr[s * (hd + 2) + hd + 1];
+    const float w = ls > 0.f ? he_exp2(pr[s * (hd + 2) + hd] - M) : 0.f;
+    wsh[s] = w;
+    l += w * ls;
   }
-  const float inv = 1.f / L;
-  for (int d = he_thread_idx(); d < hd; d += he_block_dim()) {
+  const float inv = 1.f / he_block_sum(l, scratch);  // barriers inside also publish wsh
+  for (int d = t; d < hd; d += nt) {
     float o = 0.f;
+#pragma unroll 8
     for (int s = 0; s < nsplit; ++s) {
-      const float* p = pr + s * (hd + 2);
-      if (p[hd + 1] > 0.f) o += p[d] * he_exp2(p[hd] - M);
+      const float w = wsh[s];
+      if (w > 0.f) o += pr[s * (hd + 2) + d] * w;
     }
     out[d] = o * inv;
   }
@@ -191,8 +215,10 @@ HE_INLINE void he_attention_combine_head(const float* __restrict__ pr, int nspli
 
 HE_KERNEL(256) attention_combine(const float* __restrict__ partial, int nsplit, int nh, int hd,
                                  float* __restrict__ out) {
+  extern __shared__ float he_combine_w[];  // [nsplit]
+  __shared__ float scratch[kMaxWarpsPerBlock];
   const int h = he_block_idx(), tq = he_block_idx_y();
   he_attention_combine_head(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), nsplit, hd,
-                            out + ((he_i64)tq * nh + h) * hd);
+                            out + ((he_i64)tq * nh + h) * hd, he_combine_w, scratch);
 }
 #endif

@@ -9,7 +9,7 @@
 //
 // Why this shape. At batch 1 the step is bound by HBM: every weight byte is read once and used once. Each
 // lane issues 16-byte loads (8 weights), a warp sweeps kWarpSize·8 consecutive weights of a row per load,
-// and every lane keeps kUnroll·kRows loads in flight (8 × 16 B × 32 lanes = 4 KiB per warp on NVIDIA) so the
+// and every lane keeps kMatvecUnroll·kRows loads in flight (16 × 16 B × 32 lanes = 8 KiB per warp on NVIDIA) so the
 // memory system sees enough outstanding requests (H200: ~4.8 TB/s × ~1 µs latency ≈ 36 KiB per SM).
 // Weights are read with the streaming load (no L1 allocation): they are used exactly once per step.
 // The grid is sized by the host to a few blocks per SM and blocks stride over row groups, so the fused
@@ -22,7 +22,7 @@
 #include "port.h"
 #include "ops/rmsnorm.hip"
 
-constexpr int kMatvecUnroll = 4;  // 16-byte loads in flight per lane per row
+constexpr int kMatvecUnroll = 8;  // 16-byte loads in flight per lane per row (per batch)
 
 // Dot product of 8 packed weights with 8 fp32 activations (x 16-byte aligned).
 template <bool kF16>
@@ -38,33 +38,45 @@ HE_INLINE float he_wdot8(const he_vec16 w, const float* x) {
   return s;
 }
 
+// A batch is kMatvecUnroll warp-wide sweeps of kWarpSize·8 weights per row, starting at column c0. Loads past
+// the row's end are predicated off (zero vectors), so every `in` that is a multiple of 8 works and short rows
+// still issue all their loads at once.
+constexpr int kMatvecSweep = kWarpSize * 8;
+constexpr int kMatvecBatch = kMatvecUnroll * kMatvecSweep;
+
+template <int kRows>
+HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
+  const int lane = he_lane_id();
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int u = 0; u < kMatvecUnroll; ++u) {
+      const int c = c0 + u * kMatvecSweep + lane * 8;
+      w[r][u] = (c < in) ? he_load16_stream(rows[r] + c) : he_vec16{0u, 0u, 0u, 0u};
+    }
+}
+
 // One warp computes kRows dot products rows[r]·x over `in` elements; every lane returns all kRows sums.
-// xs is the staged activation (shared memory). The first loop keeps kMatvecUnroll·kRows loads in flight;
-// the second finishes rows whose length is not a multiple of the unrolled sweep.
+// `w` holds the first batch, already loaded (see he_matvec_load): the bodies issue it *before* the fused
+// prologue so HBM latency overlaps the normalisation of x (weights never depend on the activation).
 template <int kRows, bool kF16>
-HE_INLINE void he_matvec_warp(const he_u16* const (&rows)[kRows], int in, const float* xs, float (&acc)[kRows]) {
-  constexpr int kSweep = kWarpSize * 8;
+HE_INLINE void he_matvec_warp(const he_u16* const (&rows)[kRows], int in, const float* xs,
+                              he_vec16 (&w)[kRows][kMatvecUnroll], float (&acc)[kRows]) {
   const int lane = he_lane_id();
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-  int c = lane * 8;
-  for (; c + (kMatvecUnroll - 1) * kSweep < in; c += kMatvecUnroll * kSweep) {
-    he_vec16 w[kRows][kMatvecUnroll];
+  for (int c0 = 0;;) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
+    for (int u = 0; u < kMatvecUnroll; ++u) {
+      const int c = c0 + u * kMatvecSweep + lane * 8;
+      if (c < in) {
 #pragma unroll
-      for (int u = 0; u < kMatvecUnroll; ++u) w[r][u] = he_load16_stream(rows[r] + c + u * kSweep);
-#pragma unroll
-    for (int u = 0; u < kMatvecUnroll; ++u)
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) acc[r] += he_wdot8<kF16>(w[r][u], xs + c + u * kSweep);
-  }
-  for (; c < in; c += kSweep) {
-    he_vec16 w[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) w[r] = he_load16_stream(rows[r] + c);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r] += he_wdot8<kF16>(w[r], xs + c);
+        for (int r = 0; r < kRows; ++r) acc[r] += he_wdot8<kF16>(w[r][u], xs + c);
+      }
+    }
+    c0 += kMatvecBatch;
+    if (c0 >= in) break;
+    he_matvec_load<kRows>(rows, in, c0, w);
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = he_warp_sum(acc[r]);
@@ -79,13 +91,21 @@ template <bool kF16>
 HE_INLINE void he_matvec_body(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma,
                               float eps, const float* residual, float* y, int rows, int in, float* xs,
                               float* scratch) {
-  he_rmsnorm_stage(x, gamma, eps, in, xs, scratch);
   const int units = (rows + 1) / 2;
-  for (int u = he_block_idx() * he_num_warps() + he_warp_id(); u < units; u += he_grid_dim() * he_num_warps()) {
+  const int u0 = he_block_idx() * he_num_warps() + he_warp_id(), ustride = he_grid_dim() * he_num_warps();
+  he_vec16 w[2][kMatvecUnroll];
+  if (u0 < units) {  // first batch in flight before the prologue
+    const int r0 = 2 * u0, r1 = (r0 + 1 < rows) ? r0 + 1 : r0;
+    const he_u16* const rp[2] = {W + (he_i64)r0 * in, W + (he_i64)r1 * in};
+    he_matvec_load<2>(rp, in, 0, w);
+  }
+  he_rmsnorm_stage(x, gamma, eps, in, xs, scratch);
+  for (int u = u0; u < units; u += ustride) {
     const int r0 = 2 * u, r1 = (r0 + 1 < rows) ? r0 + 1 : r0;  // odd tail: recompute r0, write once
     const he_u16* const rp[2] = {W + (he_i64)r0 * in, W + (he_i64)r1 * in};
+    if (u != u0) he_matvec_load<2>(rp, in, 0, w);
     float acc[2];
-    he_matvec_warp<2, kF16>(rp, in, xs, acc);
+    he_matvec_warp<2, kF16>(rp, in, xs, w, acc);
     if (he_lane_id() == 0) {
       y[r0] = acc[0] + (residual ? residual[r0] : 0.f);
       if (r1 != r0) y[r1] = acc[1] + (residual ? residual[r1] : 0.f);
@@ -106,11 +126,18 @@ template <bool kF16>
 HE_INLINE void he_matvec_gate_up_body(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
                                       const float* __restrict__ gamma, float eps, float* y, int rows, int in,
                                       float* xs, float* scratch) {
+  const int r_first = he_block_idx() * he_num_warps() + he_warp_id(), rstride = he_grid_dim() * he_num_warps();
+  he_vec16 w[2][kMatvecUnroll];
+  if (r_first < rows) {
+    const he_u16* const rp[2] = {Wg + (he_i64)r_first * in, Wu + (he_i64)r_first * in};
+    he_matvec_load<2>(rp, in, 0, w);
+  }
   he_rmsnorm_stage(x, gamma, eps, in, xs, scratch);
-  for (int r = he_block_idx() * he_num_warps() + he_warp_id(); r < rows; r += he_grid_dim() * he_num_warps()) {
+  for (int r = r_first; r < rows; r += rstride) {
     const he_u16* const rp[2] = {Wg + (he_i64)r * in, Wu + (he_i64)r * in};
+    if (r != r_first) he_matvec_load<2>(rp, in, 0, w);
     float acc[2];
-    he_matvec_warp<2, kF16>(rp, in, xs, acc);
+    he_matvec_warp<2, kF16>(rp, in, xs, w, acc);
     if (he_lane_id() == 0) y[r] = he_silu(acc[0]) * acc[1];
   }
 }
@@ -141,16 +168,24 @@ HE_INLINE void he_matvec_qkv_body(const he_u16* __restrict__ W, const float* x, 
                                   float* __restrict__ q_out, he_bf16* __restrict__ k_cache,
                                   he_bf16* __restrict__ v_cache, int max_ctx, int q_dim, int kv_dim, int hd,
                                   int in, int rope, float* xs, float* scratch) {
-  he_rmsnorm_stage(x, gamma, eps, in, xs, scratch);
   const int half = hd / 2;
   const int pairs = (q_dim + 2 * kv_dim) / 2;
+  const int p_first = he_block_idx() * he_num_warps() + he_warp_id(), pstride = he_grid_dim() * he_num_warps();
+  he_vec16 w[2][kMatvecUnroll];
+  if (p_first < pairs) {
+    const int ra = (p_first / half) * hd + p_first % half;
+    const he_u16* const rp[2] = {W + (he_i64)ra * in, W + (he_i64)(ra + half) * in};
+    he_matvec_load<2>(rp, in, 0, w);
+  }
+  he_rmsnorm_stage(x, gamma, eps, in, xs, scratch);
   const int pos = *pos_p;
-  for (int p = he_block_idx() * he_num_warps() + he_warp_id(); p < pairs; p += he_grid_dim() * he_num_warps()) {
+  for (int p = p_first; p < pairs; p += pstride) {
     const int head = p / half, i = p % half;
     const int ra = head * hd + i, rb = ra + half;  // rows in the stacked matrix
     const he_u16* const rp[2] = {W + (he_i64)ra * in, W + (he_i64)rb * in};
+    if (p != p_first) he_matvec_load<2>(rp, in, 0, w);
     float acc[2];
-    he_matvec_warp<2, kF16>(rp, in, xs, acc);
+    he_matvec_warp<2, kF16>(rp, in, xs, w, acc);
     if (he_lane_id() != 0) continue;
     float a = acc[0] + (bias ? bias[ra] : 0.f), b = acc[1] + (bias ? bias[rb] : 0.f);
     if (!rope) { q_out[ra] = a; q_out[rb] = b; continue; }
