@@ -164,6 +164,45 @@ def test_timeout_reports_instead_of_hanging():
         c.close()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_residual_rmsnorm(dtype):
+    """residual += sum of partials (exact: integers), normed = RMSNorm(residual) * gamma, same bits on every
+    rank; a communicator with nblocks != 1 refuses the fused call."""
+    from hipengine.comm.allreduce import CustomAllReduce
+    from hipengine.errors import DeviceError
+
+    c = CustomAllReduce([0, 1], max_bytes=64 * 1024, nblocks=1)
+    try:
+        rng = np.random.default_rng(5)
+        n, eps = 2048 + 8, 1e-5  # not a multiple of the 1024-element tile
+        xs, raw = _ints(2, n, rng, dtype)
+        res0 = rng.integers(-100, 101, n).astype(np.float32)
+        gamma = rng.standard_normal(n).astype(np.float32)
+        bufs = [(rt.upload(raw[r]), rt.upload(res0), rt.upload(gamma), rt.malloc(n * 4)) for r, rt in enumerate(c.rts)]
+        c.allreduce_residual_rmsnorm([b[0] for b in bufs], [b[1] for b in bufs], [b[2] for b in bufs],
+                                     [b[3] for b in bufs], n, eps, dtype)
+        c.check()
+        want_res = res0.astype(np.float64) + np.sum(xs, axis=0, dtype=np.float64)
+        want = want_res / np.sqrt(np.mean(want_res ** 2) + eps) * gamma
+        outs = []
+        for r, rt in enumerate(c.rts):
+            np.testing.assert_array_equal(rt.download(bufs[r][1], (n,), np.float32), want_res)
+            outs.append(rt.download(bufs[r][3], (n,), np.float32))
+            np.testing.assert_allclose(outs[-1], want, rtol=2e-5, atol=1e-6)
+        assert outs[0].tobytes() == outs[1].tobytes()
+        for b in bufs:
+            for x in b:
+                x.free()
+    finally:
+        c.close()
+    c = CustomAllReduce([0, 1], max_bytes=64 * 1024, nblocks=4)
+    try:
+        with pytest.raises(DeviceError, match="nblocks=1"):
+            c.allreduce_residual_rmsnorm([0, 0], [0, 0], [0, 0], [0, 0], 1024, 1e-5)
+    finally:
+        c.close()
+
+
 def _args(i, o, nbytes, table, epoch):
     import ctypes
 

@@ -27,6 +27,7 @@ MAX_RANKS = 8
 KIND_ONESHOT, KIND_REDUCE_SCATTER, KIND_ALLGATHER = 0, 1, 2
 KIND_NAMES = ("one-shot", "reduce-scatter", "all-gather")
 STATUS_TIMEOUT = 0x10000
+STATUS_CONFIG = 0x20000  # fused all-reduce + RMSNorm launched on a communicator with nblocks != 1
 ONESHOT_MAX_BYTES = 256 * 1024  # above this two-shot wins on 2xH200 NVLink (bench allreduce measures it)
 
 
@@ -125,6 +126,8 @@ def reached(flag: int, epoch: int) -> bool:
 
 
 def status_message(code: int) -> str:
+    if code & STATUS_CONFIG:
+        return "fused all-reduce + RMSNorm needs a communicator with nblocks=1"
     kind, src = (code >> 8) & 0xFF, code & 0xFF
     what = KIND_NAMES[kind] if kind < len(KIND_NAMES) else f"kind {kind}"
     return f"all-reduce timed out waiting for rank {src} ({what} flag)"
@@ -414,6 +417,29 @@ class CustomAllReduce:
             if repeats:
                 args.append(ctypes.c_uint32(repeats))
             rt.launch(self.function(r, algo, dtype, bool(repeats)), grid, self.threads, args, stream=streams[r])
+
+    def allreduce_residual_rmsnorm(self, partials: list, residuals: list, gammas: list, normeds: list, n: int,
+                                   eps: float, dtype: str = "float32", streams: list | None = None) -> None:
+        """Fused decode epilogue on every rank: residual += all-reduce(partial); normed = RMSNorm(residual)
+        * gamma (residual, gamma, normed fp32; partial ``dtype``). Needs ``CustomAllReduce(nblocks=1)``."""
+        if self.broken:
+            raise DeviceError(f"custom all-reduce unusable after an earlier failure: {self.broken}")
+        if self.layout.nblocks != 1:
+            raise DeviceError("fused all-reduce + RMSNorm needs a communicator created with nblocks=1")
+        esize = 4 if self.DTYPES[dtype] == "f32" else 2
+        nbytes = n * esize
+        if nbytes % 16 or nbytes <= 0 or nbytes > self.layout.slot_bytes:
+            raise DeviceError(f"fused all-reduce: {n} elements x {esize} B must be a positive multiple of 16 B "
+                              f"up to {self.layout.slot_bytes} B")
+        streams = streams or self.streams
+        self.epochs["oneshot"] += 1  # shares the one-shot flags and slots (same tile -> block map: nblocks=1)
+        epoch = self.epochs["oneshot"] & 0xFFFFFFFF
+        name = f"allreduce_residual_rmsnorm_{self.DTYPES[dtype]}"
+        for r, rt in enumerate(self.rts):
+            args = [ctypes.c_void_p(_ptr(partials[r])), ctypes.c_void_p(_ptr(residuals[r])),
+                    ctypes.c_void_p(_ptr(gammas[r])), ctypes.c_void_p(_ptr(normeds[r])), ctypes.c_uint64(n),
+                    ctypes.c_float(eps), ctypes.c_void_p(self.tables[r].ptr), ctypes.c_uint32(epoch)]
+            rt.launch(self.fns[r].function(name), 1, self.threads, args, stream=streams[r])
 
     def delay(self, rank: int, ns: int, stream=None) -> None:
         """Enqueue a busy-wait of ``ns`` on rank's stream (tests: skew ranks' arrival)."""

@@ -156,13 +156,12 @@ HE_INLINE bool ar_wait(const ArPeerTable* T, int kind, int vb, he_u32 epoch) {
 
 // ---- one-shot: push everything to everyone, everyone sums --------------------------------------------
 // Latency-optimal for small messages: one flag round trip. Each byte crosses every link once per peer.
-template <class E>
-HE_INLINE bool ar_oneshot_block(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T, he_u32 epoch,
-                                int vb) {
+// Phase 1 (push + signal + wait) is shared with the fused variant below.
+HE_INLINE bool ar_oneshot_exchange(const void* in, he_u64 nbytes, const ArPeerTable* T, he_u32 epoch, int vb) {
   const int rank = (int)T->rank, world = (int)T->world, tid = he_thread_idx();
   const he_u64 tile = T->tile_bytes, par = epoch & 1u;
   const he_u64 ntiles = (nbytes + tile - 1) / tile;
-  // 1. push our tiles into slot `rank` of every peer's one-shot region (this parity).
+  // push our tiles into slot `rank` of every peer's one-shot region (this parity).
   for (he_u64 t = vb; t < ntiles; t += T->nblocks) {
     const he_u64 off = t * tile + (he_u64)tid * 16;
     if (off >= nbytes) continue;
@@ -174,17 +173,69 @@ HE_INLINE bool ar_oneshot_block(const void* in, void* out, he_u64 nbytes, const 
     }
   }
   ar_signal(T, kArKindOneshot, vb, epoch);
-  if (!ar_wait(T, kArKindOneshot, vb, epoch)) return false;
-  // 2. sum in rank order 0..world-1 (our own contribution straight from `in`): identical bits everywhere.
-  const char* mine = ar_base(T, rank) + T->off_os + par * world * T->slot_bytes;
+  return ar_wait(T, kArKindOneshot, vb, epoch);
+}
+
+// Sum of the 16-byte pack at `off` over ranks 0..world-1 in that order (our own contribution straight from
+// `in`): the same bits on every rank. Call after ar_oneshot_exchange returned true for this epoch.
+template <class E>
+HE_INLINE void ar_oneshot_sum_pack(float* acc, const void* in, he_u64 off, const ArPeerTable* T, he_u32 epoch) {
+  const int rank = (int)T->rank, world = (int)T->world;
+  const char* mine = ar_base(T, rank) + T->off_os + (he_u64)(epoch & 1u) * world * T->slot_bytes;
+  for (int i = 0; i < E::kN; ++i) acc[i] = 0.f;
+  for (int s = 0; s < world; ++s)
+    E::add(acc, he_load16(s == rank ? (const char*)in + off : mine + (he_u64)s * T->slot_bytes + off));
+}
+
+template <class E>
+HE_INLINE bool ar_oneshot_block(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T, he_u32 epoch,
+                                int vb) {
+  if (!ar_oneshot_exchange(in, nbytes, T, epoch, vb)) return false;
+  const he_u64 tile = T->tile_bytes, ntiles = (nbytes + tile - 1) / tile;
   for (he_u64 t = vb; t < ntiles; t += T->nblocks) {
-    const he_u64 off = t * tile + (he_u64)tid * 16;
+    const he_u64 off = t * tile + (he_u64)he_thread_idx() * 16;
     if (off >= nbytes) continue;
-    float acc[E::kN] = {};
-    for (int s = 0; s < world; ++s)
-      E::add(acc, he_load16(s == rank ? (const char*)in + off : mine + (he_u64)s * T->slot_bytes + off));
+    float acc[E::kN];
+    ar_oneshot_sum_pack<E>(acc, in, off, T, epoch);
     *(he_vec16*)((char*)out + off) = E::pack(acc);
   }
+  return true;
+}
+
+// ---- fused: all-reduce + residual add + RMSNorm (the decode step's O-proj / down-proj epilogue) --------
+// residual[i] += sum_r partial_r[i];  normed[i] = residual[i] * rsqrt(mean(residual^2) + eps) * gamma[i].
+// The norm needs the whole vector, so ONE block handles every tile: the communicator must have
+// nblocks == 1 (otherwise the status word reports kArStatusConfig and nothing is written). The hidden
+// vector of a decode step is 2-16 KB, a few tiles. residual, gamma, normed are fp32; `partial` is E.
+// Every rank computes the same residual bits (fixed-order sum) and so the same normed bits.
+constexpr he_u32 kArStatusConfig = 0x20000u;
+
+template <class E>
+HE_INLINE bool ar_oneshot_residual_rmsnorm_block(const void* partial, float* residual, const float* gamma,
+                                                 float* normed, he_u64 n, float eps, const ArPeerTable* T,
+                                                 he_u32 epoch) {
+  __shared__ float scratch[kMaxWarpsPerBlock];
+  if (T->nblocks != 1) {
+    if (he_thread_idx() == 0) he_store_relaxed_system((he_u32*)T->status, kArStatusConfig);
+    return false;
+  }
+  const he_u64 nbytes = n * (16 / E::kN);  // element size = 16 B / elements per pack
+  if (!ar_oneshot_exchange(partial, nbytes, T, epoch, 0)) return false;
+  const he_u64 packs = nbytes / 16;
+  float ss = 0.f;
+  for (he_u64 q = he_thread_idx(); q < packs; q += he_block_dim()) {
+    float acc[E::kN];
+    ar_oneshot_sum_pack<E>(acc, partial, q * 16, T, epoch);
+    float* res = residual + q * E::kN;
+    for (int i = 0; i < E::kN; ++i) {
+      const float r = res[i] + acc[i];
+      res[i] = r;
+      ss += r * r;
+    }
+  }
+  // he_block_sum sums warps in a fixed order: the scale is the same on every rank.
+  const float scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
+  for (he_u64 i = he_thread_idx(); i < n; i += he_block_dim()) normed[i] = residual[i] * scale * gamma[i];
   return true;
 }
 
@@ -255,6 +306,16 @@ AR_KERNELS(allreduce_oneshot_bf16, ar_oneshot_block, ArBf16)
 AR_KERNELS(allreduce_twoshot_f32, ar_twoshot_block, ArF32)
 AR_KERNELS(allreduce_twoshot_bf16, ar_twoshot_block, ArBf16)
 #undef AR_KERNELS
+
+// Fused epilogue, standalone (grid = 1 block of tile_bytes / 16 threads; communicator with nblocks == 1).
+#define AR_FUSED_KERNEL(NAME, E)                                                                         \
+  HE_KERNEL(1024) NAME(const void* partial, float* residual, const float* gamma, float* normed, he_u64 n,  \
+                       float eps, const ArPeerTable* T, he_u32 epoch) {                                  \
+    ar_oneshot_residual_rmsnorm_block<E>(partial, residual, gamma, normed, n, eps, T, epoch);            \
+  }
+AR_FUSED_KERNEL(allreduce_residual_rmsnorm_f32, ArF32)
+AR_FUSED_KERNEL(allreduce_residual_rmsnorm_bf16, ArBf16)
+#undef AR_FUSED_KERNEL
 
 // Busy-waits `ns` nanoseconds (tests: random per-rank delays ahead of an all-reduce on the same stream).
 HE_KERNEL(32) allreduce_delay(he_u64 ns) {
