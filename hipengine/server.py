@@ -224,7 +224,9 @@ class EngineWorker:
         with self._cv:
             if self._stopping:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
-            if len(self._waiting) >= self.max_queue:
+            # An idle engine takes the next job at once, so it holds one more than --max-queue
+            # (--max-queue 0 then means: serve one request, refuse any other while it runs).
+            if len(self._waiting) >= self.max_queue + (self._running is None):
                 raise QueueFull()
             self._waiting.append(job)
             self._cv.notify()
@@ -774,13 +776,16 @@ def run(args) -> int:
     if max_queue < 0:
         print(f"error: --max-queue must be >= 0, got {max_queue}", file=sys.stderr)
         return 2
-    # Fail on a taken port before spending seconds loading the model.
+    # Bind before the (slow) model load: a taken port fails at once, and uvicorn serves this very socket,
+    # so no other process can take the port in between.
     try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
     except OSError as e:
-        print(f"error: cannot listen on {host}:{port}: {e.strerror}; pick another --port", file=sys.stderr)
+        sock.close()
+        print(f"error: cannot listen on {host}:{port}: {e.strerror}; pick another --port or --host",
+              file=sys.stderr)
         return 2
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", file=sys.stderr)
@@ -788,12 +793,15 @@ def run(args) -> int:
     from .engine import Engine
 
     try:
-        load_kw = {"device": getattr(args, "device", None) or "auto", "tp": int(getattr(args, "tp", None) or 1)}
+        load_kw = {"device": getattr(args, "device", None) or "auto", "tp": int(getattr(args, "tp", None) or 1),
+                   "monokernel": not getattr(args, "no_monokernel", False),
+                   "allreduce": getattr(args, "allreduce", None) or "custom"}
         for name in ("shape", "max_context", "seed"):
             if getattr(args, name, None) is not None:
                 load_kw[name] = getattr(args, name)
         engine = Engine.load(getattr(args, "model", None), **load_kw)
     except HipEngineError as e:
+        sock.close()
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     _configure_logging()
@@ -801,5 +809,12 @@ def run(args) -> int:
                      max_body_bytes=int(getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES))
     print(f"hipengine: serving {app.state.server.model_name} on http://{host}:{port}/v1 "
           f"(max queue {max_queue}{', API key required' if api_key else ''})", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the Ctrl-C it already handled by shutting down gracefully: a clean stop
+    finally:
+        sock.close()
+        engine.close()
     return 0

@@ -304,3 +304,62 @@ def test_bad_requests_get_openai_errors(live):
     text = httpx.get(live.base + "/metrics").text
     assert 'hipengine_requests_total{endpoint="/v1/completions",status="400"}' in text
     assert 'hipengine_requests_total{endpoint="/v1/completions",status="401"}' in text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_serve_port_taken():
+    """`hipengine serve` on a taken port: one line, exit 2, before any model load."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "hipengine", "serve", "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error: cannot listen on"), p.stderr
+
+
+def test_cli_serve_end_to_end():
+    """The real entry point in its own process: serve, answer, log one JSON line, stop cleanly on SIGINT."""
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "hipengine", "serve", "--device", "cpu", "--port", str(port),
+                             "--max-queue", "1", "--api-key", API_KEY],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "server did not come up within 120 s"
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0)
+        assert r.choices[0].text == expected(PROMPT, max_tokens=1, temperature=0.0)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, err
+    lines = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
+    assert len(lines) == 1 and lines[0]["id"] == r.id and lines[0]["status"] == 200, err
+    assert {"prompt_tokens", "output_tokens", "ttft_ms", "tok_s"} <= set(lines[0])
