@@ -99,17 +99,18 @@ def bench_matvecs(rt, ops, stream, hbm) -> list[dict]:
         for b in bufs:
             rt.memset(b, 0x3C, b.nbytes)  # bf16 0x3C3C ≈ 0.0115: finite values
         # spot check against numpy on the first copy (all weights equal -> y = w * sum(x))
-        def launch(i, bufs=bufs, kind=kind, rows=rows, inn=inn):
+        def launch(i, bufs=bufs, kind=kind, rows=rows, inn=inn, threads=O.MATVEC_THREADS):
             w = bufs[i % len(bufs)]
             if kind == "qkv":
                 ops.matvec_qkv(w, x, y, kc, vc, cos_b, sin_b, pos, max_ctx=256, q_dim=2048, kv_dim=512, hd=64,
-                               inn=inn, gamma=g, eps=1e-5, rope=True, stream=stream)
+                               inn=inn, gamma=g, eps=1e-5, rope=True, stream=stream, threads=threads)
             elif kind == "gate_up":
-                ops.matvec_gate_up(w, w.ptr + rows * inn * 2, x, y, rows, inn, gamma=g, eps=1e-5, stream=stream)
+                ops.matvec_gate_up(w, w.ptr + rows * inn * 2, x, y, rows, inn, gamma=g, eps=1e-5, stream=stream,
+                                   threads=threads)
             elif kind == "mv_res":
-                ops.matvec(w, x, y, rows, inn, residual=y, stream=stream)
+                ops.matvec(w, x, y, rows, inn, residual=y, stream=stream, threads=threads)
             else:
-                ops.matvec(w, x, y, rows, inn, stream=stream)
+                ops.matvec(w, x, y, rows, inn, stream=stream, threads=threads)
 
         if kind == "mv":
             launch(0)
@@ -120,7 +121,11 @@ def bench_matvecs(rt, ops, stream, hbm) -> list[dict]:
             assert np.allclose(got, wv * xs, rtol=1e-3, atol=1e-3), f"{name}: wrong result"
         t = timed(rt, stream, launch)
         moved = wbytes + inn * 4 + rows * 4
-        rows_out.append(dict(op=name, rows=rows, inn=inn, us=t * 1e6, gbps=moved / t / 1e9, pct_hbm=100 * moved / t / hbm))
+        sweep = {}
+        for th in (64, 128, 512, 1024):  # block-size sweep: the default is MATVEC_THREADS
+            sweep[th] = moved / timed(rt, stream, lambda i, th=th: launch(i, threads=th), trials=5) / 1e9
+        rows_out.append(dict(op=name, rows=rows, inn=inn, us=t * 1e6, gbps=moved / t / 1e9,
+                             pct_hbm=100 * moved / t / hbm, gbps_by_threads=sweep))
         for b in bufs:
             b.free()
     return rows_out
@@ -270,7 +275,10 @@ def main(argv=None) -> int:
     print(f"\n{rt.name}: HBM read {hbm / 1e9:.0f} GB/s ({hbm_src})")
     print(f"{'op':48s} {'us':>9s} {'GB/s':>8s} {'%HBM':>6s}")
     for r in res["matvec"] + res["attention"]:
-        print(f"{r['op']:48s} {r['us']:9.2f} {r['gbps']:8.0f} {r['pct_hbm']:6.1f}")
+        extra = ""
+        if "gbps_by_threads" in r:
+            extra = "  by block: " + " ".join(f"{k}:{v:.0f}" for k, v in r["gbps_by_threads"].items())
+        print(f"{r['op']:48s} {r['us']:9.2f} {r['gbps']:8.0f} {r['pct_hbm']:6.1f}{extra}")
     d = res.get("decode", {})
     if "tok_s" in d:
         print(f"decode 1B per-op graph: {d['tok_s']:.0f} tok/s ({d['pct_hbm']:.1f}% of HBM roofline "

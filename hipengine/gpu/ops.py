@@ -83,11 +83,11 @@ class Ops:
             mod = self._mods[source] = self.rt.compile(f"ops/{source}.hip")
         return mod.function(name)
 
-    def _grid(self, units: int) -> int:
+    def _grid(self, units: int, threads: int = MATVEC_THREADS) -> int:
         """Blocks for a grid-stride kernel over `units` warp tasks: at most 4 blocks per SM, so the fused
         prologue is paid a few hundred times per launch rather than once per row."""
-        need = max(1, math.ceil(units / self.warps_per_block))
-        return min(need, 4 * self.rt.num_sms)
+        need = max(1, math.ceil(units / (threads // self.rt.warp_size)))
+        return min(need, 4 * self.rt.num_sms * MATVEC_THREADS // threads)
 
     def _check_in(self, inn: int) -> None:
         if inn % 8:
@@ -108,27 +108,27 @@ class Ops:
 
     # ---- matvecs ------------------------------------------------------------------------------------------
     def matvec(self, W, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, residual=None, f16=False,
-               stream=None, grid: int | None = None):
+               stream=None, grid: int | None = None, threads: int = MATVEC_THREADS):
         self._check_in(inn)
-        g = grid or self._grid((rows + 1) // 2)
-        self.rt.launch(self.fn("matvec", "matvec"), g, MATVEC_THREADS,
+        g = grid or self._grid((rows + 1) // 2, threads)
+        self.rt.launch(self.fn("matvec", "matvec"), g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
                         c_int32(int(f16))], shared=inn * 4, stream=stream)
 
     def matvec_gate_up(self, Wg, Wu, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
-                       stream=None, grid: int | None = None):
+                       stream=None, grid: int | None = None, threads: int = MATVEC_THREADS):
         self._check_in(inn)
-        g = grid or self._grid(rows)
-        self.rt.launch(self.fn("matvec", "matvec_gate_up"), g, MATVEC_THREADS,
+        g = grid or self._grid(rows, threads)
+        self.rt.launch(self.fn("matvec", "matvec_gate_up"), g, threads,
                        [_p(Wg), _p(Wu), _p(x), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
                         c_int32(int(f16))], shared=inn * 4, stream=stream)
 
     def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,
                    hd: int, inn: int, gamma=None, eps: float = 0.0, bias=None, rope: bool = True, f16=False,
-                   stream=None):
+                   stream=None, threads: int = MATVEC_THREADS):
         self._check_in(inn)
-        g = self._grid((q_dim + 2 * kv_dim) // 2)
-        self.rt.launch(self.fn("matvec", "matvec_qkv"), g, MATVEC_THREADS,
+        g = self._grid((q_dim + 2 * kv_dim) // 2, threads)
+        self.rt.launch(self.fn("matvec", "matvec_qkv"), g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(bias), _p(cos), _p(sin), _p(pos), _p(q_out),
                         _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(q_dim), c_int32(kv_dim), c_int32(hd),
                         c_int32(inn), c_int32(int(rope)), c_int32(int(f16))], shared=inn * 4, stream=stream)
