@@ -15,7 +15,7 @@ def test_10000_rounds_no_race_no_deadlock(world):
     # blocks=2, tile=2: sizes 4 and 7 give 2 and 4 tiles, so both blocks work, chunks span blocks, and the
     # last tile of size 7 is partial; for world 8 some ranks own empty chunks.
     m = ProtocolModel(world, nblocks=2, tile_elems=2, delay_p=0.02, seed=world)
-    errors = m.run(10_000 if world == 2 else 10_000 // (world // 2), sizes_elems=(4, 7, 1))
+    errors = m.run(4000 // (world // 2), sizes_elems=(4, 7, 1))  # the 10,000-round runs are below
     assert errors == []
 
 
