@@ -188,10 +188,15 @@ def cmd_chat(args) -> int:
         history.append({"role": "user", "content": line})
         st = GenerationStats()
         reply = []
-        for piece in eng.stream(eng.chat_ids(history), stats=st, **_sampling(args)):
-            reply.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        try:
+            for piece in eng.stream(eng.chat_ids(history), stats=st, **_sampling(args)):
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except HipEngineError as e:  # e.g. the history outgrew the context: say so, keep the session
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            continue
         sys.stdout.write("\n")
         _print_stats(st)
         history.append({"role": "assistant", "content": "".join(reply)})
