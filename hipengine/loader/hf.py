@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -67,18 +66,19 @@ def read_hf_config(d: Path) -> ModelConfig:
 
 
 def _open_safetensors(f: Path) -> tuple[np.memmap, int, dict]:
-    """Memory-map one file; return (map, data start offset, header) after checking it is complete."""
+    """Memory-map one file (its only open); return (map, data start offset, header) after checking that
+    every tensor the header lists lies inside the file."""
     size = f.stat().st_size
     if size < 8:
         raise ModelError(f"{f}: truncated safetensors file ({size} bytes)")
-    with open(f, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        if 8 + n > size:
-            raise ModelError(f"{f}: truncated safetensors file (header says {n} bytes, file has {size})")
-        try:
-            header = json.loads(fh.read(n))
-        except ValueError:
-            raise ModelError(f"{f}: corrupt safetensors header") from None
+    mm = np.memmap(f, dtype=np.uint8, mode="r")
+    n = int(mm[:8].view("<u8")[0])  # little-endian u64 header length
+    if 8 + n > size:
+        raise ModelError(f"{f}: truncated safetensors file (header says {n} bytes, file has {size})")
+    try:
+        header = json.loads(mm[8:8 + n].tobytes())
+    except ValueError:
+        raise ModelError(f"{f}: corrupt safetensors header") from None
     if not isinstance(header, dict):
         raise ModelError(f"{f}: corrupt safetensors header")
     header.pop("__metadata__", None)
@@ -95,7 +95,6 @@ def _open_safetensors(f: Path) -> tuple[np.memmap, int, dict]:
                              f"only {data_len} present)")
         if dt is not None and e - b != numel * dt.itemsize:
             raise ModelError(f"{f}: corrupt safetensors entry {name!r} (size does not match its shape)")
-    mm = np.memmap(f, dtype=np.uint8, mode="r")
     return mm, 8 + n, header
 
 
