@@ -3,6 +3,7 @@
 Per message size (float32 elements; the decode step's all-reduce is one hidden vector, 4-16 KB):
   custom one-shot / two-shot, standalone  one launch per all-reduce from Python, timed with device events
                                           over a batch of back-to-back calls (launch overhead included)
+  custom ..., in a graph                  a batch captured into one graph per rank (device-side epochs)
   custom ..., in-kernel                   K rounds inside one launch (the ``_repeat`` kernels); per round
   NCCL/RCCL eager                         one ncclAllReduce per call, batch timed like the standalone
   NCCL/RCCL in a graph                    a batch captured into one CUDA/HIP graph per rank, per call
@@ -88,6 +89,9 @@ class Harness:
         self.custom = CustomAllReduce(list(range(tp)), max_bytes=max_bytes)
         self.rts = self.custom.rts
         self.streams = self.custom.streams
+        # a second communicator with device-side epochs, so its calls can live in a graph like NCCL's
+        self.custom_g = CustomAllReduce(list(range(tp)), max_bytes=max_bytes, streams=self.streams,
+                                        device_epochs=True)
         self.nccl = None
         self.nccl_error = None
         try:
@@ -132,6 +136,16 @@ class Harness:
     def custom_call(self, algo: str, nbytes: int, repeats: int = 0):
         return lambda: self.custom.allreduce(self.ins, self.outs, nbytes, "float32", algo, repeats=repeats)
 
+    def custom_graph(self, algo: str, nbytes: int, calls: int):
+        for rt, s in zip(self.rts, self.streams):
+            rt.begin_capture(s)
+        try:
+            for _ in range(calls):
+                self.custom_g.allreduce(self.ins, self.outs, nbytes, "float32", algo)
+        finally:
+            graphs = [rt.end_capture(s) for rt, s in zip(self.rts, self.streams)]
+        return graphs
+
     def nccl_call(self, n: int):
         return lambda: self.nccl.allreduce(self.ins, self.outs, n, "float32", streams=self.streams)
 
@@ -150,6 +164,7 @@ class Harness:
         want = np.sum(np.stack(xs).astype(np.float64), axis=0)
         got = self.results(xs[0].size)
         self.custom.check()
+        self.custom_g.check()
         for r, g in enumerate(got):
             if not np.array_equal(g, want):
                 bad = int(np.flatnonzero(g != want)[0])
@@ -199,6 +214,19 @@ def run_bench(tp: int, sizes: list[int], log=print) -> dict:
             row[f"custom_{algo}_inkernel_us"] = h.timed(h.custom_call(algo, nbytes, IN_KERNEL_ROUNDS),
                                                         IN_KERNEL_ROUNDS)
             h.custom.check()
+            graphs = h.custom_graph(algo, nbytes, BATCH)
+            try:
+                h.upload(xs)
+                for g, s in zip(graphs, h.streams):
+                    g.launch(s)
+                h.check(f"custom {algo} graph", xs)
+                row[f"custom_{algo}_graph_us"] = h.timed(lambda: [g.launch(s) for g, s in zip(graphs, h.streams)],
+                                                         BATCH)
+                h.custom_g.check()
+            finally:
+                h.sync()
+                for g in graphs:
+                    g.destroy()
         if h.nccl is not None:
             try:
                 _nccl_row(h, row, xs, n)
@@ -219,17 +247,20 @@ def run_bench(tp: int, sizes: list[int], log=print) -> dict:
         "nblocks": h.custom.layout.nblocks, "threads": h.custom.threads,
         "method": f"median of {REPEATS} batches; standalone/eager = device-event time of {BATCH} back-to-back "
                   f"Python launches / {BATCH}; in-kernel = {IN_KERNEL_ROUNDS} rounds in one launch / "
-                  f"{IN_KERNEL_ROUNDS}; graph = {BATCH} captured calls / {BATCH}; slowest rank",
+                  f"{IN_KERNEL_ROUNDS}; graph (custom with device epochs, NCCL) = {BATCH} captured calls / {BATCH}; "
+                  "slowest rank",
         "rows": rows,
     }
     if h.nccl:
         h.nccl.close()
     h.custom.close()
+    h.custom_g.close()
     return info
 
 
-COLS = [("custom_oneshot_us", "1shot"), ("custom_twoshot_us", "2shot"), ("custom_oneshot_inkernel_us", "1shot-k"),
-        ("custom_twoshot_inkernel_us", "2shot-k"), ("nccl_eager_us", "nccl"), ("nccl_graph_us", "nccl-graph")]
+COLS = [("custom_oneshot_us", "1shot"), ("custom_twoshot_us", "2shot"), ("custom_oneshot_graph_us", "1shot-g"),
+        ("custom_twoshot_graph_us", "2shot-g"), ("custom_oneshot_inkernel_us", "1shot-k"),
+        ("custom_twoshot_inkernel_us", "2shot-k"), ("nccl_eager_us", "nccl"), ("nccl_graph_us", "nccl-g")]
 
 
 def _size(b: int) -> str:

@@ -350,7 +350,7 @@ class CustomAllReduce:
 
     def __init__(self, devices: list[int] | None = None, max_bytes: int = 8 << 20, nblocks: int | None = None,
                  threads: int = 256, timeout_s: float = 5.0, streams: list | None = None,
-                 defines: dict | None = None):
+                 defines: dict | None = None, device_epochs: bool = False):
         from ..gpu.runtime import device_count, get_runtime
 
         devices = list(range(device_count())) if devices is None else list(devices)
@@ -373,6 +373,10 @@ class CustomAllReduce:
         self.threads = threads
         self.streams = streams or [rt.stream() for rt in self.rts]
         self.epochs = {"oneshot": 0, "twoshot": 0}
+        # device_epochs: the epoch lives in per-virtual-block device counters (the kernels' _graph variants),
+        # so calls can be captured into a CUDA/HIP graph and replayed; host epochs are then never used.
+        self.device_epochs = device_epochs
+        self.ctrs = []
         self.broken: str | None = None
         self.bufs, self.status, self.tables, self.fns = [], [], [], []
         for rt in self.rts:
@@ -382,6 +386,10 @@ class CustomAllReduce:
             rt.memset(st, 0, 16)
             self.bufs.append(buf)
             self.status.append(st)
+            if device_epochs:
+                ctr = rt.malloc(2 * nblocks * 4)  # [oneshot, twoshot][nblocks] u32
+                rt.memset(ctr, 0, 2 * nblocks * 4)
+                self.ctrs.append(ctr)
         bases = [b.ptr for b in self.bufs]
         timeout_ns = int(timeout_s * 1e9)
         for r, rt in enumerate(self.rts):
@@ -407,10 +415,22 @@ class CustomAllReduce:
                               f"{self.layout.slot_bytes} B (the communicator's max_bytes)")
         algo = self.pick(nbytes) if algo == "auto" else algo
         streams = streams or self.streams
+        grid = self.layout.grid(nbytes)
+        if self.device_epochs:
+            if repeats:
+                raise DeviceError("repeated all-reduce kernels use host epochs: create the communicator "
+                                  "without device_epochs")
+            row = 0 if algo == "oneshot" else 1
+            for r, rt in enumerate(self.rts):
+                ctr = self.ctrs[r].ptr + row * self.layout.nblocks * 4
+                args = [ctypes.c_void_p(_ptr(ins[r])), ctypes.c_void_p(_ptr(outs[r])), ctypes.c_uint64(nbytes),
+                        ctypes.c_void_p(self.tables[r].ptr), ctypes.c_void_p(ctr)]
+                rt.launch(self.fns[r].function(f"allreduce_{algo}_{self.DTYPES[dtype]}_graph"), grid,
+                          self.threads, args, stream=streams[r])
+            return
         n = max(repeats, 1)
         epoch = self.epochs[algo] + 1
         self.epochs[algo] += n
-        grid = self.layout.grid(nbytes)
         for r, rt in enumerate(self.rts):
             args = [ctypes.c_void_p(_ptr(ins[r])), ctypes.c_void_p(_ptr(outs[r])), ctypes.c_uint64(nbytes),
                     ctypes.c_void_p(self.tables[r].ptr), ctypes.c_uint32(epoch & 0xFFFFFFFF)]
@@ -424,8 +444,9 @@ class CustomAllReduce:
         * gamma (residual, gamma, normed fp32; partial ``dtype``). Needs ``CustomAllReduce(nblocks=1)``."""
         if self.broken:
             raise DeviceError(f"custom all-reduce unusable after an earlier failure: {self.broken}")
-        if self.layout.nblocks != 1:
-            raise DeviceError("fused all-reduce + RMSNorm needs a communicator created with nblocks=1")
+        if self.layout.nblocks != 1 or self.device_epochs:
+            raise DeviceError("fused all-reduce + RMSNorm needs a communicator created with nblocks=1 "
+                              "(and host epochs)")
         esize = 4 if self.DTYPES[dtype] == "f32" else 2
         nbytes = n * esize
         if nbytes % 16 or nbytes <= 0 or nbytes > self.layout.slot_bytes:
@@ -458,9 +479,9 @@ class CustomAllReduce:
                 raise DeviceError(status_message(code) + f" (on GPU rank {r}); the TP group must be restarted")
 
     def close(self) -> None:
-        for b in self.bufs + self.status + self.tables:
+        for b in self.bufs + self.status + self.tables + self.ctrs:
             b.free()
-        self.bufs, self.status, self.tables = [], [], []
+        self.bufs, self.status, self.tables, self.ctrs = [], [], [], []
 
 
 def _ptr(x) -> int:

@@ -291,9 +291,23 @@ HE_INLINE bool ar_twoshot_block(const void* in, void* out, he_u64 nbytes, const 
 // multiple of 16; in/out are this rank's device buffers (out may not alias in for two-shot peers' reads:
 // it never does, peers read only our comm buffer). The repeated variants run `repeats` back-to-back rounds
 // with epochs epoch0 .. epoch0 + repeats - 1 (the host advances its counter by `repeats`).
+// The _graph variants keep the epoch on the device instead, so a captured CUDA/HIP graph can be replayed:
+// epoch_ctr[vb] (rank-local, one per virtual block, zeroed at setup) holds the block's last epoch. Kernels
+// on one stream run in order and a kernel boundary publishes all of a kernel's writes to the next, so the
+// next launch reads the advanced value; every rank runs the same launch sequence with the same sizes, so
+// the counters of virtual block vb agree across ranks (blocks not launched for a small message advance on
+// no rank). A communicator uses either host epochs or device epochs, never both.
 #define AR_KERNELS(NAME, ALGO, E)                                                                        \
   HE_KERNEL(1024) NAME(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T, he_u32 epoch) {   \
     ALGO<E>(in, out, nbytes, T, epoch, he_block_idx());                                                  \
+  }                                                                                                      \
+  HE_KERNEL(1024) NAME##_graph(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T,           \
+                               he_u32* epoch_ctr) {                                                      \
+    const int vb = he_block_idx();                                                                       \
+    const he_u32 epoch = epoch_ctr[vb] + 1;                                                              \
+    ALGO<E>(in, out, nbytes, T, epoch, vb);                                                              \
+    /* every thread read epoch_ctr[vb] before the barriers inside ALGO: safe to advance it now */         \
+    if (he_thread_idx() == 0) epoch_ctr[vb] = epoch;                                                     \
   }                                                                                                      \
   HE_KERNEL(1024) NAME##_repeat(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T,          \
                                 he_u32 epoch0, he_u32 repeats) {                                         \
