@@ -122,13 +122,36 @@ def bench_matvecs(rt, ops, stream, hbm) -> list[dict]:
         t = timed(rt, stream, launch)
         moved = wbytes + inn * 4 + rows * 4
         sweep = {}
-        for th in (64, 128, 512, 1024):  # block-size sweep: the default is MATVEC_THREADS
+        for th in (128, 512):  # block-size sweep: the default is MATVEC_THREADS
             sweep[th] = moved / timed(rt, stream, lambda i, th=th: launch(i, threads=th), trials=5) / 1e9
         rows_out.append(dict(op=name, rows=rows, inn=inn, us=t * 1e6, gbps=moved / t / 1e9,
                              pct_hbm=100 * moved / t / hbm, gbps_by_threads=sweep))
         for b in bufs:
             b.free()
     return rows_out
+
+
+def bench_unroll(rt, stream, hbm) -> list[dict]:
+    """The same matvecs compiled with other load depths (HE_MATVEC_UNROLL), default block size."""
+    out = []
+    for unroll in (4,):
+        ops_u = O.Ops(rt, defines={"HE_MATVEC_UNROLL": unroll})
+        for name, rows, inn in (("o-proj 2048->2048", 2048, 2048), ("down 8192->2048", 2048, 8192),
+                                ("lm head 2048->128256", 128256, 2048)):
+            n = copies_for(rows * inn * 2)
+            bufs = [rt.malloc(rows * inn * 2) for _ in range(n)]
+            for b in bufs:
+                rt.memset(b, 0x3C, b.nbytes)
+            x, y = rt.malloc(inn * 4), rt.malloc(rows * 4)
+            rt.memset(x, 0, inn * 4)
+            t = timed(rt, stream, lambda i, bufs=bufs, rows=rows, inn=inn, x=x, y=y:
+                      ops_u.matvec(bufs[i % len(bufs)], x, y, rows, inn, stream=stream), trials=5)
+            moved = rows * inn * 2
+            out.append(dict(op=f"{name} unroll {unroll}", us=t * 1e6, gbps=moved / t / 1e9,
+                            pct_hbm=100 * moved / t / hbm))
+            for b in bufs + [x, y]:
+                b.free()
+    return out
 
 
 def bench_attention(rt, ops, stream, hbm) -> list[dict]:
@@ -154,8 +177,15 @@ def bench_attention(rt, ops, stream, hbm) -> list[dict]:
 
         t = timed(rt, stream, launch)
         moved = 2 * cache_bytes
+        # the two kernels apart: where a short context's time goes
+        from ctypes import c_int32
+
+        comb = ops.fn("attention_decode", "attention_combine")
+        t_comb = timed(rt, stream, lambda i, part=part, nsplit=nsplit: rt.launch(
+            comb, (nh, 1), 128, [O._p(part), c_int32(nsplit), c_int32(nh), c_int32(hd), O._p(out)],
+            shared=nsplit * 4, stream=stream), trials=5)
         out_rows.append(dict(op=f"attention ctx {ctx} (split {nsplit}x{chunk})", us=t * 1e6, gbps=moved / t / 1e9,
-                             pct_hbm=100 * moved / t / hbm))
+                             pct_hbm=100 * moved / t / hbm, combine_us=t_comb * 1e6))
         for kb, vb in caches:
             kb.free()
             vb.free()
@@ -264,6 +294,7 @@ def main(argv=None) -> int:
         pass
     res["matvec"] = bench_matvecs(rt, ops, stream, hbm)
     res["attention"] = bench_attention(rt, ops, stream, hbm)
+    res["matvec_unroll"] = bench_unroll(rt, stream, hbm)
     if not a.skip_decode:
         try:
             res["decode"] = bench_decode(rt, hbm)
@@ -274,10 +305,12 @@ def main(argv=None) -> int:
             json.dump(res, f, indent=1)
     print(f"\n{rt.name}: HBM read {hbm / 1e9:.0f} GB/s ({hbm_src})")
     print(f"{'op':48s} {'us':>9s} {'GB/s':>8s} {'%HBM':>6s}")
-    for r in res["matvec"] + res["attention"]:
+    for r in res["matvec"] + res["matvec_unroll"] + res["attention"]:
         extra = ""
         if "gbps_by_threads" in r:
             extra = "  by block: " + " ".join(f"{k}:{v:.0f}" for k, v in r["gbps_by_threads"].items())
+        if "combine_us" in r:
+            extra = f"  (combine alone {r['combine_us']:.1f} us)"
         print(f"{r['op']:48s} {r['us']:9.2f} {r['gbps']:8.0f} {r['pct_hbm']:6.1f}{extra}")
     d = res.get("decode", {})
     if "tok_s" in d:

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import DeviceError, UnsupportedError
 from .runtime import DeviceBuffer, HostBuffer
 
-MATVEC_THREADS = 256  # 8 warps (NVIDIA) / 4 waves (AMD) per block
+MATVEC_THREADS = 256  # 8 warps (NVIDIA) / 4 waves (AMD) per block; kernels allow up to 512
 ATTN_THREADS = 256
 SAMPLE_THREADS = 1024  # must equal kSampleThreads in sampling.hip
 MAX_M = 8  # kMaxM in prefill.hip
@@ -72,15 +72,16 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int) -> tuple[int, 
 class Ops:
     """Compiled op modules for one device, with one launcher per kernel."""
 
-    def __init__(self, rt):
+    def __init__(self, rt, defines: dict | None = None):
         self.rt = rt
+        self.defines = defines  # compile-time knobs (e.g. HE_MATVEC_UNROLL) for benchmarks
         self._mods: dict[str, object] = {}
         self.warps_per_block = MATVEC_THREADS // rt.warp_size
 
     def fn(self, source: str, name: str):
         mod = self._mods.get(source)
         if mod is None:
-            mod = self._mods[source] = self.rt.compile(f"ops/{source}.hip")
+            mod = self._mods[source] = self.rt.compile(f"ops/{source}.hip", defines=self.defines)
         return mod.function(name)
 
     def _grid(self, units: int, threads: int = MATVEC_THREADS) -> int:

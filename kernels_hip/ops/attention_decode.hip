@@ -203,11 +203,14 @@ HE_INLINE void he_attention_combine_head(const float* __restrict__ pr, int nspli
   }
   const float inv = 1.f / he_block_sum(l, scratch);  // barriers inside also publish wsh
   for (int d = t; d < hd; d += nt) {
+    // Loads are unconditional (empty splits hold stale values, masked by the select) so the unrolled loop
+    // issues 8 independent L2 loads before the first FMA needs one; a conditional load serialised them.
     float o = 0.f;
 #pragma unroll 8
     for (int s = 0; s < nsplit; ++s) {
       const float w = wsh[s];
-      if (w > 0.f) o += pr[s * (hd + 2) + d] * w;
+      const float v = pr[s * (hd + 2) + d];
+      o += (w > 0.f) ? v * w : 0.f;
     }
     out[d] = o * inv;
   }

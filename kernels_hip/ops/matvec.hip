@@ -22,7 +22,11 @@
 #include "port.h"
 #include "ops/rmsnorm.hip"
 
-constexpr int kMatvecUnroll = 8;  // 16-byte loads in flight per lane per row (per batch)
+// 16-byte loads in flight per lane per row (per batch). A define so benchmarks can compare depths.
+#ifndef HE_MATVEC_UNROLL
+#define HE_MATVEC_UNROLL 8
+#endif
+constexpr int kMatvecUnroll = HE_MATVEC_UNROLL;
 
 // Dot product of 8 packed weights with 8 fp32 activations (x 16-byte aligned).
 template <bool kF16>
@@ -42,6 +46,10 @@ HE_INLINE float he_wdot8(const he_vec16 w, const float* x) {
 // the row's end are predicated off (zero vectors), so every `in` that is a multiple of 8 works and short rows
 // still issue all their loads at once.
 constexpr int kMatvecSweep = kWarpSize * 8;
+// Launch bound of the matvec kernels: 512 threads leaves 128 registers per thread (NVIDIA), enough for the
+// 2 x kMatvecUnroll 16-byte loads in flight without spilling; a 1024 bound capped them at 64 and spilled
+// (measured on H200: the LM head fell from 96% to 56% of HBM bandwidth).
+constexpr int kMatvecMaxThreads = 512;
 constexpr int kMatvecBatch = kMatvecUnroll * kMatvecSweep;
 
 template <int kRows>
@@ -113,7 +121,7 @@ HE_INLINE void he_matvec_body(const he_u16* __restrict__ W, const float* x, cons
   }
 }
 
-HE_KERNEL(1024) matvec(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
+HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
                        const float* residual, float* y, int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];  // [in]
   __shared__ float scratch[kMaxWarpsPerBlock];
@@ -142,7 +150,7 @@ HE_INLINE void he_matvec_gate_up_body(const he_u16* __restrict__ Wg, const he_u1
   }
 }
 
-HE_KERNEL(1024) matvec_gate_up(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
+HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
                                const float* __restrict__ gamma, float eps, float* y, int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
@@ -203,7 +211,7 @@ HE_INLINE void he_matvec_qkv_body(const he_u16* __restrict__ W, const float* x, 
   }
 }
 
-HE_KERNEL(1024) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
+HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
                            const float* __restrict__ bias, const float* __restrict__ cos_t,
                            const float* __restrict__ sin_t, const int* __restrict__ pos_p, float* __restrict__ q_out,
                            he_bf16* __restrict__ k_cache, he_bf16* __restrict__ v_cache, int max_ctx, int q_dim,
