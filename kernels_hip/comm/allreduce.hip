@@ -287,6 +287,9 @@ HE_INLINE bool ar_twoshot_block(const void* in, void* out, he_u64 nbytes, const 
 }
 
 // ---- standalone kernels -------------------------------------------------------------------------------
+// The monokernel includes this file for the __device__ bodies above; it defines AR_NO_KERNELS first so
+// these entry points are not compiled into its module.
+#ifndef AR_NO_KERNELS
 // Launch: grid = min(nblocks, tiles), block = tile_bytes / 16 threads (<= 1024). `nbytes` must be a
 // multiple of 16; in/out are this rank's device buffers (out may not alias in for two-shot peers' reads:
 // it never does, peers read only our comm buffer). The repeated variants run `repeats` back-to-back rounds
@@ -336,3 +339,4 @@ HE_KERNEL(32) allreduce_delay(he_u64 ns) {
   const he_u64 t0 = he_clock_ns();
   while (he_clock_ns() - t0 < ns) he_sleep(200);
 }
+#endif  // AR_NO_KERNELS
