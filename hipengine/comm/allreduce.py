@@ -159,11 +159,13 @@ class ProtocolModel:
     """
 
     def __init__(self, world: int, nblocks: int = 2, tile_elems: int = 2, *, double_buffer: bool = True,
-                 reset_flags: bool = False, chunk_relative: bool = False, timeout_s: float = 5.0, delay_p: float = 0.02, seed: int = 0,
+                 reset_flags: bool = False, chunk_relative: bool = False, device_epochs: bool = False,
+                 timeout_s: float = 5.0, delay_p: float = 0.02, seed: int = 0,
                  delay_hook=None):
         self.world, self.nblocks, self.tile_elems = world, nblocks, tile_elems
         self.layout = ArLayout(world, nblocks, tile_elems * 16, max_bytes=1 << 20)
         self.double_buffer, self.reset_flags, self.chunk_relative = double_buffer, reset_flags, chunk_relative
+        self.device_epochs = device_epochs  # epochs from per-(rank, block) counters, as the _graph kernels
         self.timeout_s, self.delay_p = timeout_s, delay_p
         self.delay_hook = delay_hook  # f(rank, vb, epoch, point) -> seconds to sleep (targeted delays)
         self.mem = [_Rank() for _ in range(world)]
@@ -306,8 +308,14 @@ class ProtocolModel:
             return (r + 1) * 1000003 + k * 7919 + i
 
         def worker(r: int, vb: int):
+            ctr = {a: 0 for a in algos}  # this block's device-side epoch counters (device_epochs mode)
             for k, (a, n, epoch) in enumerate(plan):
                 nbytes = n * 16  # the layout counts 16-byte packs; one model element stands for one pack
+                if vb >= self.layout.grid(nbytes):
+                    continue  # as on the GPU: no block is launched past the last tile
+                if self.device_epochs:
+                    ctr[a] += 1
+                    epoch = ctr[a]
                 x = [value(r, k, i) for i in range(_round_up(n, te))]
                 out = [None] * len(x)
                 fn = self._oneshot if a == "oneshot" else self._twoshot
