@@ -1,0 +1,219 @@
+"""``hipengine bench decode (--shape NAME | --model PATH) [--context N ...] [--tp N] [--no-monokernel]
+[--json OUT] [--plot OUT.png]``: TTFT and decode tok/s against the roofline measured in the same run.
+
+Method (docs/perf-log.md records what each figure meant at the time):
+  * roofline: HBM read bandwidth measured now (hipengine.bench.probe) / bytes one decode step must read
+    (every weight once + the KV cache at that context: ModelConfig.decode_bytes_per_token).
+  * context C: the decode steps run with the KV cache filled to C - GEN positions and end at C. At the
+    smallest context the prompt is real (C - GEN random token ids prefilled through the per-op path) and
+    TTFT is that request's time to its first token. Larger contexts fill the KV cache synthetically (a
+    constant bf16 pattern): prefilling 32K tokens costs minutes, and decode time does not depend on values.
+  * decode tok/s = (GEN - 1) / (time of the last token - time of the first), host clock at the moment each
+    token reaches the host (the monokernel's mapped ring; the per-op path's per-token read-back): what a
+    streaming client sees. Median of RUNS runs; every run is a fresh request.
+  * both paths run on the same uploaded weights: the monokernel (default) and the per-op path
+    (GpuBackend.generate_ids, CUDA/HIP graph per step), which is the baseline; --no-monokernel runs only it.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..backend import SamplingParams
+from ..errors import HipEngineError, UnsupportedError
+from . import git_commit, utc_now
+
+RUNS = 5
+GEN = 128  # tokens decoded per run
+DEFAULT_CONTEXTS = (1024, 8192, 32768)
+KV_FILL_BYTE = 0x3C  # bf16 0x3c3c ~ 0.0115: finite, harmless attention inputs
+
+
+def _load(args):
+    if bool(args.shape) == bool(args.model):
+        raise UnsupportedError("bench decode needs exactly one of --shape NAME or --model PATH")
+    if args.shape:
+        from ..presets import preset_model
+
+        return preset_model(args.shape, 0), args.shape
+    from ..loader import load_model
+
+    return load_model(args.model, progress=False), Path(args.model).name
+
+
+def _timed(gen) -> tuple[list[int], list[float]]:
+    toks, stamps = [], []
+    for t in gen:
+        stamps.append(time.perf_counter())
+        toks.append(t)
+    return toks, stamps
+
+
+def _decode_rate(stamps: list[float]) -> float:
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
+
+
+def _per_op_from_state(be, token: int, n: int) -> tuple[list[int], list[float]]:
+    """The per-op path's decode loop (GpuBackend.generate_ids after its prefill) from a filled KV cache:
+    graph step, device sampling, one int read back per token."""
+    from ..gpu.executor import GpuBackend  # noqa: F401  (the methods used below are GpuBackend's)
+
+    s = be.stream
+    be._set_int(be.tokens, token)
+    be._set_int(be.pos_buf, be.pos)
+    be._set_int(be.hist_len, 0)
+    tok_host = np.zeros(1, np.int32)
+    toks, stamps = [], []
+    for _ in range(n):
+        be._run_decode()
+        be.ops.decode_advance(be.tokens, be.history, be.hist_len, be.pos_buf, be.max_context, stream=s)
+        be.ops.sample(be.logits, be.config.vocab_size, be.history, be.hist_len, be.pos_buf, be.tokens, be.z,
+                      stream=s)
+        s.synchronize()
+        be.rt.copy_dtoh(tok_host, be.tokens)
+        stamps.append(time.perf_counter())
+        toks.append(int(tok_host[0]))
+        be.pos += 1
+    return toks, stamps
+
+
+def _fill_kv(be) -> None:
+    per = be.kv_layer_bytes * be.config.num_layers
+    be.rt.memset(be.k_cache, KV_FILL_BYTE, per)
+    be.rt.memset(be.v_cache, KV_FILL_BYTE, per)
+
+
+def measure(be, contexts, paths, runs: int = RUNS, gen: int = GEN, log=print) -> list[dict]:
+    from ..gpu.executor import GpuBackend
+
+    cfg = be.config
+    params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    rows = []
+    rng = np.random.default_rng(0)
+    smallest = min(contexts)
+    for C in sorted(contexts):
+        be.resize_context(C)
+        real = C == smallest
+        prompt = rng.integers(0, cfg.vocab_size, C - gen)
+        if not real:
+            _fill_kv(be)
+        for path in paths:
+            ttfts, rates, first = [], [], None
+            for r in range(runs + 1):  # run 0 warms up (compiles, captures the graph)
+                t0 = time.perf_counter()
+                if real:
+                    g = be.generate_ids(prompt, params) if path == "monokernel" else \
+                        GpuBackend.generate_ids(be, prompt, params, lambda: False)
+                    toks, stamps = _timed(g)
+                else:
+                    be.pos = C - gen
+                    if path == "monokernel":
+                        toks, stamps = _timed(be.generate_from_state(int(prompt[-1]), 0, params))
+                    else:
+                        toks, stamps = _per_op_from_state(be, int(prompt[-1]), gen)
+                if len(toks) != gen:
+                    raise HipEngineError(f"{path} produced {len(toks)} tokens, expected {gen}")
+                if r == 0:
+                    first = toks
+                    continue
+                if toks != first:
+                    raise HipEngineError(f"{path} at context {C}: greedy output changed between runs")
+                ttfts.append(stamps[0] - t0)
+                rates.append(_decode_rate(stamps))
+            rows.append({"context": C, "path": path, "prompt": "real" if real else "synthetic-kv",
+                         "ttft_ms": statistics.median(ttfts) * 1e3 if real else None,
+                         "tok_s": statistics.median(rates), "tok_s_runs": rates, "tokens": first})
+            log(f"  context {C:6d} {path:10s} {rows[-1]['tok_s']:8.1f} tok/s")
+        same = [r for r in rows if r["context"] == C]
+        if len(same) == 2:  # recorded, not raised: a divergence is a finding to report next to the figures
+            for r in same:
+                r["identical_to_other_path"] = same[0]["tokens"] == same[1]["tokens"]
+    return rows
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except HipEngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args) -> int:
+    from ..gpu.monokernel import MonokernelBackend, grid_info
+    from ..gpu.runtime import get_runtime
+    from .probe import measure_hbm_read_bandwidth
+
+    if getattr(args, "tp", 1) != 1:
+        raise UnsupportedError(f"bench decode --tp {args.tp}: tensor parallelism is not implemented yet; use --tp 1")
+    contexts = sorted(set(args.context or DEFAULT_CONTEXTS))
+    loaded, name = _load(args)
+    rt = get_runtime(0)
+    print(f"measuring HBM read bandwidth on {rt.name} ...", file=sys.stderr)
+    hbm = measure_hbm_read_bandwidth(rt)
+    t0 = time.perf_counter()
+    be = MonokernelBackend(loaded, max_context=min(contexts))
+    print(f"loaded {name} in {time.perf_counter() - t0:.1f} s; grid {grid_info(be)}", file=sys.stderr)
+    paths = ["per-op"] if args.no_monokernel else ["monokernel", "per-op"]
+    try:
+        rows = measure(be, contexts, paths, log=lambda m: print(m, file=sys.stderr))
+        info = grid_info(be)
+    finally:
+        be.close()
+    cfg = loaded.config
+    for r in rows:
+        b = cfg.decode_bytes_per_token(2.0, context=r["context"])
+        r["bytes_per_token"] = b
+        r["roofline_tok_s"] = hbm / b
+        r["achieved_gbps"] = r["tok_s"] * b / 1e9
+        r["pct_hbm"] = 100.0 * r["tok_s"] * b / hbm
+        r.pop("tokens")
+    result = {"benchmark": "decode", "model": name, "gpu": rt.name, "arch": rt.arch, "sms": rt.num_sms,
+              "commit": git_commit(), "date": utc_now(), "hbm_read_gbps": hbm / 1e9, "runs": RUNS,
+              "gen_tokens": GEN, "monokernel": info, "results": rows}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
+    print(f"{name} on {rt.name}, HBM read {hbm / 1e9:.0f} GB/s (measured now)")
+    print(f"{'context':>8} {'path':>10} {'TTFT ms':>8} {'tok/s':>8} {'roofline':>9} {'% HBM':>6}")
+    for r in rows:
+        ttft = f"{r['ttft_ms']:.1f}" if r["ttft_ms"] is not None else "-"
+        print(f"{r['context']:>8} {r['path']:>10} {ttft:>8} {r['tok_s']:>8.1f} {r['roofline_tok_s']:>9.1f} "
+              f"{r['pct_hbm']:>5.1f}%")
+    return 0
+
+
+def plot(result: dict, out: str) -> None:
+    """tok/s against context per path, with the roofline (measured HBM read / bytes per token) drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["results"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    ctx = sorted({r["context"] for r in rows})
+    roof = {r["context"]: r["roofline_tok_s"] for r in rows}
+    ax.plot(ctx, [roof[c] for c in ctx], "k--", label=f"roofline ({result['hbm_read_gbps']:.0f} GB/s HBM read)")
+    for path, style in (("monokernel", "o-"), ("per-op", "s-")):
+        pts = sorted((r["context"], r["tok_s"]) for r in rows if r["path"] == path)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=path)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ctx, [f"{c // 1024}K" for c in ctx])
+    ax.set_xlabel("context (tokens in the KV cache)")
+    ax.set_ylabel("decode tok/s (batch 1)")
+    ax.set_title(f"{result['model']} bf16 on {result['gpu']} ({result['commit'][:8]})")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)

@@ -1,0 +1,487 @@
+"""Host side of the monokernel (kernels_hip/monokernel/decode.hip): the whole decode step — and the whole
+generation loop — in one persistent, cooperatively launched kernel.
+
+Layout. The parameter block (``MkParams``), the per-layer table (``MkLayer``), the kernel-written state
+(``MkState``) and the host-mapped control words have ONE definition: the tables below. ``c_layout_text()``
+generates the C structs with ``static_assert(sizeof/offsetof)`` lines, pasted verbatim between the
+GENERATED markers of decode.hip; tests/test_monokernel_layout.py fails when the two drift, and every
+compile of decode.hip (NVRTC, clang gfx942) checks the C side's offsets against the numbers Python computed.
+
+Streaming. One launch generates up to ``max_tokens`` tokens. Each token id goes into a pinned, mapped host
+ring (plain store, then a system-scope release of the write index); the host thread polls the index and
+yields ids as they land. ``should_stop()`` (cancel, stop strings) sets a host-written cancel word the kernel
+reads once per token with a system-scope acquire. Every spin-wait in the kernel has a timeout that writes an
+error code into the mapped status word; the host raises it as ``DeviceError``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from ctypes import c_float, c_int32, c_uint32, c_uint64, c_void_p
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..backend import SamplingParams
+from ..errors import DeviceError, RequestError, UnsupportedError
+from . import ops as O
+from .executor import GpuBackend
+
+SOURCE = "monokernel/decode.hip"
+KERNEL = "monokernel_decode"
+THREADS = 256  # == ops.MATVEC_THREADS == ops.ATTN_THREADS: same block reductions -> bit-identical to per-op
+MAX_EOS = 16
+
+# ---- the one layout definition ----------------------------------------------------------------------------
+# (field name, C type). C pointer types are 8 bytes on every target we build for (sm_90, gfx942).
+_CTYPES = {"he_i32": c_int32, "he_u32": c_uint32, "float": c_float, "he_u64": c_uint64}
+
+LAYER_FIELDS = [
+    ("wqkv", "const he_u16*"),      # [q_dim + 2 kv_dim, d] bf16/fp16 (wq|wk|wv stacked)
+    ("wo", "const he_u16*"),        # [d, q_dim]
+    ("w_gate", "const he_u16*"),    # [ffn, d]
+    ("w_up", "const he_u16*"),      # [ffn, d]
+    ("w_down", "const he_u16*"),    # [d, ffn]
+    ("attn_norm", "const float*"),  # [d]
+    ("ffn_norm", "const float*"),   # [d]
+    ("bqkv", "const float*"),       # [q_dim + 2 kv_dim] or null
+    ("q_norm", "const float*"),     # [hd] or null (Qwen3)
+    ("k_norm", "const float*"),     # [hd] or null
+    ("k_cache", "he_bf16*"),        # [nkv, max_ctx, hd]
+    ("v_cache", "he_bf16*"),        # [nkv, max_ctx, hd]
+    ("w_f16", "he_i32"),            # weights are fp16 (else bf16)
+    ("pad0", "he_i32"),
+]
+
+PARAM_FIELDS = [
+    ("layers", "const MkLayer*"),   # [n_layers]
+    ("embed", "const he_u16*"),     # [vocab, d]
+    ("lm_head", "const he_u16*"),   # [vocab, d] (== embed when tied)
+    ("final_norm", "const float*"), # [d]
+    ("cos_t", "const float*"),      # [max_ctx, hd/2]
+    ("sin_t", "const float*"),      # [max_ctx, hd/2]
+    ("iota", "const int*"),         # [max_ctx] iota[i] = i: a read-only position word for the op bodies
+    ("x", "float*"),                # [d] residual stream
+    ("qkv", "float*"),              # [q_dim + 2 kv_dim] raw projections (qk_norm path)
+    ("q", "float*"),                # [q_dim] rotated queries
+    ("att", "float*"),              # [q_dim] attention output
+    ("h", "float*"),                # [ffn] MLP hidden
+    ("partial", "float*"),          # [nh, nsplit, hd + 2] attention split partials
+    ("logits", "float*"),           # [vocab]
+    ("z", "float*"),                # [vocab] sampling scratch
+    ("history", "int*"),            # [max_ctx] prompt + generated ids (repetition penalty)
+    ("eos", "const int*"),          # [n_eos]
+    ("state", "MkState*"),          # device memory, written by the kernel
+    ("bar", "HeGridBarrier*"),      # device memory, zeroed before each launch
+    ("attn_count", "he_u32*"),      # [nkv] split-arrival counters, zeroed before each launch
+    ("host", "he_u32*"),            # mapped host words (MK_HOST_WORDS)
+    ("ring", "int*"),               # mapped host token ring [ring_cap]
+    ("timeout_ns", "he_u64"),       # every spin-wait gives up after this long
+    ("vocab", "he_i32"),
+    ("d", "he_i32"),
+    ("ffn", "he_i32"),
+    ("nh", "he_i32"),
+    ("nkv", "he_i32"),
+    ("hd", "he_i32"),
+    ("n_layers", "he_i32"),
+    ("max_ctx", "he_i32"),
+    ("nsplit", "he_i32"),
+    ("chunk", "he_i32"),
+    ("embed_f16", "he_i32"),
+    ("head_f16", "he_i32"),
+    ("qk_norm", "he_i32"),
+    ("n_eos", "he_i32"),
+    ("mode", "he_i32"),             # MK_MODE_* bits
+    ("max_tokens", "he_i32"),
+    ("ring_cap", "he_i32"),
+    ("top_k", "he_i32"),
+    ("eps", "float"),
+    ("temperature", "float"),
+    ("top_p", "float"),
+    ("min_p", "float"),
+    ("rep_pen", "float"),
+    ("seed_lo", "he_u32"),
+    ("seed_hi", "he_u32"),
+    ("prefetch", "he_i32"),         # issue the next stage's first weight loads before each barrier wait
+]
+
+STATE_FIELDS = [
+    ("token", "he_i32"),     # the token to embed next (host-written for MK_MODE_EMBED_FIRST)
+    ("pos", "he_i32"),       # position the next decode step writes (final value on exit)
+    ("hist_len", "he_i32"),  # valid entries of history
+    ("n_out", "he_i32"),     # tokens emitted by this launch
+    ("stop", "he_i32"),      # MK_FINISH_* decided by block 0 after sampling (0 = continue)
+    ("steps", "he_i32"),     # decode steps run by this launch
+    ("pad0", "he_i32"),
+    ("pad1", "he_i32"),
+]
+
+# Host-mapped control words (u32 indices). write_idx/status/finish are device-written (system-scope
+# release); cancel is host-written (device reads with a system-scope acquire once per token).
+MK_HOST_WORDS = ["write_idx", "status", "finish", "cancel", "n_out", "pos", "pad0", "pad1"]
+
+MK_MODE_EMBED_FIRST = 1  # start with a decode step of state.token (else: sample from the logits buffer)
+MK_MODE_ONE_STEP = 2     # stop after one decode step (the logits stay in the buffer; no sampling)
+MK_FINISH = {1: "stop", 2: "length", 3: "cancelled", 4: "context"}
+# Must match sync.h's kStatus* (checked by tests/test_monokernel_layout.py).
+MK_STATUS = {0: "running", 1: "done", 2: "grid barrier timeout", 3: "counter wait timeout",
+             4: "aborted by another block's error"}
+
+
+def _ctype(ct: str):
+    return c_uint64 if ct.endswith("*") else _CTYPES[ct]
+
+
+def _struct(name: str, fields) -> type:
+    return type(name, (ctypes.Structure,), {"_fields_": [(n, _ctype(t)) for n, t in fields]})
+
+
+MkLayer = _struct("MkLayer", LAYER_FIELDS)
+MkParams = _struct("MkParams", PARAM_FIELDS)
+MkState = _struct("MkState", STATE_FIELDS)
+_STRUCTS = [("MkLayer", MkLayer, LAYER_FIELDS), ("MkState", MkState, STATE_FIELDS),
+            ("MkParams", MkParams, PARAM_FIELDS)]
+# Python side of the layout check: natural alignment, no hidden padding (every pointer/u64 8-aligned).
+for _n, _S, _f in _STRUCTS:
+    _off = 0
+    for _name, _t in _f:
+        _sz = ctypes.sizeof(_ctype(_t))
+        _off = (_off + _sz - 1) // _sz * _sz
+        assert getattr(_S, _name).offset == _off, (_n, _name)
+        _off += _sz
+    assert ctypes.sizeof(_S) == (_off + 7) // 8 * 8, _n
+
+
+def c_layout_text() -> str:
+    """The C definitions decode.hip must contain verbatim (between the GENERATED markers)."""
+    out = ["// BEGIN GENERATED by hipengine/gpu/monokernel.py c_layout_text(): edit the Python tables, not this.",
+           "// Offsets are compile-time checked where the front end has __builtin_offsetof (clang: gfx942 and the",
+           "// host layout probe); NVRTC lacks it, so monokernel_layout() reports them at run time and the host",
+           "// compares (MonokernelBackend._check_layout).",
+           "#if defined(__clang__)",
+           "#define MK_OFFSET_CHECK(T, f, off) static_assert(__builtin_offsetof(T, f) == off, #T \".\" #f);",
+           "#else",
+           "#define MK_OFFSET_CHECK(T, f, off)",
+           "#endif",
+           "struct HeGridBarrier;", "struct MkLayer;", "struct MkState;"]
+    for name, S, fields in _STRUCTS:
+        out.append(f"struct {name} {{")
+        out += [f"  {t} {n};" for n, t in fields]
+        out.append("};")
+        out.append(f'static_assert(sizeof({name}) == {ctypes.sizeof(S)}, "{name} size (Python table)");')
+        out += [f"MK_OFFSET_CHECK({name}, {n}, {getattr(S, n).offset})" for n, _ in fields]
+    # enums, not constexpr ints: NVRTC warns about unreferenced constants and warnings are errors
+    out.append("enum MkHostWord { " + ", ".join(f"kMkHost_{w} = {i}" for i, w in enumerate(MK_HOST_WORDS)) + " };")
+    out.append(f"enum MkMode {{ kMkModeEmbedFirst = {MK_MODE_EMBED_FIRST}, kMkModeOneStep = {MK_MODE_ONE_STEP} }};")
+    out.append("enum MkFinish { " + ", ".join(f"kMkFinish_{v} = {k}" for k, v in MK_FINISH.items()) + " };")
+    out.append(f"enum {{ kMkThreads = {THREADS} }};")
+    # Run-time layout report (NVRTC has no offsetof): sizes then offsets, in layout_expected() order.
+    out.append("extern \"C\" __global__ void monokernel_layout(he_u64* out) {")
+    out.append("  if (he_thread_idx() != 0 || he_block_idx() != 0) return;")
+    i = 0
+    for name, _S, fields in _STRUCTS:
+        v = f"v{name}"
+        out.append(f"  {name} {v}{{}};")
+        out.append(f"  out[{i}] = sizeof({name});")
+        i += 1
+        for n, _ in fields:
+            out.append(f"  out[{i}] = (he_u64)((const char*)&{v}.{n} - (const char*)&{v});")
+            i += 1
+    out.append("}")
+    out.append("// END GENERATED")
+    return "\n".join(out) + "\n"
+
+
+def layout_expected() -> list[int]:
+    """What monokernel_layout() must report: per struct, its size then each field's offset."""
+    vals = []
+    for _name, S, fields in _STRUCTS:
+        vals.append(ctypes.sizeof(S))
+        vals += [getattr(S, n).offset for n, _ in fields]
+    return vals
+
+
+GEN_BEGIN, GEN_END = "// BEGIN GENERATED", "// END GENERATED\n"
+
+
+def source_layout_block(text: str) -> str:
+    a = text.index(GEN_BEGIN)
+    b = text.index(GEN_END, a) + len(GEN_END)
+    return text[a:b]
+
+
+def write_layout(path=None) -> None:
+    """Regenerate the layout block of decode.hip from the tables (run after editing them)."""
+    from .runtime import KERNELS_DIR
+
+    path = path or KERNELS_DIR / SOURCE
+    text = path.read_text()
+    path.write_text(text.replace(source_layout_block(text), c_layout_text()))
+
+
+def compile_args(vendor: str, f16: bool) -> dict:
+    """rt.compile() keyword arguments for decode.hip. HIPENGINE_MK_MAXRREG caps registers on NVIDIA so two
+    blocks fit per SM (the default lets the compiler use up to 255: one block of 256 threads per SM)."""
+    opts = []
+    cap = os.environ.get("HIPENGINE_MK_MAXRREG")
+    if cap and vendor == "nvidia":
+        opts.append(f"--maxrregcount={int(cap)}")
+    return {"defines": {"MK_WEIGHT_F16": int(f16)}, "options": opts or None}
+
+
+def precompile(arch: str = "sm_90", f16_variants=(False,)) -> list[str]:
+    """Fill the compile cache for an NVIDIA arch without a GPU (NVRTC only): the per-op modules and the
+    monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling."""
+    from . import backend_cuda as bc, compiler
+    from .runtime import KERNELS_DIR
+
+    jobs = [(f"ops/{p.name}", {}) for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]
+    jobs += [(SOURCE, compile_args("nvidia", f16)) for f16 in f16_variants]
+    done = []
+    for src, kw in jobs:
+        path, text = compiler.resolve_source(src)
+        opts = bc.nvrtc_options(arch, path.parent, kw.get("defines"), kw.get("options"))
+        key_opts = [o for o in opts if not o.startswith("-I")]
+        compiler.cached_build(text, path.parent, arch, key_opts, bc.nvrtc_id(),
+                              lambda: bc.nvrtc_compile(text, path.name, opts)[0], ".cubin")
+        done.append(src)
+    return done
+
+
+# ---- the backend ------------------------------------------------------------------------------------------
+class MonokernelBackend(GpuBackend):
+    """GpuBackend whose decode / generate_ids run in the monokernel; prefill keeps the per-op path."""
+
+    def __init__(self, loaded, max_context: int | None = None, tp: int = 1, monokernel: bool = True,
+                 allreduce: str = "custom", device: int = 0):
+        super().__init__(loaded, max_context=max_context, tp=tp, monokernel=True, allreduce=allreduce,
+                         device=device)
+        rt, cfg = self.rt, self.config
+        f16 = {bool(L["f16"]) for L in self.layers} | {bool(self.embed_f16), bool(self.head_f16)}
+        if len(f16) != 1:
+            raise UnsupportedError("the monokernel needs one weight dtype (all bf16 or all fp16); "
+                                   "use --no-monokernel for mixed-dtype models")
+        self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop()))
+        self.fn = self.module.function(KERNEL)
+        self._check_layout()
+        G = cfg.num_heads // cfg.num_kv_heads
+        self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),
+                        (2 * G * cfg.head_dim + G * max(self.chunk, 512)) * 4,  # 512: attention_plan's cap
+                        4 * ((cfg.vocab_size + 31) // 32))
+        if self.smem > rt.max_shared_per_block:
+            raise DeviceError(f"monokernel needs {self.smem} B of shared memory per block; the device allows "
+                              f"{rt.max_shared_per_block}")
+        occ = rt.max_active_blocks(self.fn, THREADS, self.smem)
+        if occ < 1:
+            raise DeviceError(f"monokernel cannot be resident with {THREADS} threads and {self.smem} B shared memory")
+        want = int(os.environ.get("HIPENGINE_MK_BLOCKS_PER_SM", "0")) or min(occ, 2)
+        self.blocks_per_sm = min(occ, want)
+        self.grid = rt.num_sms * self.blocks_per_sm
+        self.occupancy = occ
+        self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
+        self.prefetch = int(os.environ.get("HIPENGINE_MK_PREFETCH", "1"))
+        self._setup_buffers()
+
+    def _check_layout(self) -> None:
+        """NVRTC cannot static_assert offsets: ask the compiled code for them once (a 1-thread kernel)."""
+        want = layout_expected()
+        out = self._buf(8 * len(want))
+        self.rt.launch(self.module.function("monokernel_layout"), 1, self.rt.warp_size, [c_void_p(out.ptr)],
+                       stream=self.stream)
+        self.stream.synchronize()
+        got = self.rt.download(out, (len(want),), np.uint64).tolist()
+        if got != want:
+            raise DeviceError(f"monokernel parameter layout differs between C and Python: device {got}, "
+                              f"host {want}; regenerate with hipengine.gpu.monokernel.write_layout()")
+
+    def _setup_buffers(self) -> None:
+        cfg, rt = self.config, self.rt
+        layers = (MkLayer * cfg.num_layers)()
+        for i, L in enumerate(self.layers):
+            p = lambda b: b.ptr if b is not None else 0  # noqa: E731
+            layers[i] = MkLayer(p(L["wqkv"]), p(L["wo"]), p(L["w_gate"]), p(L["w_up"]), p(L["w_down"]),
+                                p(L["attn_norm"]), p(L["ffn_norm"]), p(L["bqkv"]), p(L.get("q_norm")),
+                                p(L.get("k_norm")), self._kc(i), self._vc(i), int(L["f16"]), 0)
+        self.layer_buf = self._up(np.frombuffer(bytes(layers), np.uint8))
+        self.iota = self._up(np.arange(self.max_context, dtype=np.int32))
+        self.state_buf = self._buf(ctypes.sizeof(MkState))
+        self.bar_buf = self._buf(16)
+        self.attn_count = self._buf(4 * cfg.num_kv_heads)
+        self.eos_buf = self._buf(4 * MAX_EOS)
+        self.params_buf = self._buf(ctypes.sizeof(MkParams))
+        self.ring_cap = self.max_context
+        self.hostmem = rt.host_alloc_mapped(4 * (len(MK_HOST_WORDS) + self.ring_cap))
+        self.host_words = self.hostmem.array[:4 * len(MK_HOST_WORDS)].view(np.uint32)
+        self.ring = self.hostmem.array[4 * len(MK_HOST_WORDS):].view(np.int32)
+        self.W = {w: i for i, w in enumerate(MK_HOST_WORDS)}
+
+    # ---- launch ------------------------------------------------------------------------------------------
+    def _params(self, mode: int, params: SamplingParams | None, eos: list[int], seed: int) -> MkParams:
+        cfg = self.config
+        sp = params or SamplingParams(max_tokens=1)
+        hd = self.hostmem.dptr
+        return MkParams(
+            layers=self.layer_buf.ptr, embed=self.embed.ptr, lm_head=self.lm_head.ptr,
+            final_norm=self.final_norm.ptr, cos_t=self.cos.ptr, sin_t=self.sin.ptr, iota=self.iota.ptr,
+            x=self.x.ptr, qkv=self.qkv.ptr, q=self.q.ptr, att=self.att.ptr, h=self.h.ptr,
+            partial=self.partial.ptr, logits=self.logits.ptr, z=self.z.ptr, history=self.history.ptr,
+            eos=self.eos_buf.ptr, state=self.state_buf.ptr, bar=self.bar_buf.ptr, attn_count=self.attn_count.ptr,
+            host=hd, ring=hd + 4 * len(MK_HOST_WORDS), timeout_ns=self.timeout_ns,
+            vocab=cfg.vocab_size, d=cfg.hidden_size, ffn=cfg.intermediate_size, nh=cfg.num_heads,
+            nkv=cfg.num_kv_heads, hd=cfg.head_dim, n_layers=cfg.num_layers, max_ctx=self.max_context,
+            nsplit=self.nsplit, chunk=self.chunk, embed_f16=int(self.embed_f16), head_f16=int(self.head_f16),
+            qk_norm=int(cfg.qk_norm), n_eos=len(eos), mode=mode, max_tokens=int(sp.max_tokens),
+            ring_cap=self.ring_cap, top_k=int(sp.top_k), eps=float(cfg.rms_norm_eps),
+            temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
+            rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
+            prefetch=self.prefetch)
+
+    def _launch(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
+                eos: list[int] = (), seed: int = 0) -> None:
+        if len(eos) > MAX_EOS:
+            eos = list(eos)[:MAX_EOS]
+        s, rt = self.stream, self.rt
+        st = MkState(token=int(token), pos=int(pos), hist_len=int(hist_len))
+        rt.copy_htod(self.state_buf, np.frombuffer(bytes(st), np.uint8).copy(), stream=s)
+        rt.copy_htod(self.params_buf, np.frombuffer(bytes(self._params(mode, params, list(eos), seed)),
+                                                    np.uint8).copy(), stream=s)
+        if eos:
+            rt.copy_htod(self.eos_buf, np.asarray(eos, np.int32), stream=s)
+        rt.memset(self.bar_buf, 0, 16, stream=s)
+        rt.memset(self.attn_count, 0, 4 * self.config.num_kv_heads, stream=s)
+        s.synchronize()  # the host words below are read by the kernel: reset them with nothing in flight
+        self.host_words[:] = 0
+        rt.launch(self.fn, self.grid, THREADS, [c_void_p(self.params_buf.ptr)], shared=self.smem, stream=s,
+                  cooperative=True)
+
+    def _finish(self) -> None:
+        """Wait for the kernel, then turn a non-done status into DeviceError."""
+        self.stream.synchronize()
+        status = int(self.host_words[self.W["status"]])
+        if status != 1:
+            what = MK_STATUS.get(status, f"unknown status {status}")
+            raise DeviceError(f"monokernel failed on GPU {self.rt.device_index}: {what} (after "
+                              f"{int(self.host_words[self.W['write_idx']])} tokens); "
+                              "set HIPENGINE_MK_TIMEOUT_S higher or use --no-monokernel")
+
+    # ---- Backend API -------------------------------------------------------------------------------------
+    def decode(self, token_id: int) -> np.ndarray:
+        if self.pos >= self.max_context:
+            raise RequestError(f"context of {self.max_context} tokens is full")
+        self._launch(MK_MODE_EMBED_FIRST | MK_MODE_ONE_STEP, token_id, self.pos, 0)
+        self._finish()
+        self.pos += 1
+        return self._read_logits(1)[0]
+
+    def generate_ids(self, prompt_ids, params: SamplingParams,
+                     should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
+        prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise RequestError("empty prompt")
+        if prompt.size > self.max_context:
+            raise RequestError(f"prompt is {prompt.size} tokens, longer than the context of {self.max_context} tokens")
+        if should_stop():
+            return
+        self.reset()
+        self.prefill(prompt)
+        last_row = (prompt.size - 1) % O.MAX_M  # the last prompt row's logits -> row 0 (as the per-op path)
+        if last_row:
+            self.rt.copy_dtod(self.logits, self.logits.ptr + last_row * self.config.vocab_size * 4,
+                              self.config.vocab_size * 4, stream=self.stream)
+        self.rt.copy_htod(self.history, prompt.astype(np.int32), stream=self.stream)
+        yield from self.generate_from_state(0, int(prompt.size), params, should_stop, embed_first=False)
+
+    def generate_from_state(self, token: int, hist_len: int, params: SamplingParams,
+                            should_stop: Callable[[], bool] = lambda: False,
+                            embed_first: bool = True) -> Iterator[int]:
+        """Generate from the current KV cache / position: either sample from the logits already in the buffer
+        (after prefill) or first run a decode step of ``token`` (benchmarks at long context)."""
+        if params.max_tokens < 1:
+            return
+        eos = [] if params.ignore_eos else [int(e) for e in self.config.eos_token_ids]
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        mode = MK_MODE_EMBED_FIRST if embed_first else 0
+        self._launch(mode, token, self.pos, hist_len, params, eos, int(seed) & 0xFFFFFFFFFFFFFFFF)
+        hw, W, ring = self.host_words, self.W, self.ring
+        read, cancelled, done = 0, False, False
+        stall_limit = 2 * self.timeout_ns / 1e9 + 10.0
+        last_progress = time.monotonic()
+        try:
+            while True:
+                status = int(hw[W["status"]])  # read before write_idx: a done status implies a final index
+                widx = int(hw[W["write_idx"]])
+                if widx > read:
+                    last_progress = time.monotonic()
+                while read < widx and not cancelled:
+                    tok = int(ring[read])
+                    read += 1
+                    yield tok
+                    if should_stop():
+                        self._cancel()
+                        cancelled = True
+                if status != 0:
+                    done = True
+                    break
+                if not cancelled and should_stop():
+                    self._cancel()
+                    cancelled = True
+                if time.monotonic() - last_progress > stall_limit:
+                    raise DeviceError(f"monokernel made no progress for {stall_limit:.0f} s on GPU "
+                                      f"{self.rt.device_index} and reported no error")
+                time.sleep(20e-6)
+        finally:
+            if not done and not cancelled:
+                self._cancel()  # the consumer stopped iterating (or raised): end the kernel at the next token
+            self._finish()
+            self.pos = int(hw[W["pos"]])
+            self.last_finish = MK_FINISH.get(int(hw[W["finish"]]), "unknown")
+            self.last_n_out = int(hw[W["n_out"]])
+
+    def resize_context(self, max_context: int) -> None:
+        """Re-size the KV cache, RoPE tables and attention split plan to a new max_context, keeping the
+        weights (benchmarks sweep contexts without re-uploading a model). Old buffers are freed at close()."""
+        self.max_context = int(max_context)
+        if self._graph is not None:
+            self._graph.destroy()
+            self._graph = None
+        cos, sin = O.rope_tables(self.config.rope_inv_freq(), self.max_context)
+        self.cos, self.sin = self._up(cos), self._up(sin)
+        self._alloc_state()
+        G = self.config.num_heads // self.config.num_kv_heads
+        need = (2 * G * self.config.head_dim + G * self.chunk) * 4
+        if need > self.smem:
+            raise DeviceError(f"attention needs {need} B of shared memory, the monokernel was sized for {self.smem}")
+        if self.hostmem is not None:
+            self.hostmem.free()
+        self._setup_buffers()
+        self.pos = 0
+
+    def _cancel(self) -> None:
+        """Raise the cancel word (the kernel reads it once per token with a system-scope acquire) and note
+        how many tokens had landed by then (tests: generation stops within one token)."""
+        self.host_words[self.W["cancel"]] = 1
+        self.cancel_seen_at = int(self.host_words[self.W["write_idx"]])
+
+    def close(self) -> None:
+        hm = getattr(self, "hostmem", None)
+        if hm is not None:
+            try:
+                hm.free()
+            except Exception:
+                pass
+            self.hostmem = None
+        super().close()
+
+
+def grid_info(backend: MonokernelBackend) -> dict:
+    return {"grid": backend.grid, "blocks_per_sm": backend.blocks_per_sm, "occupancy": backend.occupancy,
+            "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
+            "barriers_per_token": None if not hasattr(backend, "config") else
+            barriers_per_token(backend.config)}
+
+
+def barriers_per_token(cfg) -> int:
+    """Grid barriers one decode step crosses (the monokernel's main fixed cost; see docs/perf-log.md)."""
+    per_layer = 5 + (1 if cfg.qk_norm else 0)  # qkv | attention(+combine) | o | gate-up | down
+    return cfg.num_layers * per_layer + 2  # + LM head + sample/embed

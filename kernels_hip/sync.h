@@ -1,0 +1,135 @@
+// kernels_hip/sync.h — grid-wide synchronisation for persistent kernels (the monokernel), built only on
+// port.h's scoped atomics and fences.
+//
+// Everything here assumes every block of the grid is resident at once (cooperative launch, grid sized from
+// the occupancy query): a block spinning on a flag must never keep the block that would set it off the GPU.
+//
+// Every wait is bounded. A wait that outlives `timeout_ns` (he_clock_ns) writes an error code into the
+// status word and raises the abort word, then returns false; callers return from the kernel, and every
+// other block's waits see the abort word and leave too, so a protocol bug (or a block that faulted) ends
+// the kernel with a reported error instead of hanging the process. The host turns the code into a
+// DeviceError (hipengine/gpu/monokernel.py).
+//
+// Memory-order argument, once for the whole file (each flag below says which case it is):
+//   * Data published to other blocks is written with plain stores, then the writer block's threads meet in
+//     he_sync_block() (block-scope acq_rel: the block's stores happen-before thread 0's next access), then
+//     thread 0 performs a device-scope RELEASE (fetch_add / store). A reader's thread 0 performs a
+//     device-scope ACQUIRE load that observes that value (or a later value of the same counter, which is a
+//     release sequence of RMWs), then he_sync_block() hands the ordering to the rest of its block. By
+//     causality every plain store before the release is visible to every plain load after the acquire.
+//   * On NVIDIA the acquire at gpu scope also invalidates the reader SM's L1, so plain (L1-cached) loads of
+//     activations rewritten every stage stay coherent; on AMD the agent-scope acquire does the same for the
+//     CU's vector L0/L1. Streaming loads (he_load16_stream) are only used on data no block writes during
+//     the kernel, or on KV rows first read after the write (no stale line can exist, see decode.hip).
+#pragma once
+#include "port.h"
+
+// Error codes written into the status word (the host maps them to messages; keep in sync with
+// MK_STATUS in hipengine/gpu/monokernel.py — the layout test checks these numbers).
+constexpr he_u32 kStatusRunning = 0;
+constexpr he_u32 kStatusDone = 1;
+constexpr he_u32 kStatusBarrierTimeout = 2;
+constexpr he_u32 kStatusCounterTimeout = 3;
+constexpr he_u32 kStatusAborted = 4;  // another block reported an error first
+
+// How many polls between clock reads (the clock read is slower than an L2 poll on both vendors).
+constexpr int kPollsPerClock = 64;
+
+// Shared state of one grid barrier, in device memory, zeroed by the host before the launch.
+//   count  : arrivals at the current barrier. RMW acq_rel at device scope (release: publish this block's
+//            stage outputs; acquire: the last arriver sees every other block's outputs before resetting).
+//   epoch  : number of completed barriers. Written by the last arriver with a device-scope RELEASE store
+//            after it reset `count`; waiters poll it with device-scope ACQUIRE loads. Because count is reset
+//            (relaxed store) before the release of epoch, no block can arrive at the next barrier before
+//            count is 0 again: arriving needs the new epoch, whose acquire orders the reset before it.
+//   abort  : non-zero once any block gave up. Relaxed loads in every poll (it only tells waiters to leave;
+//            no data is published through it); written with a release store by the block that failed.
+struct HeGridBarrier {
+  he_u32 count;
+  he_u32 epoch;
+  he_u32 abort;
+  he_u32 pad;
+};
+
+// Per-thread view of a wait's deadline and where to report a failure.
+struct HeWaitCtx {
+  HeGridBarrier* bar;   // device memory
+  he_u32* status;       // host-mapped status word (system scope: the host polls it without a sync)
+  he_u64 timeout_ns;
+};
+
+// Record the first error: status is written at system scope so the host sees it even while the kernel is
+// still tearing down; the abort word (device scope) makes every other block's waits return at once.
+HE_INLINE void he_report_error(const HeWaitCtx& w, he_u32 code) {
+  he_store_release_system(w.status, code);
+  he_store_release_device(&w.bar->abort, 1u);
+}
+
+HE_INLINE bool he_aborted(const HeWaitCtx& w) { return he_load_relaxed_device(&w.bar->abort) != 0u; }
+
+// Wait (one thread) until *flag >= target, comparing with wrap-around so monotone 32-bit counters may wrap.
+// Acquire at device scope on success (the flag's writer used a device-scope release). Returns false on
+// timeout (after reporting `code`) or when another block aborted.
+HE_INLINE bool he_wait_geq_device(const HeWaitCtx& w, const he_u32* flag, he_u32 target, he_u32 code) {
+  if ((int)(he_load_acquire_device(flag) - target) >= 0) return true;
+  const he_u64 t0 = he_clock_ns();
+  for (int polls = 0;; ++polls) {
+    if ((int)(he_load_acquire_device(flag) - target) >= 0) return true;
+    if (he_aborted(w)) return false;
+    if (polls % kPollsPerClock == kPollsPerClock - 1 && he_clock_ns() - t0 > w.timeout_ns) {
+      he_report_error(w, code);
+      return false;
+    }
+  }
+}
+
+// Grid barrier. All threads of every block call it (it contains he_sync_block). `epoch` is this block's
+// count of barriers passed (kept in a register by the caller, identical in every thread; all blocks pass
+// the same barriers in the same order). Returns false if the kernel must end (timeout/abort); the result is
+// the same in every thread of the block.
+//
+// `while_waiting` lets the caller overlap the wait with independent work (issuing the next stage's weight
+// loads): it runs in every thread after this block has arrived and before it waits.
+struct HeNoWork {
+  HE_INLINE void operator()() const {}
+};
+
+template <class F = HeNoWork>
+HE_INLINE bool he_grid_barrier(const HeWaitCtx& w, he_u32& epoch, int nblocks, const F& while_waiting = F()) {
+  __shared__ int he_bar_ok;
+  he_sync_block();  // every thread's stage outputs happen-before thread 0's release below (block scope)
+  if (he_thread_idx() == 0) {
+    // acq_rel RMW at device scope: release publishes this block's outputs; acquire (for the last arriver)
+    // makes every earlier arriver's outputs visible before it resets the counter and opens the barrier.
+    const he_u32 old = he_fetch_add_acq_rel_device(&w.bar->count, 1u);
+    if (old == (he_u32)nblocks - 1u) {
+      he_store_relaxed_device(&w.bar->count, 0u);       // ordered before the release below
+      he_store_release_device(&w.bar->epoch, epoch + 1u);  // opens the barrier (release, device scope)
+    }
+  }
+  while_waiting();
+  if (he_thread_idx() == 0) he_bar_ok = he_wait_geq_device(w, &w.bar->epoch, epoch + 1u, kStatusBarrierTimeout);
+  he_sync_block();  // hands thread 0's acquire to the block (block-scope acq_rel)
+  const bool ok = he_bar_ok != 0;
+  he_sync_block();  // he_bar_ok may be rewritten by the next barrier only after everyone read it
+  ++epoch;
+  return ok;
+}
+
+// Counter arrival without waiting (the "last block does the combine" pattern): every thread calls it after
+// writing its block's part; returns true in every thread of exactly one block — the last of `expected`
+// arrivals — which then sees all parts (acq_rel RMW at device scope). The last arriver resets the counter
+// (relaxed; the next use is ordered after a grid barrier, whose release/acquire publishes the reset).
+HE_INLINE bool he_arrive_last(he_u32* counter, he_u32 expected) {
+  __shared__ int he_last;
+  he_sync_block();
+  if (he_thread_idx() == 0) {
+    const he_u32 old = he_fetch_add_acq_rel_device(counter, 1u);
+    he_last = old == expected - 1u;
+    if (he_last) he_store_relaxed_device(counter, 0u);
+  }
+  he_sync_block();
+  const bool last = he_last != 0;
+  he_sync_block();
+  return last;
+}

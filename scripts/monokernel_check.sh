@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# scripts/monokernel_check.sh [quick|full|bench|sweep] — everything one device call needs for the monokernel
+# (issue 4): GPU tests, the decode benchmark, logs under $OUT, a short table last.
+#   quick : tiny-model tests (identity vs per-op, sampling, cancel, timeout) + 1B identity + bench at 1K
+#   full  : every monokernel GPU test + bench decode at 1K/8K/32K with JSON + PNG
+#   bench : bench decode at 1K/8K/32K only
+#   sweep : 1K decode tok/s for a few launch configurations (blocks/SM, register cap, prefetch on/off)
+# Compiled kernels come from $HIPENGINE_CACHE (default ./.mkcache, filled on the CPU machine by
+# hipengine.gpu.monokernel.precompile() and carried), so the call does not spend device time in NVRTC.
+set -uo pipefail
+MODE=${1:-quick}
+OUT=${OUT:-/tmp/mk_out}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+export HIPENGINE_CACHE=${HIPENGINE_CACHE:-$PWD/.mkcache}
+PY=${PY:-python3}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
+rc=0
+run() {  # run NAME CMD... : log to $OUT/NAME.log, remember failures
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local r=$?
+  echo "$name rc=$r $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  [ $r -ne 0 ] && rc=1
+  return 0
+}
+case "$MODE" in
+  quick)
+    run tests $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "not qwen3" --timeout 300
+    run bench1k $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --json "$OUT/bench_1k.json"
+    ;;
+  full)
+    run tests $PY -m pytest tests/test_monokernel_gpu.py -q -rs --timeout 400
+    run bench $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 \
+        --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
+    ;;
+  bench)
+    run bench $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 \
+        --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
+    ;;
+  sweep)
+    cat > "$OUT/sweep.py" <<'PYEOF'
+import os, sys, time
+from hipengine.bench.decode import measure
+from hipengine.gpu.monokernel import MonokernelBackend, grid_info
+from hipengine.presets import preset_model
+loaded = preset_model("llama-3.2-1b", 0)
+rows = []
+for cap in [None, "128"]:
+    if cap: os.environ["HIPENGINE_MK_MAXRREG"] = cap
+    be = MonokernelBackend(loaded, max_context=1024)
+    for bps in sorted({1, 2, be.occupancy}):
+        if bps > be.occupancy: continue
+        for pf in (1, 0):
+            be.grid, be.blocks_per_sm, be.prefetch = be.rt.num_sms * bps, bps, pf
+            r = measure(be, [1024], ["monokernel"], runs=3, log=lambda m: None)[0]
+            rows.append((cap, bps, pf, r["tok_s"]))
+            print(f"maxrreg={cap} occ={be.occupancy} blocks/SM={bps} prefetch={pf}: {r['tok_s']:.1f} tok/s", flush=True)
+    be.close()
+PYEOF
+    run sweep $PY "$OUT/sweep.py"
+    ;;
+  *) echo "unknown mode $MODE (quick|full|bench|sweep)"; exit 2 ;;
+esac
+echo "==== logs (tails) ===="
+for f in "$OUT"/*.log; do echo "--- $f"; tail -n 25 "$f"; done
+echo "==== summary ===="
+cat "$OUT/summary.txt"
+exit $rc
