@@ -26,11 +26,12 @@ def ours(default_model_path):
 
 @pytest.fixture(scope="module")
 def hf(default_model_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     d, f = str(default_model_path.parent), default_model_path.name
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    cfg = AutoConfig.from_pretrained(d, gguf_file=f)  # parsed once, shared: each GGUF parse takes seconds
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f, config=cfg)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, config=cfg, dtype=torch.float32)
     model.eval()
     return tok, model
 
