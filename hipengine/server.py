@@ -57,6 +57,11 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+def _reject_constant(name: str):
+    # Python's json accepts NaN and Infinity, which are not JSON; a NaN temperature must not reach sampling.
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def _bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
@@ -358,8 +363,8 @@ class Server:
                 raise ApiError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
                                code="request_too_large")
         try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            data = json.loads(body, parse_constant=_reject_constant)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
             raise ApiError(400, f"could not parse the request body as JSON: {e}", code="invalid_json") from None
         if not isinstance(data, dict):
             raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
@@ -409,8 +414,8 @@ class Server:
         if any(s == "" for s in stop):
             raise _bad("stop sequences must not be empty strings", "stop")
 
-        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        newer = getattr(req, "max_completion_tokens", None)  # chat's newer spelling wins when both are given
+        max_tokens, param = (newer, "max_completion_tokens") if newer is not None else (req.max_tokens, "max_tokens")
         if max_tokens is not None and max_tokens < 1:
             raise _bad(f"{param} must be at least 1, got {max_tokens}", param)
         ctx, n_prompt = self.max_context, len(ids)
@@ -616,8 +621,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     def _prepare(data: dict, kind: str, loop) -> Job:
         if kind == "chat":
             for name in _UNSUPPORTED_CHAT:
-                if data.get(name) not in (None, False, [], {}):
-                    raise _bad(f"{name} is not supported by this server", name, "unsupported_parameter")
+                if name in data:
+                    if data[name] not in (None, False, [], {}):
+                        raise _bad(f"{name} is not supported by this server", name, "unsupported_parameter")
+                    data = {k: v for k, v in data.items() if k != name}  # harmless: drop before the schema
             try:
                 req = ChatRequest.model_validate(data)
             except ValidationError as e:
@@ -658,6 +665,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             ids = server.prompt_ids(prompt, "prompt")
             sampling = server.sampling(req, ids, default_max_tokens=16)  # OpenAI's completions default
         job = Job(kind, ids, sampling, loop, _new_stats())
+        job.stats.prompt_tokens = len(ids)  # known now; the engine sets it again when it starts
         job.stream = bool(req.stream)
         job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return job

@@ -116,7 +116,8 @@ def _capture_server_log(caplog):
 
 
 PROMPT = "The capital of France is"
-MESSAGES = [{"role": "user", "content": "Name a colour."}]
+# A short system message: without one the template inserts a 20-token default, all of it prefill.
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
 
 
 def test_completions_match_engine(live, caplog):
@@ -189,12 +190,39 @@ def test_models_health_metrics(live):
     assert "hipengine_queue_depth 0" in text
 
 
+def test_metrics_exposition_format():
+    from hipengine.metrics import Metrics
+
+    m = Metrics(queue_depth=lambda: 3, running=lambda: 1)
+    for v in (0.004, 0.01, 0.7, 100.0):  # 0.01 sits on an edge: "le" means less than or equal
+        m.ttft.observe(v)
+    m.requests.inc(endpoint="/v1/completions", status="200")
+    m.requests.inc(endpoint="/v1/completions", status="429")
+    m.requests.inc(endpoint="/v1/completions", status="429")
+    text = m.render()
+    assert 'hipengine_time_to_first_token_seconds_bucket{le="0.005"} 1' in text
+    assert 'hipengine_time_to_first_token_seconds_bucket{le="0.01"} 2' in text
+    assert 'hipengine_time_to_first_token_seconds_bucket{le="1"} 3' in text
+    assert 'hipengine_time_to_first_token_seconds_bucket{le="60"} 3' in text
+    assert 'hipengine_time_to_first_token_seconds_bucket{le="+Inf"} 4' in text
+    assert "hipengine_time_to_first_token_seconds_count 4" in text
+    assert 'hipengine_requests_total{endpoint="/v1/completions",status="429"} 2' in text
+    assert "hipengine_queue_depth 3" in text and "hipengine_requests_running 1" in text
+    # every sample line belongs to a family announced by # TYPE
+    families = {ln.split()[2] for ln in text.splitlines() if ln.startswith("# TYPE")}
+    for ln in text.splitlines():
+        if not ln.startswith("#"):
+            name = ln.split("{")[0].split()[0]
+            assert any(name == f or name.startswith(f + "_") for f in families), ln
+
+
 # (path, body as JSON-able value or raw bytes, status, error code, param); "M" stands for the served model,
 # _CTX for its context length.
 _CTX = "ctx"
 BAD_REQUESTS = [
     ("/v1/completions", b"{not json", 400, "invalid_json", None),
     ("/v1/completions", b"[1, 2]", 400, "invalid_json", None),
+    ("/v1/completions", b'{"model": "x", "prompt": "x", "temperature": NaN}', 400, "invalid_json", None),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1}, 400, "missing_required_parameter", "model"),
     ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 1, "bogus": 1}, 400, "unknown_parameter", "bogus"),
     ("/v1/completions", {"model": "M", "prompt": "x", "temperature": "hot"}, 400, "invalid_type", "temperature"),
@@ -227,6 +255,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "M", "messages": "hi"}, 400, "invalid_type", "messages"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_type",
      "messages.0.role"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": 5}]}, 400, "invalid_type",
+     "messages"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x", "extra": 1}]}, 400,
      "unknown_parameter", "messages.0.extra"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "temperature": -1},

@@ -96,25 +96,29 @@ def _sse_stream(http: httpx.Client, body: dict):
     return cm, r, chunks()
 
 
-def _ttft(srv, prompt: str) -> float:
-    """Seconds from sending a streamed request to its first text, on a fresh connection."""
+def _ttft(srv, prompt: str) -> tuple[float, str]:
+    """(seconds from sending a streamed request to its first text, its id), on a fresh connection. It is read
+    to its end, so the request finishes normally (status 200) rather than as a disconnect."""
     with httpx.Client(base_url=srv.base, timeout=120) as http:
         t0 = time.perf_counter()
         cm, r, it = _sse_stream(http, {"model": srv.model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        ttft = None
         try:
             for ch in it:
-                if ch["choices"] and ch["choices"][0]["text"]:
-                    return time.perf_counter() - t0
-            raise AssertionError("no text streamed")
+                if ttft is None and ch["choices"] and ch["choices"][0]["text"]:
+                    ttft = time.perf_counter() - t0
         finally:
             cm.__exit__(None, None, None)
+        assert ttft is not None, "no text streamed"
+        request_id = r.headers["x-request-id"]
+    return ttft, request_id
 
 
 def test_disconnect_frees_the_engine(caplog):
     engine = shared_engine()
     prompt = "The capital of France is"
     with LiveServer(engine, api_key=API_KEY, max_queue=4) as srv:
-        baseline = _ttft(srv, prompt)
+        baseline, _ = _ttft(srv, prompt)
 
         # A long generation that the client abandons after two pieces of text.
         long_body = {"model": srv.model, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
@@ -137,7 +141,7 @@ def test_disconnect_frees_the_engine(caplog):
 
         cm.__exit__(None, None, None)  # close the connection mid-stream
         http.close()
-        after = _ttft(srv, prompt)
+        after, after_id = _ttft(srv, prompt)
 
         (line,) = request_lines(caplog, request_id)
         assert line["status"] == 499 and line["finish_reason"] == "cancelled"
@@ -147,7 +151,8 @@ def test_disconnect_frees_the_engine(caplog):
         # The next request waited for the engine at most about one token (its queue time is exactly the
         # delay the abandoned request caused), not for the ~197 tokens the abandoned one had left. Its
         # TTFT is checked loosely too: wall-clock timings on a shared CI machine are noisy.
-        nxt = [x for x in request_lines(caplog) if x["status"] == 200][-1]
+        (nxt,) = request_lines(caplog, after_id)
+        assert nxt["status"] == 200
         assert nxt["queue_ms"] <= 1000 * (2 * token_s + 0.5), (nxt, token_s)
         assert after < baseline + 0.25 * 197 * token_s, (after, baseline, token_s)
 
