@@ -98,6 +98,10 @@ class Engine:
             raise RequestError(f"tp must be a positive integer, got {tp!r}")
         if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
             raise RequestError(f"max_context must be a positive integer, got {max_context!r}")
+        if device == "auto":
+            device = "gpu" if _gpu_count() > 0 else "cpu"
+        if device == "cpu" and tp != 1:
+            raise RequestError(f"tp={tp} needs the GPU backend; the CPU reference runs on one device (use tp=1)")
         loaded = _load_model(model, shape, seed, progress)
 
         tok = Tokenizer.for_model(loaded)
@@ -113,11 +117,7 @@ class Engine:
             max_context = min(cfg.max_position_embeddings, 4096)
         max_context = min(max_context, cfg.max_position_embeddings)
 
-        if device == "auto":
-            device = "gpu" if _gpu_count() > 0 else "cpu"
         if device == "cpu":
-            if tp != 1:
-                raise RequestError(f"tp={tp} needs the GPU backend; the CPU reference runs on one device (use tp=1)")
             from .reference import ReferenceBackend
 
             backend = ReferenceBackend(loaded, max_context=max_context)

@@ -185,16 +185,22 @@ class Tokenizer:
 
     # ---- chat ---------------------------------------------------------------
     def end_of_turn_ids(self) -> set[int]:
-        """Special tokens the chat template ends a turn with (e.g. <|im_end|>, <|eot_id|>): generation stops
-        there even when the config's eos is a different token."""
+        """The special token the chat template closes an assistant turn with (<|im_end|>, <|eot_id|>,
+        <end_of_turn>): generation stops there even when the config's eos is a different token. Found by
+        rendering a probe conversation and reading the token that follows the assistant's text."""
         if not self.chat_template or self.backend is None:
             return set()
-        out = set()
-        for tid in self._special_ids:
-            tok = self.backend.id_to_token(tid)
-            if tok and tok in self.chat_template and any(k in tok.lower() for k in ("end", "eot", "eos")):
-                out.add(tid)
-        return out
+        marker = "hipengine probe reply"
+        try:
+            text = self.render_chat([{"role": "user", "content": "hipengine probe question"},
+                                     {"role": "assistant", "content": marker}], add_generation_prompt=False)
+        except Exception:  # a template that rejects the probe simply contributes no end-of-turn token
+            return set()
+        at = text.rfind(marker)
+        if at < 0:
+            return set()
+        after = self.backend.encode(text[at + len(marker):].lstrip(" "), add_special_tokens=False).ids
+        return {after[0]} if after and after[0] in self._special_ids else set()
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         if not self.chat_template:

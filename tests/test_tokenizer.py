@@ -206,3 +206,15 @@ def test_ids_only_tokenizer():
     assert tok.detokenizer().add(9) == "<9>"
     with pytest.raises(RequestError, match="token ids"):
         tok.encode("hello")
+
+
+def test_end_of_turn_is_the_token_after_the_reply(tmp_path):
+    tok = Tokenizer.from_hf_dir(_byte_tokenizer_dir(tmp_path))
+    # Llama-3 shape: a header-closing special token precedes the content, the turn-closing one follows it.
+    tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}</s>\n\n{{ m['content'] | trim }}<|eot|>"
+                         "{% endfor %}{% if add_generation_prompt %}<s>assistant</s>\n\n{% endif %}")
+    assert tok.end_of_turn_ids() == {3}
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # no special token after
+    assert tok.end_of_turn_ids() == set()
+    tok.chat_template = "{{ raise_exception('only user turns') }}"
+    assert tok.end_of_turn_ids() == set()
