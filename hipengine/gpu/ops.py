@@ -159,10 +159,10 @@ class Ops:
                   max_ctx: int, nsplit: int, chunk: int, stream=None):
         """partial: fp32 scratch of T·nh·nsplit·(hd+2) floats (see partial_floats)."""
         G = nh // nkv
-        if G > ATTN_MAX_GROUP or hd % 8 or hd > 8 * self.rt.warp_size:
+        if not 1 <= G <= ATTN_MAX_GROUP or nh % nkv or hd % 8 or hd > 8 * self.rt.warp_size:
             raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
-        shared = (2 * G * hd + G * chunk) * 4
-        self.rt.launch(self.fn("attention_decode", "attention_split"), (nkv * nsplit, T), ATTN_THREADS,
+        shared = (G * hd + (ATTN_THREADS // self.rt.warp_size) * G * (hd + 2)) * 4
+        self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}"), (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
                         c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream)
         self.rt.launch(self.fn("attention_decode", "attention_combine"), (nh, T), 128,

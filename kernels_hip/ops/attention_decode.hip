@@ -9,22 +9,24 @@
 //
 // attention_split: grid = (num_kv_heads·nsplit, T); block handles `chunk` positions of one kv head for all
 // G query heads of its group, so each K/V row is read from HBM once per step however large G is.
-//   1. scores s[g][p] = q_g·k_p / sqrt(hd), kept in log2 units (q pre-scaled by log2(e)/sqrt(hd)) so the
-//      softmax uses exp2;  each K row is 16-byte loads by hd/8 lanes, reduced with xor shuffles inside
-//      that lane group, several rows per warp;
-//   2. per head: m = max s, e = 2^(s - m), l = Σ e   (block reductions, deterministic order);
-//   3. o[g] = Σ_p e[g][p] · v_p, each lane accumulating 8 dims for every head of the group, then summed
-//      across lane groups (shuffles) and warps (shared memory, fixed order).
+// Flash-decoding with an online softmax kept in registers: each warp owns a slice of the chunk; inside it
+// each K/V row is read as 16-byte loads by a group of hd/8 lanes (kAttnUnroll rows of K and V in flight
+// per group), the score is reduced with xor shuffles inside the group, and the group updates its running
+// (max, sum, output) for every head of the KV group. States merge across lane groups (shuffles), then warps
+// (shared memory, fixed order), then splits (attention_combine). No block-wide barrier inside the loop:
+// the previous version (scores to shared memory, block reductions per head) spent ~15 µs per launch in
+// barriers and dependent latency even at 1K context.
+// Scores are in log2 units (q pre-scaled by log2(e)/sqrt(hd)) so the softmax uses exp2.
 // Splits that start past the sequence end write l = 0 and are skipped by the combine, so the grid can be
 // sized once for max_ctx (graph capture / monokernel) while *pos grows.
 // Requirements: hd % 8 == 0, hd ≤ 8·kWarpSize, G ≤ kAttnMaxGroup; dynamic shared memory
-// = (2·G·hd + G·chunk) · 4 bytes.
+// = (G·hd + warps·G·(hd + 2)) · 4 bytes.
 #ifndef HE_OPS_ATTENTION_DECODE_HIP
 #define HE_OPS_ATTENTION_DECODE_HIP
 #include "port.h"
 
 constexpr int kAttnMaxGroup = 8;
-constexpr int kAttnUnroll = 4;  // K/V rows loaded per lane group before use
+constexpr int kAttnUnroll = 4;  // rows of K and of V loaded per lane group before use
 
 HE_INLINE float he_dot8_bf16(const he_vec16 k, const float* q) {
   return he_bf16lo_to_f32(k.x) * q[0] + he_bf16hi_to_f32(k.x) * q[1] + he_bf16lo_to_f32(k.y) * q[2] +
@@ -32,27 +34,32 @@ HE_INLINE float he_dot8_bf16(const he_vec16 k, const float* q) {
          he_bf16lo_to_f32(k.w) * q[6] + he_bf16hi_to_f32(k.w) * q[7];
 }
 
+// Online-softmax state of one lane for the G heads of a group: running max m (log2 units), running sum l,
+// and 8 dims of the unnormalised output. Merging two states is associative, so lane groups, warps and
+// splits can be combined in any fixed order.
+HE_INLINE void he_softmax_merge(float& m, float& l, float (&o)[8], float m2, float l2, const float (&o2)[8]) {
+  const float M = he_fmax(m, m2);
+  // both empty (-inf): keep the empty state instead of computing 2^(-inf - -inf) = NaN
+  const float a = (m == he_neg_inf()) ? 0.f : he_exp2(m - M), b = (m2 == he_neg_inf()) ? 0.f : he_exp2(m2 - M);
+  l = l * a + l2 * b;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = o[j] * a + o2[j] * b;
+  m = M;
+}
+
+// kG = num_heads / num_kv_heads as a template parameter: the per-lane state is kG·10 registers, and a
+// runtime bound of kAttnMaxGroup cost 155 registers (one block per SM) even for G = 4.
+template <int kG>
 HE_INLINE void he_attention_split_block(const float* __restrict__ q, const he_bf16* __restrict__ k_cache,
                                         const he_bf16* __restrict__ v_cache, float* __restrict__ partial, int seq,
                                         int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
-                                        int max_ctx, float* smem, float* scratch) {
-  const int G = nh / nkv;
-  float* qs = smem;               // [G][hd]
-  float* os = qs + G * hd;        // [G][hd]
-  float* sc = os + G * hd;        // [G][chunk]
-  const int t = he_thread_idx(), nt = he_block_dim();
+                                        int max_ctx, float* smem) {
+  static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
+  constexpr int G = kG;
+  (void)nkv;
+  const int t = he_thread_idx(), nt = he_block_dim(), nw = he_num_warps();
   const int start = split * chunk;
   const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
-  // Lanes per K/V row: hd/8 rounded up to a power of two so xor shuffles stay inside the lane group;
-  // lanes past the row's end (hd = 24 → 3 of 4 lanes busy) contribute zeros.
-  int lpr = 1;
-  while (lpr * 8 < hd) lpr *= 2;
-  const int rpw = kWarpSize / lpr;        // rows per warp per sweep
-  const int lane = he_lane_id(), sub = lane % lpr, rw = lane / lpr;
-  const bool dim_ok = sub * 8 < hd;
-  const int rows_per_sweep = he_num_warps() * rpw;
-  const float qscale = he_rsqrt((float)hd) * kLog2e;
-
   if (n == 0) {  // nothing to attend in this split: mark it empty for the combine
     for (int g = t; g < G; g += nt) {
       float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
@@ -61,128 +68,137 @@ HE_INLINE void he_attention_split_block(const float* __restrict__ q, const he_bf
     }
     return;
   }
-  for (int i = t; i < G * hd; i += nt) {
-    qs[i] = q[(he_i64)(kvh * G) * hd + i] * qscale;
-    os[i] = 0.f;
+  float* qs = smem;              // [G][hd]   q pre-scaled by log2(e)/sqrt(hd)
+  float* ws = qs + G * hd;       // [nw][G][hd + 2]  per-warp states (o, m, l)
+  // Lanes per K/V row: hd/8 rounded up to a power of two so xor shuffles stay inside the lane group;
+  // lanes past the row's end (hd = 24 → 3 of 4 lanes busy) contribute zeros.
+  int lpr = 1;
+  while (lpr * 8 < hd) lpr *= 2;
+  const int rpw = kWarpSize / lpr;  // rows a warp works on at once
+  const int lane = he_lane_id(), sub = lane % lpr, rw = lane / lpr;
+  const bool dim_ok = sub * 8 < hd;
+  // Each warp owns a contiguous slice of the chunk; lane group rw takes rows rw, rw + rpw, ...
+  const int per_warp = (n + nw - 1) / nw;
+  const int w0 = he_warp_id() * per_warp, w1 = (w0 + per_warp < n) ? w0 + per_warp : n;
+  const he_bf16* kbase = k_cache + ((he_i64)kvh * max_ctx + start) * hd + sub * 8;
+  const he_bf16* vbase = v_cache + ((he_i64)kvh * max_ctx + start) * hd + sub * 8;
+
+  // Issue the first K/V batch before staging q: cache rows do not depend on it.
+  he_vec16 kb[kAttnUnroll], vb[kAttnUnroll];
+#pragma unroll
+  for (int j = 0; j < kAttnUnroll; ++j) {
+    const int p = w0 + rw + j * rpw;
+    const bool ok = p < w1 && dim_ok;
+    kb[j] = ok ? he_load16_stream(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+    vb[j] = ok ? he_load16_stream(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
   }
+  const float qscale = he_rsqrt((float)hd) * kLog2e;
+  for (int i = t; i < G * hd; i += nt) qs[i] = q[(he_i64)(kvh * G) * hd + i] * qscale;
   he_sync_block();
 
-  // 1. scores. kAttnUnroll rows per lane group are loaded before any is used (latency hiding).
-  const he_bf16* kbase = k_cache + ((he_i64)kvh * max_ctx + start) * hd;
-  for (int p0 = 0; p0 < n; p0 += kAttnUnroll * rows_per_sweep) {
-    he_vec16 kv[kAttnUnroll];
+  float m[kG], l[kG], o[kG][8];
 #pragma unroll
-    for (int j = 0; j < kAttnUnroll; ++j) {
-      const int p = p0 + j * rows_per_sweep + he_warp_id() * rpw + rw;
-      kv[j] = (p < n && dim_ok) ? he_load16_stream(kbase + (he_i64)p * hd + sub * 8) : he_vec16{0u, 0u, 0u, 0u};
-    }
+  for (int g = 0; g < kG; ++g) {
+    m[g] = he_neg_inf();
+    l[g] = 0.f;
 #pragma unroll
-    for (int j = 0; j < kAttnUnroll; ++j) {
-      const int p = p0 + j * rows_per_sweep + he_warp_id() * rpw + rw;
-      for (int g = 0; g < G; ++g) {
-        float s = dim_ok ? he_dot8_bf16(kv[j], qs + g * hd + sub * 8) : 0.f;
-        for (int o = lpr / 2; o > 0; o >>= 1) s += he_shfl_xor(s, o);  // stays inside the lane group
-        if (p < n && sub == 0) sc[g * chunk + p] = s;
-      }
-    }
+    for (int j = 0; j < 8; ++j) o[g][j] = 0.f;
   }
-  he_sync_block();
-
-  // 2. softmax numerators per head
-  float m_g[kAttnMaxGroup], l_g[kAttnMaxGroup];
-  for (int g = 0; g < G; ++g) {
-    float m = he_neg_inf();
-    for (int p = t; p < n; p += nt) m = he_fmax(m, sc[g * chunk + p]);
-    m = he_block_max(m, scratch);
-    float l = 0.f;
-    for (int p = t; p < n; p += nt) {
-      const float e = he_exp2(sc[g * chunk + p] - m);
-      sc[g * chunk + p] = e;
-      l += e;
-    }
-    l = he_block_sum(l, scratch);  // its barriers also publish the e values written above
-    m_g[g] = m;
-    l_g[g] = l;
-  }
-
-  // 3. o = Σ e·v
-  float acc[kAttnMaxGroup][8];
-#pragma unroll
-  for (int g = 0; g < kAttnMaxGroup; ++g)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
-  const he_bf16* vbase = v_cache + ((he_i64)kvh * max_ctx + start) * hd;
-  for (int p0 = 0; p0 < n; p0 += kAttnUnroll * rows_per_sweep) {
-    he_vec16 vv[kAttnUnroll];
+  for (int p0 = w0; p0 < w1; p0 += kAttnUnroll * rpw) {
 #pragma unroll
     for (int j = 0; j < kAttnUnroll; ++j) {
-      const int p = p0 + j * rows_per_sweep + he_warp_id() * rpw + rw;
-      vv[j] = (p < n && dim_ok) ? he_load16_stream(vbase + (he_i64)p * hd + sub * 8) : he_vec16{0u, 0u, 0u, 0u};
-    }
+      const int p = p0 + rw + j * rpw;
+      const bool ok = p < w1;  // uniform per lane group: the shuffles below stay within it
+      const he_vec16 v = vb[j];
+      const float vf[8] = {he_bf16lo_to_f32(v.x), he_bf16hi_to_f32(v.x), he_bf16lo_to_f32(v.y),
+                           he_bf16hi_to_f32(v.y), he_bf16lo_to_f32(v.z), he_bf16hi_to_f32(v.z),
+                           he_bf16lo_to_f32(v.w), he_bf16hi_to_f32(v.w)};
 #pragma unroll
-    for (int j = 0; j < kAttnUnroll; ++j) {
-      const int p = p0 + j * rows_per_sweep + he_warp_id() * rpw + rw;
-      if (p < n && dim_ok) {
-        const he_vec16 v = vv[j];
-        const float vf[8] = {he_bf16lo_to_f32(v.x), he_bf16hi_to_f32(v.x), he_bf16lo_to_f32(v.y),
-                             he_bf16hi_to_f32(v.y), he_bf16lo_to_f32(v.z), he_bf16hi_to_f32(v.z),
-                             he_bf16lo_to_f32(v.w), he_bf16hi_to_f32(v.w)};
+      for (int g = 0; g < kG; ++g) {
+        float s = dim_ok ? he_dot8_bf16(kb[j], qs + g * hd + sub * 8) : 0.f;
+        for (int x = lpr / 2; x > 0; x >>= 1) s += he_shfl_xor(s, x);
+        if (ok) {  // online softmax update with one new score
+          const float M = he_fmax(m[g], s);
+          const float a = he_exp2(m[g] - M), e = he_exp2(s - M);  // m = -inf first: a = 0
+          l[g] = l[g] * a + e;
 #pragma unroll
-        for (int g = 0; g < kAttnMaxGroup; ++g) {
-          if (g < G) {
-            const float e = sc[g * chunk + p];
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) acc[g][jj] += e * vf[jj];
-          }
+          for (int jj = 0; jj < 8; ++jj) o[g][jj] = o[g][jj] * a + e * vf[jj];
+          m[g] = M;
         }
       }
     }
-  }
-  // reduce across the lane groups of a warp (xor offsets ≥ lpr mix rows, keep the dim slot)...
+    // next batch (its loads overlap nothing here, but are issued together: kAttnUnroll rows in flight)
 #pragma unroll
-  for (int g = 0; g < kAttnMaxGroup; ++g) {
-    if (g < G) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        for (int o = kWarpSize / 2; o >= lpr; o >>= 1) acc[g][j] += he_shfl_xor(acc[g][j], o);
+    for (int j = 0; j < kAttnUnroll; ++j) {
+      const int p = p0 + kAttnUnroll * rpw + rw + j * rpw;
+      const bool ok = p < w1 && dim_ok;
+      kb[j] = ok ? he_load16_stream(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+      vb[j] = ok ? he_load16_stream(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
     }
   }
-  // ...then across warps in a fixed order (deterministic sums).
-  for (int w = 0; w < he_num_warps(); ++w) {
-    if (he_warp_id() == w && rw == 0 && dim_ok) {
+  // merge the lane groups of the warp (xor offsets ≥ lpr pair rows, keep the dim slot) ...
 #pragma unroll
-      for (int g = 0; g < kAttnMaxGroup; ++g)
-        if (g < G)
+  for (int g = 0; g < kG; ++g) {
+    for (int x = kWarpSize / 2; x >= lpr; x >>= 1) {
+      float o2[8];
 #pragma unroll
-          for (int j = 0; j < 8; ++j) os[g * hd + sub * 8 + j] += acc[g][j];
+      for (int jj = 0; jj < 8; ++jj) o2[jj] = he_shfl_xor(o[g][jj], x);
+      he_softmax_merge(m[g], l[g], o[g], he_shfl_xor(m[g], x), he_shfl_xor(l[g], x), o2);
     }
-    he_sync_block();
   }
+  // ... then the warps, through shared memory, in warp order (deterministic).
+  if (rw == 0) {
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      float* st = ws + ((he_i64)he_warp_id() * G + g) * (hd + 2);
+      if (dim_ok)
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) st[sub * 8 + jj] = o[g][jj];
+      if (sub == 0) { st[hd] = m[g]; st[hd + 1] = l[g]; }
+    }
+  }
+  he_sync_block();
   for (int i = t; i < G * hd; i += nt) {
     const int g = i / hd, d = i % hd;
+    float M = he_neg_inf();
+    for (int w = 0; w < nw; ++w) M = he_fmax(M, ws[(w * G + g) * (hd + 2) + hd]);
+    float acc = 0.f, L = 0.f;
+    for (int w = 0; w < nw; ++w) {
+      const float* st = ws + (w * G + g) * (hd + 2);
+      const float sc = (st[hd] == he_neg_inf()) ? 0.f : he_exp2(st[hd] - M);
+      acc += st[d] * sc;
+      L += st[hd + 1] * sc;
+    }
     float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
-    pr[d] = os[i];
-  }
-  for (int g = t; g < G; g += nt) {
-    float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
-    pr[hd] = m_g[g];
-    pr[hd + 1] = l_g[g];
+    pr[d] = acc;
+    if (d == 0) { pr[hd] = M; pr[hd + 1] = L; }
   }
 }
 
-HE_KERNEL(256) attention_split(const float* __restrict__ q, const he_bf16* __restrict__ k_cache,
-                               const he_bf16* __restrict__ v_cache, float* __restrict__ partial,
-                               const int* __restrict__ pos_p, int nsplit, int chunk, int nh, int nkv, int hd,
-                               int max_ctx) {
-  extern __shared__ float he_attn_smem[];
-  __shared__ float scratch[kMaxWarpsPerBlock];
-  const int tq = he_block_idx_y();
-  const int seq = *pos_p + tq + 1;
-  const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;
-  he_attention_split_block(q + (he_i64)tq * nh * hd, k_cache, v_cache,
-                           partial + (he_i64)tq * nh * nsplit * (hd + 2), seq, kvh, split, nsplit, chunk, nh, nkv,
-                           hd, max_ctx, he_attn_smem, scratch);
-}
+// One kernel per group size (attention_split_g1 ... _g8): a kernel's register allocation is the maximum over
+// everything it may run, so a single kernel switching on G would pay G = 8's 168 registers for G = 4.
+#define HE_ATTN_KERNEL(g)                                                                                   \
+  HE_KERNEL(256) attention_split_g##g(const float* __restrict__ q, const he_bf16* __restrict__ k_cache,      \
+                                      const he_bf16* __restrict__ v_cache, float* __restrict__ partial,       \
+                                      const int* __restrict__ pos_p, int nsplit, int chunk, int nh, int nkv,  \
+                                      int hd, int max_ctx) {                                                  \
+    extern __shared__ float he_attn_smem[];                                                                 \
+    const int tq = he_block_idx_y();                                                                        \
+    const int seq = *pos_p + tq + 1;                                                                        \
+    const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
+    he_attention_split_block<g>(q + (he_i64)tq * nh * hd, k_cache, v_cache,                                 \
+                                partial + (he_i64)tq * nh * nsplit * (hd + 2), seq, kvh, split, nsplit, chunk, \
+                                nh, nkv, hd, max_ctx, he_attn_smem);                                        \
+  }
+HE_ATTN_KERNEL(1)
+HE_ATTN_KERNEL(2)
+HE_ATTN_KERNEL(3)
+HE_ATTN_KERNEL(4)
+HE_ATTN_KERNEL(5)
+HE_ATTN_KERNEL(6)
+HE_ATTN_KERNEL(7)
+HE_ATTN_KERNEL(8)
+#undef HE_ATTN_KERNEL
 
 // out[h] = Σ_s 2^(m_s − M) o_s / Σ_s 2^(m_s − M) l_s  over non-empty splits.  grid = (num_heads, T).
 // The split weights are computed in parallel (one thread per split) into shared memory; a serial loop over
