@@ -87,9 +87,10 @@ def swiglu_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.n
 class ReferenceBackend(Backend):
     """numpy float32 forward with a KV cache [layers, 2, max_context, kv_dim].
 
-    ``ReferenceBackend(model)`` with a ``LoadedModel``, or ``ReferenceBackend(config, weights=...)``."""
+    ``ReferenceBackend(model, max_context)`` with a ``LoadedModel``, or ``ReferenceBackend(config,
+    weights=...)``. max_context defaults to min(config.max_position_embeddings, 4096)."""
 
-    def __init__(self, model, weights: Mapping[str, np.ndarray] | None = None, max_context: int | None = None):
+    def __init__(self, model, max_context: int | None = None, *, weights: Mapping[str, np.ndarray] | None = None):
         if isinstance(model, ModelConfig):
             cfg = model
             if weights is None:

@@ -54,6 +54,16 @@ def test_hf_float32_weights_are_memory_mapped(llama_dir):
     assert load_model(llama_dir / "config.json", progress=False).config == lm.config
 
 
+def test_sharded_checkpoint_loads_through_its_index(llama_dir, tmp_path):
+    model = make_tiny_model("llama", seed=3)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
+    a = load_model(tmp_path / "sharded", progress=False).weights
+    b = load_model(llama_dir, progress=False).weights
+    assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 def test_missing_path(tmp_path):
     with pytest.raises(ModelError, match="does not exist"):
         load_model(tmp_path / "nope")

@@ -96,6 +96,9 @@ def read_config(reader, tensors: dict, path: Path) -> ModelConfig:
         )
     except TypeError:  # a required key is absent: int(None)
         raise ModelError(f"{path.name}: GGUF metadata lacks a required {arch} hyperparameter") from None
+    rope_dims = _field(reader, a + "rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise UnsupportedError(f"{path.name}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
     scaling_type = _field(reader, a + "rope.scaling.type")
     rope_scaling = None
     if ROPE_FREQS in tensors:
