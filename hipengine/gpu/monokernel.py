@@ -74,7 +74,8 @@ PARAM_FIELDS = [
     ("eos", "const int*"),          # [n_eos]
     ("state", "MkState*"),          # device memory, written by the kernel
     ("bar", "HeGridBarrier*"),      # device memory, zeroed before each launch
-    ("attn_count", "he_u32*"),      # [nkv] split-arrival counters, zeroed before each launch
+    ("attn_count", "he_u32*"),      # [nkv + 1] split-arrival counters (+ the greedy one), zeroed per launch
+    ("cand", "float*"),             # [2 * grid] greedy candidates per block: (value, index bits)
     ("host", "he_u32*"),            # mapped host words (MK_HOST_WORDS)
     ("ring", "int*"),               # mapped host token ring [ring_cap]
     ("timeout_ns", "he_u64"),       # every spin-wait gives up after this long
@@ -220,24 +221,24 @@ def write_layout(path=None) -> None:
     path.write_text(text.replace(source_layout_block(text), c_layout_text()))
 
 
-def compile_args(vendor: str, f16: bool) -> dict:
+def compile_args(vendor: str, f16: bool, group: int) -> dict:
     """rt.compile() keyword arguments for decode.hip. HIPENGINE_MK_MAXRREG caps registers on NVIDIA so two
     blocks fit per SM (the default lets the compiler use up to 255: one block of 256 threads per SM)."""
     opts = []
     cap = os.environ.get("HIPENGINE_MK_MAXRREG")
     if cap and vendor == "nvidia":
         opts.append(f"--maxrregcount={int(cap)}")
-    return {"defines": {"MK_WEIGHT_F16": int(f16)}, "options": opts or None}
+    return {"defines": {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group)}, "options": opts or None}
 
 
-def precompile(arch: str = "sm_90", f16_variants=(False,)) -> list[str]:
+def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4)) -> list[str]:
     """Fill the compile cache for an NVIDIA arch without a GPU (NVRTC only): the per-op modules and the
     monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling."""
     from . import backend_cuda as bc, compiler
     from .runtime import KERNELS_DIR
 
     jobs = [(f"ops/{p.name}", {}) for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]
-    jobs += [(SOURCE, compile_args("nvidia", f16)) for f16 in f16_variants]
+    jobs += [(SOURCE, compile_args("nvidia", f16, g)) for f16 in f16_variants for g in groups]
     done = []
     for src, kw in jobs:
         path, text = compiler.resolve_source(src)
@@ -262,13 +263,14 @@ class MonokernelBackend(GpuBackend):
         if len(f16) != 1:
             raise UnsupportedError("the monokernel needs one weight dtype (all bf16 or all fp16); "
                                    "use --no-monokernel for mixed-dtype models")
-        self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop()))
+        self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
         G = cfg.num_heads // cfg.num_kv_heads
-        self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),
-                        (2 * G * cfg.head_dim + G * max(self.chunk, 512)) * 4,  # 512: attention_plan's cap
-                        4 * ((cfg.vocab_size + 31) // 32))
+        nw = THREADS // rt.warp_size
+        self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),  # matvec x staging
+                        (G * cfg.head_dim + nw * G * (cfg.head_dim + 2)) * 4,       # attention (ops.attention)
+                        4 * ((cfg.vocab_size + 31) // 32))                           # sampling history bitmap
         if self.smem > rt.max_shared_per_block:
             raise DeviceError(f"monokernel needs {self.smem} B of shared memory per block; the device allows "
                               f"{rt.max_shared_per_block}")
@@ -307,7 +309,8 @@ class MonokernelBackend(GpuBackend):
         self.iota = self._up(np.arange(self.max_context, dtype=np.int32))
         self.state_buf = self._buf(ctypes.sizeof(MkState))
         self.bar_buf = self._buf(16)
-        self.attn_count = self._buf(4 * cfg.num_kv_heads)
+        self.attn_count = self._buf(4 * (cfg.num_kv_heads + 1))
+        self.cand = self._buf(8 * rt.num_sms * max(self.occupancy, 1))
         self.eos_buf = self._buf(4 * MAX_EOS)
         self.params_buf = self._buf(ctypes.sizeof(MkParams))
         self.ring_cap = self.max_context
@@ -327,6 +330,7 @@ class MonokernelBackend(GpuBackend):
             x=self.x.ptr, qkv=self.qkv.ptr, q=self.q.ptr, att=self.att.ptr, h=self.h.ptr,
             partial=self.partial.ptr, logits=self.logits.ptr, z=self.z.ptr, history=self.history.ptr,
             eos=self.eos_buf.ptr, state=self.state_buf.ptr, bar=self.bar_buf.ptr, attn_count=self.attn_count.ptr,
+            cand=self.cand.ptr,
             host=hd, ring=hd + 4 * len(MK_HOST_WORDS), timeout_ns=self.timeout_ns,
             vocab=cfg.vocab_size, d=cfg.hidden_size, ffn=cfg.intermediate_size, nh=cfg.num_heads,
             nkv=cfg.num_kv_heads, hd=cfg.head_dim, n_layers=cfg.num_layers, max_ctx=self.max_context,
@@ -349,7 +353,7 @@ class MonokernelBackend(GpuBackend):
         if eos:
             rt.copy_htod(self.eos_buf, np.asarray(eos, np.int32), stream=s)
         rt.memset(self.bar_buf, 0, 16, stream=s)
-        rt.memset(self.attn_count, 0, 4 * self.config.num_kv_heads, stream=s)
+        rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 1), stream=s)
         s.synchronize()  # the host words below are read by the kernel: reset them with nothing in flight
         self.host_words[:] = 0
         rt.launch(self.fn, self.grid, THREADS, [c_void_p(self.params_buf.ptr)], shared=self.smem, stream=s,
@@ -448,10 +452,6 @@ class MonokernelBackend(GpuBackend):
         cos, sin = O.rope_tables(self.config.rope_inv_freq(), self.max_context)
         self.cos, self.sin = self._up(cos), self._up(sin)
         self._alloc_state()
-        G = self.config.num_heads // self.config.num_kv_heads
-        need = (2 * G * self.config.head_dim + G * self.chunk) * 4
-        if need > self.smem:
-            raise DeviceError(f"attention needs {need} B of shared memory, the monokernel was sized for {self.smem}")
         if self.hostmem is not None:
             self.hostmem.free()
         self._setup_buffers()

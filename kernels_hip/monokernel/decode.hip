@@ -125,6 +125,7 @@ struct MkParams {
   MkState* state;
   HeGridBarrier* bar;
   he_u32* attn_count;
+  float* cand;
   he_u32* host;
   int* ring;
   he_u64 timeout_ns;
@@ -155,7 +156,7 @@ struct MkParams {
   he_u32 seed_hi;
   he_i32 prefetch;
 };
-static_assert(sizeof(MkParams) == 288, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 296, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -176,35 +177,36 @@ MK_OFFSET_CHECK(MkParams, eos, 128)
 MK_OFFSET_CHECK(MkParams, state, 136)
 MK_OFFSET_CHECK(MkParams, bar, 144)
 MK_OFFSET_CHECK(MkParams, attn_count, 152)
-MK_OFFSET_CHECK(MkParams, host, 160)
-MK_OFFSET_CHECK(MkParams, ring, 168)
-MK_OFFSET_CHECK(MkParams, timeout_ns, 176)
-MK_OFFSET_CHECK(MkParams, vocab, 184)
-MK_OFFSET_CHECK(MkParams, d, 188)
-MK_OFFSET_CHECK(MkParams, ffn, 192)
-MK_OFFSET_CHECK(MkParams, nh, 196)
-MK_OFFSET_CHECK(MkParams, nkv, 200)
-MK_OFFSET_CHECK(MkParams, hd, 204)
-MK_OFFSET_CHECK(MkParams, n_layers, 208)
-MK_OFFSET_CHECK(MkParams, max_ctx, 212)
-MK_OFFSET_CHECK(MkParams, nsplit, 216)
-MK_OFFSET_CHECK(MkParams, chunk, 220)
-MK_OFFSET_CHECK(MkParams, embed_f16, 224)
-MK_OFFSET_CHECK(MkParams, head_f16, 228)
-MK_OFFSET_CHECK(MkParams, qk_norm, 232)
-MK_OFFSET_CHECK(MkParams, n_eos, 236)
-MK_OFFSET_CHECK(MkParams, mode, 240)
-MK_OFFSET_CHECK(MkParams, max_tokens, 244)
-MK_OFFSET_CHECK(MkParams, ring_cap, 248)
-MK_OFFSET_CHECK(MkParams, top_k, 252)
-MK_OFFSET_CHECK(MkParams, eps, 256)
-MK_OFFSET_CHECK(MkParams, temperature, 260)
-MK_OFFSET_CHECK(MkParams, top_p, 264)
-MK_OFFSET_CHECK(MkParams, min_p, 268)
-MK_OFFSET_CHECK(MkParams, rep_pen, 272)
-MK_OFFSET_CHECK(MkParams, seed_lo, 276)
-MK_OFFSET_CHECK(MkParams, seed_hi, 280)
-MK_OFFSET_CHECK(MkParams, prefetch, 284)
+MK_OFFSET_CHECK(MkParams, cand, 160)
+MK_OFFSET_CHECK(MkParams, host, 168)
+MK_OFFSET_CHECK(MkParams, ring, 176)
+MK_OFFSET_CHECK(MkParams, timeout_ns, 184)
+MK_OFFSET_CHECK(MkParams, vocab, 192)
+MK_OFFSET_CHECK(MkParams, d, 196)
+MK_OFFSET_CHECK(MkParams, ffn, 200)
+MK_OFFSET_CHECK(MkParams, nh, 204)
+MK_OFFSET_CHECK(MkParams, nkv, 208)
+MK_OFFSET_CHECK(MkParams, hd, 212)
+MK_OFFSET_CHECK(MkParams, n_layers, 216)
+MK_OFFSET_CHECK(MkParams, max_ctx, 220)
+MK_OFFSET_CHECK(MkParams, nsplit, 224)
+MK_OFFSET_CHECK(MkParams, chunk, 228)
+MK_OFFSET_CHECK(MkParams, embed_f16, 232)
+MK_OFFSET_CHECK(MkParams, head_f16, 236)
+MK_OFFSET_CHECK(MkParams, qk_norm, 240)
+MK_OFFSET_CHECK(MkParams, n_eos, 244)
+MK_OFFSET_CHECK(MkParams, mode, 248)
+MK_OFFSET_CHECK(MkParams, max_tokens, 252)
+MK_OFFSET_CHECK(MkParams, ring_cap, 256)
+MK_OFFSET_CHECK(MkParams, top_k, 260)
+MK_OFFSET_CHECK(MkParams, eps, 264)
+MK_OFFSET_CHECK(MkParams, temperature, 268)
+MK_OFFSET_CHECK(MkParams, top_p, 272)
+MK_OFFSET_CHECK(MkParams, min_p, 276)
+MK_OFFSET_CHECK(MkParams, rep_pen, 280)
+MK_OFFSET_CHECK(MkParams, seed_lo, 284)
+MK_OFFSET_CHECK(MkParams, seed_hi, 288)
+MK_OFFSET_CHECK(MkParams, prefetch, 292)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -259,35 +261,36 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[42] = (he_u64)((const char*)&vMkParams.state - (const char*)&vMkParams);
   out[43] = (he_u64)((const char*)&vMkParams.bar - (const char*)&vMkParams);
   out[44] = (he_u64)((const char*)&vMkParams.attn_count - (const char*)&vMkParams);
-  out[45] = (he_u64)((const char*)&vMkParams.host - (const char*)&vMkParams);
-  out[46] = (he_u64)((const char*)&vMkParams.ring - (const char*)&vMkParams);
-  out[47] = (he_u64)((const char*)&vMkParams.timeout_ns - (const char*)&vMkParams);
-  out[48] = (he_u64)((const char*)&vMkParams.vocab - (const char*)&vMkParams);
-  out[49] = (he_u64)((const char*)&vMkParams.d - (const char*)&vMkParams);
-  out[50] = (he_u64)((const char*)&vMkParams.ffn - (const char*)&vMkParams);
-  out[51] = (he_u64)((const char*)&vMkParams.nh - (const char*)&vMkParams);
-  out[52] = (he_u64)((const char*)&vMkParams.nkv - (const char*)&vMkParams);
-  out[53] = (he_u64)((const char*)&vMkParams.hd - (const char*)&vMkParams);
-  out[54] = (he_u64)((const char*)&vMkParams.n_layers - (const char*)&vMkParams);
-  out[55] = (he_u64)((const char*)&vMkParams.max_ctx - (const char*)&vMkParams);
-  out[56] = (he_u64)((const char*)&vMkParams.nsplit - (const char*)&vMkParams);
-  out[57] = (he_u64)((const char*)&vMkParams.chunk - (const char*)&vMkParams);
-  out[58] = (he_u64)((const char*)&vMkParams.embed_f16 - (const char*)&vMkParams);
-  out[59] = (he_u64)((const char*)&vMkParams.head_f16 - (const char*)&vMkParams);
-  out[60] = (he_u64)((const char*)&vMkParams.qk_norm - (const char*)&vMkParams);
-  out[61] = (he_u64)((const char*)&vMkParams.n_eos - (const char*)&vMkParams);
-  out[62] = (he_u64)((const char*)&vMkParams.mode - (const char*)&vMkParams);
-  out[63] = (he_u64)((const char*)&vMkParams.max_tokens - (const char*)&vMkParams);
-  out[64] = (he_u64)((const char*)&vMkParams.ring_cap - (const char*)&vMkParams);
-  out[65] = (he_u64)((const char*)&vMkParams.top_k - (const char*)&vMkParams);
-  out[66] = (he_u64)((const char*)&vMkParams.eps - (const char*)&vMkParams);
-  out[67] = (he_u64)((const char*)&vMkParams.temperature - (const char*)&vMkParams);
-  out[68] = (he_u64)((const char*)&vMkParams.top_p - (const char*)&vMkParams);
-  out[69] = (he_u64)((const char*)&vMkParams.min_p - (const char*)&vMkParams);
-  out[70] = (he_u64)((const char*)&vMkParams.rep_pen - (const char*)&vMkParams);
-  out[71] = (he_u64)((const char*)&vMkParams.seed_lo - (const char*)&vMkParams);
-  out[72] = (he_u64)((const char*)&vMkParams.seed_hi - (const char*)&vMkParams);
-  out[73] = (he_u64)((const char*)&vMkParams.prefetch - (const char*)&vMkParams);
+  out[45] = (he_u64)((const char*)&vMkParams.cand - (const char*)&vMkParams);
+  out[46] = (he_u64)((const char*)&vMkParams.host - (const char*)&vMkParams);
+  out[47] = (he_u64)((const char*)&vMkParams.ring - (const char*)&vMkParams);
+  out[48] = (he_u64)((const char*)&vMkParams.timeout_ns - (const char*)&vMkParams);
+  out[49] = (he_u64)((const char*)&vMkParams.vocab - (const char*)&vMkParams);
+  out[50] = (he_u64)((const char*)&vMkParams.d - (const char*)&vMkParams);
+  out[51] = (he_u64)((const char*)&vMkParams.ffn - (const char*)&vMkParams);
+  out[52] = (he_u64)((const char*)&vMkParams.nh - (const char*)&vMkParams);
+  out[53] = (he_u64)((const char*)&vMkParams.nkv - (const char*)&vMkParams);
+  out[54] = (he_u64)((const char*)&vMkParams.hd - (const char*)&vMkParams);
+  out[55] = (he_u64)((const char*)&vMkParams.n_layers - (const char*)&vMkParams);
+  out[56] = (he_u64)((const char*)&vMkParams.max_ctx - (const char*)&vMkParams);
+  out[57] = (he_u64)((const char*)&vMkParams.nsplit - (const char*)&vMkParams);
+  out[58] = (he_u64)((const char*)&vMkParams.chunk - (const char*)&vMkParams);
+  out[59] = (he_u64)((const char*)&vMkParams.embed_f16 - (const char*)&vMkParams);
+  out[60] = (he_u64)((const char*)&vMkParams.head_f16 - (const char*)&vMkParams);
+  out[61] = (he_u64)((const char*)&vMkParams.qk_norm - (const char*)&vMkParams);
+  out[62] = (he_u64)((const char*)&vMkParams.n_eos - (const char*)&vMkParams);
+  out[63] = (he_u64)((const char*)&vMkParams.mode - (const char*)&vMkParams);
+  out[64] = (he_u64)((const char*)&vMkParams.max_tokens - (const char*)&vMkParams);
+  out[65] = (he_u64)((const char*)&vMkParams.ring_cap - (const char*)&vMkParams);
+  out[66] = (he_u64)((const char*)&vMkParams.top_k - (const char*)&vMkParams);
+  out[67] = (he_u64)((const char*)&vMkParams.eps - (const char*)&vMkParams);
+  out[68] = (he_u64)((const char*)&vMkParams.temperature - (const char*)&vMkParams);
+  out[69] = (he_u64)((const char*)&vMkParams.top_p - (const char*)&vMkParams);
+  out[70] = (he_u64)((const char*)&vMkParams.min_p - (const char*)&vMkParams);
+  out[71] = (he_u64)((const char*)&vMkParams.rep_pen - (const char*)&vMkParams);
+  out[72] = (he_u64)((const char*)&vMkParams.seed_lo - (const char*)&vMkParams);
+  out[73] = (he_u64)((const char*)&vMkParams.seed_hi - (const char*)&vMkParams);
+  out[74] = (he_u64)((const char*)&vMkParams.prefetch - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -299,6 +302,11 @@ static_assert(sizeof(HeGridBarrier) == 16, "HeGridBarrier is 16 bytes (the host 
 #define MK_WEIGHT_F16 0
 #endif
 constexpr bool kMkF16 = MK_WEIGHT_F16 != 0;
+// Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
+// per lane in registers and is a template on it.
+#ifndef MK_ATTN_G
+#define MK_ATTN_G 4
+#endif
 
 // ---- weight prefetch -------------------------------------------------------------------------------------
 // Loads this warp's first matvec sweep of rows ra and rb (the same addresses he_matvec_warp issues first)
@@ -354,11 +362,11 @@ HE_INLINE void mk_qkv(const MkParams& p, const MkLayer& L, int pos, float* smem,
 }
 
 HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, float* scratch) {
-  const int G = p.nh / p.nkv, items = p.nkv * p.nsplit;
+  const int G = MK_ATTN_G, items = p.nkv * p.nsplit;
   for (int it = he_block_idx(); it < items; it += he_grid_dim()) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
-    he_attention_split_block(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit, p.chunk, p.nh,
-                             p.nkv, p.hd, p.max_ctx, smem, scratch);
+    he_attention_split_block<MK_ATTN_G>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
+                                        p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem);
     // Finer than a grid barrier: the last of this KV head's nsplit blocks to arrive combines its G heads
     // (acq_rel counter at device scope: it sees every split's partial).
     if (he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit)) {
@@ -391,6 +399,53 @@ HE_INLINE void mk_embed(const MkParams& p, int token) {
   he_embedding_row<kMkF16>(p.embed, token, p.vocab, p.d, p.x);
 }
 
+// ---- greedy token selection spread over the grid ----------------------------------------------------------
+// Every block arg-maxes a contiguous slice of the logits and publishes its candidate; the last block to
+// arrive (acq_rel counter at device scope, sync.h) reduces the candidates and leads this token (emission,
+// stop checks, embedding). Ties go to the smaller index at every level and NaN never wins (`>`), the same
+// rule as he_sample_block's greedy path, so the token is the per-op path's. Costs no extra grid barrier,
+// and replaces one block streaming the whole 128K-entry logits vector (≈ 0.5 MB from L2) by ~1 KB per block.
+HE_INLINE void mk_block_argmax(float& best, int& bi, float* wv, int* wi) {
+  he_warp_argmax(best, bi);
+  if (he_lane_id() == 0) { wv[he_warp_id()] = best; wi[he_warp_id()] = bi; }
+  he_sync_block();
+  best = wv[0];
+  bi = wi[0];
+  for (int w = 1; w < he_num_warps(); ++w)
+    if (wv[w] > best || (wv[w] == best && wi[w] < bi)) { best = wv[w]; bi = wi[w]; }
+  he_sync_block();
+}
+
+HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok) {
+  __shared__ float wv[kMaxWarpsPerBlock];
+  __shared__ int wi[kMaxWarpsPerBlock];
+  const int nb = he_grid_dim(), t = he_thread_idx(), nt = he_block_dim();
+  const int per = (p.vocab + nb - 1) / nb, b0 = he_block_idx() * per;
+  const int b1 = b0 + per < p.vocab ? b0 + per : p.vocab;
+  float best = he_neg_inf();
+  int bi = 0x7fffffff;
+  for (int i = b0 + t; i < b1; i += nt) {
+    const float v = p.logits[i];
+    if (v > best) { best = v; bi = i; }
+  }
+  mk_block_argmax(best, bi, wv, wi);
+  if (t == 0) {
+    p.cand[2 * he_block_idx()] = best;
+    p.cand[2 * he_block_idx() + 1] = he_u32_as_f32((he_u32)bi);
+  }
+  if (!he_arrive_last(p.attn_count + p.nkv, (he_u32)nb)) return false;
+  best = he_neg_inf();
+  bi = 0x7fffffff;
+  for (int b = t; b < nb; b += nt) {  // candidates in block order = index order: `>` keeps the first
+    const float v = p.cand[2 * b];
+    const int i = (int)he_f32_as_u32(p.cand[2 * b + 1]);
+    if (v > best || (v == best && i < bi)) { best = v; bi = i; }
+  }
+  mk_block_argmax(best, bi, wv, wi);
+  tok = bi;
+  return true;
+}
+
 // ---- the kernel ------------------------------------------------------------------------------------------
 extern "C" __global__ void HE_LAUNCH_BOUNDS(kMkThreads) monokernel_decode(const MkParams* __restrict__ P) {
   extern __shared__ float he_mk_smem[];  // max(matvec x staging, attention, sampling bitmap), host-sized
@@ -416,11 +471,17 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS(kMkThreads) monokernel_decode(const 
   }
   for (;;) {
     if (sample_now) {
-      // ---- token selection, emission and stop checks: block 0 only; the others wait at the barrier ----
-      if (lead) {
-        const int tok = he_sample_block(p.logits, p.vocab, p.history, hist_len, p.temperature, p.top_k, p.top_p,
-                                        p.min_p, p.rep_pen, p.seed_lo, p.seed_hi, (he_u32)pos, p.z, scratch,
-                                        slice_sums, (he_u32*)he_mk_smem);
+      // ---- token selection, emission and stop checks by one block (the others go on to the barrier) ----
+      // Plain greedy: spread over the grid, led by the last block to finish its slice. Anything else
+      // (temperature, penalties): he_sample_block on block 0.
+      int tok = 0;
+      bool leads = lead;
+      if (!(p.temperature > 0.f) && p.rep_pen == 1.f) leads = mk_argmax_grid(p, tok);
+      else if (lead)
+        tok = he_sample_block(p.logits, p.vocab, p.history, hist_len, p.temperature, p.top_k, p.top_p, p.min_p,
+                              p.rep_pen, p.seed_lo, p.seed_hi, (he_u32)pos, p.z, scratch, slice_sums,
+                              (he_u32*)he_mk_smem);
+      if (leads) {
         if (he_thread_idx() == 0) {
           if (n_out < p.ring_cap) p.ring[n_out] = tok;
           // Release at system scope: the ring entry is visible to the host before the index that covers it.
