@@ -173,8 +173,8 @@ def _new_stats():
 class Job:
     """One request's trip through the engine. Events go from the worker thread to the request's event loop."""
 
-    def __init__(self, kind: str, prompt, sampling: dict, loop: asyncio.AbstractEventLoop, stats):
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    def __init__(self, request_id: str, kind: str, prompt, sampling: dict, loop: asyncio.AbstractEventLoop, stats):
+        self.id = request_id
         self.kind, self.prompt, self.sampling, self.stats = kind, prompt, sampling, stats
         self.cancel = threading.Event()
         self.loop = loop
@@ -480,9 +480,10 @@ class Server:
         try:
             self.worker.submit(job)
         except QueueFull:
-            raise ApiError(429, f"the server is busy: {self.worker.max_queue} requests are already waiting; "
-                                "retry later", type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(self.worker.retry_after_s())}) from None
+            wait = self.worker.retry_after_s()
+            raise ApiError(429, f"the server is busy: one request is decoding and the queue is full "
+                                f"(--max-queue {self.worker.max_queue}); retry in about {wait} s",
+                           type="rate_limit_error", code="queue_full", headers={"Retry-After": str(wait)}) from None
 
 
 def _error_for(exc: BaseException) -> ApiError:
@@ -584,13 +585,16 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
 
     async def _generate(request: Request, kind: str):
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        # The id names the request in the log line and every answer, rejected ones included.
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         try:
             server.check_auth(request)
             data = await server.read_json(request)
-            job = _prepare(data, kind, asyncio.get_running_loop())
+            job = _prepare(request_id, data, kind, asyncio.get_running_loop())
             server.submit(job)
         except ApiError as e:
-            server.record(endpoint, None, e.status, request_id=None, reason=e.code)
+            server.record(endpoint, None, e.status, request_id=request_id, reason=e.code)
+            e.headers = {**(e.headers or {}), "X-Request-Id": request_id}
             raise
         watcher = asyncio.create_task(_watch_disconnect(request, server, job))
         try:
@@ -618,7 +622,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         finally:
             watcher.cancel()
 
-    def _prepare(data: dict, kind: str, loop) -> Job:
+    def _prepare(request_id: str, data: dict, kind: str, loop) -> Job:
         if kind == "chat":
             for name in _UNSUPPORTED_CHAT:
                 if name in data:
@@ -664,7 +668,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 raise _bad("suffix is not supported", "suffix", "unsupported_parameter")
             ids = server.prompt_ids(prompt, "prompt")
             sampling = server.sampling(req, ids, default_max_tokens=16)  # OpenAI's completions default
-        job = Job(kind, ids, sampling, loop, _new_stats())
+        job = Job(request_id, kind, ids, sampling, loop, _new_stats())
         job.stats.prompt_tokens = len(ids)  # known now; the engine sets it again when it starts
         job.stream = bool(req.stream)
         job.include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -674,7 +678,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         job.error = exc
         err = _error_for(exc)
         server.record(endpoint, job, err.status, reason="error")
-        return err.response()
+        resp = err.response()
+        resp.headers["X-Request-Id"] = job.id
+        return resp
 
     def _finish_reason(job: Job) -> str:
         r = getattr(job.stats, "finish_reason", None)

@@ -81,6 +81,7 @@ def test_16_clients_against_queue_of_8(caplog):
         assert r.choices[0].text == results[ok[0]].choices[0].text
     lines = [x for x in request_lines(caplog) if x["endpoint"] == "/v1/completions"]
     assert sorted(x["status"] for x in lines).count(429) == len(busy)
+    assert len({x["id"] for x in lines}) == len(lines)  # one line per request, each with its own id
 
 
 def _sse_stream(http: httpx.Client, body: dict):
