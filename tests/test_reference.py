@@ -98,3 +98,19 @@ def test_rope_is_rotate_half_with_config_frequencies(tiny):
     ang = np.arange(40)[:, None] * cfg.rope_inv_freq()[None]
     want0 = x[:, 0, :half] * np.cos(ang) - x[:, 0, half:] * np.sin(ang)
     assert np.allclose(y[:, 0, :half], want0, atol=1e-5)
+
+
+def test_chunked_prefill_and_sliding_window_decode_agree(monkeypatch):
+    """Prefill in chunks, in one piece, or token by token gives the same logits (window 16 < 100 tokens)."""
+    import hipengine.reference as ref
+    from hipengine.presets import preset_model
+
+    be = ReferenceBackend(preset_model("tiny-mistral"), max_context=128)
+    ids = _ids(100, be.config.vocab_size, 4)
+    whole = be.prefill(ids, all_logits=True)  # (100, vocab)
+    monkeypatch.setattr(ref, "PREFILL_CHUNK", 7)
+    be.reset()
+    assert _rel(be.prefill(ids, all_logits=True), whole) < 1e-5
+    be.reset()
+    steps = np.vstack([be.prefill(ids[:40], all_logits=True)] + [be.decode(int(t)) for t in ids[40:]])
+    assert _rel(steps, whole) < 1e-5
