@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import HipEngineError, RequestError
 from .metrics import Metrics
+from .sampling import make_params
 
 log = logging.getLogger("hipengine.server")
 
@@ -398,16 +399,8 @@ class Server:
                            "unsupported_value")
         if req.logit_bias:
             raise _bad("logit_bias is not supported", "logit_bias", "unsupported_parameter")
-        if req.temperature is not None and not (0.0 <= req.temperature <= 2.0):
+        if req.temperature is not None and not (0.0 <= req.temperature <= 2.0):  # OpenAI's range
             raise _bad(f"temperature must be between 0 and 2, got {req.temperature}", "temperature")
-        if req.top_p is not None and not (0.0 < req.top_p <= 1.0):
-            raise _bad(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
-        if req.top_k is not None and req.top_k < 0:
-            raise _bad(f"top_k must be >= 0 (0 = off), got {req.top_k}", "top_k")
-        if req.min_p is not None and not (0.0 <= req.min_p <= 1.0):
-            raise _bad(f"min_p must be in [0, 1], got {req.min_p}", "min_p")
-        if req.repetition_penalty is not None and req.repetition_penalty <= 0:
-            raise _bad(f"repetition_penalty must be > 0, got {req.repetition_penalty}", "repetition_penalty")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP_SEQUENCES:
             raise _bad(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stop)}", "stop")
@@ -441,7 +434,15 @@ class Server:
             "repetition_penalty": req.repetition_penalty, "ignore_eos": req.ignore_eos,
             "stop": tuple(stop) if stop else None,
         }
-        return {k: v for k, v in kw.items() if v is not None}
+        kw = {k: v for k, v in kw.items() if v is not None}
+        # The engine's own range checks, run now so a bad value is a 400 before queueing; its messages
+        # begin with the field's name, which becomes ``param``.
+        try:
+            make_params(**kw)
+        except RequestError as e:
+            field = str(e).split(" ", 1)[0]
+            raise _bad(str(e), field if field in kw else None) from None
+        return kw
 
     # -- lifecycle of one generation request --
     def record(self, endpoint: str, job: Job | None, status: int, request_id: str | None = None,

@@ -231,6 +231,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "M", "prompt": 5}, 400, "invalid_type", "prompt"),
     ("/v1/completions", {"model": "M", "prompt": "x", "temperature": -0.5}, 400, "invalid_value", "temperature"),
     ("/v1/completions", {"model": "M", "prompt": "x", "top_p": 0}, 400, "invalid_value", "top_p"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "top_k": -1}, 400, "invalid_value", "top_k"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "seed": -1}, 400, "invalid_value", "seed"),
     ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
     ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": (_CTX, 1)}, 400, "context_length_exceeded",
      "max_tokens"),
