@@ -134,7 +134,7 @@ def bench_matvecs(rt, ops, stream, hbm) -> list[dict]:
 def bench_unroll(rt, stream, hbm) -> list[dict]:
     """The same matvecs compiled with other load depths (HE_MATVEC_UNROLL), default block size."""
     out = []
-    for unroll in (4,):
+    for unroll in (2,):
         ops_u = O.Ops(rt, defines={"HE_MATVEC_UNROLL": unroll})
         for name, rows, inn in (("o-proj 2048->2048", 2048, 2048), ("down 8192->2048", 2048, 8192),
                                 ("lm head 2048->128256", 128256, 2048)):

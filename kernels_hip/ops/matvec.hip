@@ -24,7 +24,7 @@
 
 // 16-byte loads in flight per lane per row (per batch). A define so benchmarks can compare depths.
 #ifndef HE_MATVEC_UNROLL
-#define HE_MATVEC_UNROLL 8
+#define HE_MATVEC_UNROLL 4
 #endif
 constexpr int kMatvecUnroll = HE_MATVEC_UNROLL;
 
@@ -67,13 +67,18 @@ HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0
 // One warp computes kRows dot products rows[r]·x over `in` elements; every lane returns all kRows sums.
 // `w` holds the first batch, already loaded (see he_matvec_load): the bodies issue it *before* the fused
 // prologue so HBM latency overlaps the normalisation of x (weights never depend on the activation).
+// Double-buffered: batch b+1 is issued before batch b is consumed, so a long row (down-proj, in = 8192)
+// keeps 2·kMatvecUnroll loads per row in flight instead of draining between batches.
 template <int kRows, bool kF16>
 HE_INLINE void he_matvec_warp(const he_u16* const (&rows)[kRows], int in, const float* xs,
                               he_vec16 (&w)[kRows][kMatvecUnroll], float (&acc)[kRows]) {
   const int lane = he_lane_id();
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+  he_vec16 nxt[kRows][kMatvecUnroll];
   for (int c0 = 0;;) {
+    const bool more = c0 + kMatvecBatch < in;
+    if (more) he_matvec_load<kRows>(rows, in, c0 + kMatvecBatch, nxt);
 #pragma unroll
     for (int u = 0; u < kMatvecUnroll; ++u) {
       const int c = c0 + u * kMatvecSweep + lane * 8;
@@ -82,9 +87,12 @@ HE_INLINE void he_matvec_warp(const he_u16* const (&rows)[kRows], int in, const 
         for (int r = 0; r < kRows; ++r) acc[r] += he_wdot8<kF16>(w[r][u], xs + c);
       }
     }
+    if (!more) break;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int u = 0; u < kMatvecUnroll; ++u) w[r][u] = nxt[r][u];
     c0 += kMatvecBatch;
-    if (c0 >= in) break;
-    he_matvec_load<kRows>(rows, in, c0, w);
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = he_warp_sum(acc[r]);
