@@ -396,3 +396,51 @@ def test_cli_serve_end_to_end():
     lines = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
     assert len(lines) == 1 and lines[0]["id"] == r.id and lines[0]["status"] == 200, err
     assert {"prompt_tokens", "output_tokens", "ttft_ms", "tok_s"} <= set(lines[0])
+
+
+class _FaultyEngine:
+    """The real engine's tokenizer and config, but a ``stream`` that fails the way a buggy backend would:
+    at the call (``fail_at == 0``) or after ``fail_at`` pieces. Checks the server survives engine failures
+    without spending CPU on generation."""
+
+    def __init__(self, engine, fail_at: int):
+        self._engine, self.fail_at = engine, fail_at
+        self.config, self.tokenizer, self.backend = engine.config, engine.tokenizer, engine.backend
+        self.model_name = engine.model_name
+
+    def encode_prompt(self, prompt):
+        return self._engine.encode_prompt(prompt)
+
+    def chat_ids(self, messages):
+        return self._engine.chat_ids(messages)
+
+    def stream(self, prompt, *, cancel=None, stats=None, **sampling):
+        if self.fail_at == 0:
+            raise RuntimeError("backend exploded")
+
+        def pieces():
+            for i in range(self.fail_at):
+                yield f"piece{i} "
+            raise RuntimeError("backend exploded mid-stream")
+        return pieces()
+
+
+def test_engine_failures_do_not_take_the_server_down():
+    for fail_at in (0, 2):
+        with LiveServer(_FaultyEngine(shared_engine(), fail_at), max_queue=2) as srv:
+            body = {"model": srv.model, "prompt": "x", "max_tokens": 4}
+            r = httpx.post(srv.base + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+            with httpx.stream("POST", srv.base + "/v1/completions", json=dict(body, stream=True), timeout=30) as r:
+                lines = [ln for ln in r.iter_lines() if ln]
+            if fail_at == 0:  # failed before any text: still a proper status
+                assert r.status_code == 500
+            else:  # failed after text was sent: the error arrives in-band, then the stream ends properly
+                assert r.status_code == 200
+                events = [json.loads(ln[6:]) for ln in lines[:-1]]
+                assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "piece0 piece1 "
+                assert events[-1]["error"]["code"] == "internal_error"
+                assert lines[-1] == "data: [DONE]"
+            assert httpx.get(srv.base + "/health").json()["status"] == "ok"
+            metrics = httpx.get(srv.base + "/metrics").text
+            assert 'hipengine_requests_finished_total{reason="error"} 2' in metrics
