@@ -294,4 +294,5 @@ def test_loader_import_does_not_need_gguf():
 
     code = ("import sys; import hipengine.loader, hipengine.loader.hf, hipengine.presets, hipengine.reference; "
             "sys.exit('gguf' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
