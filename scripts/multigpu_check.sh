@@ -18,14 +18,14 @@ timeout 90 "$PY" -m hipengine bench allreduce --tp "$TP" --json "$OUT/allreduce_
 bench_rc=$?
 
 # 2. every multigpu-marked test (a file that cannot be collected here must not stop the others)
-timeout 120 "$PY" -m pytest -m multigpu -q -rs -p no:cacheprovider --continue-on-collection-errors tests/ \
+timeout 110 "$PY" -m pytest -m multigpu -q -rs -p no:cacheprovider --continue-on-collection-errors tests/ \
   >"$OUT/pytest_multigpu.log" 2>&1
 pytest_rc=$?
 
 # 3. design variants of the custom kernel, in-kernel latency (AR_VARIANTS=0 skips): fence placement and
 #    block size. Each configuration is validated by CustomAllReduce.check() (status word) after timing.
 if [ "${AR_VARIANTS:-1}" = 1 ]; then
-  timeout 45 "$PY" - >"$OUT/variants.log" 2>&1 <<'PYEOF'
+  timeout 40 "$PY" - >"$OUT/variants.log" 2>&1 <<'PYEOF'
 import statistics
 from hipengine.comm.allreduce import CustomAllReduce
 for fence, threads in ((1, 256), (0, 256), (1, 128), (1, 512)):
