@@ -174,6 +174,21 @@ def test_gguf_float32_matches_transformers(kind, tmp_path):
     assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
 
 
+@pytest.mark.parametrize("kind", ["smollm", "qwen2"])
+def test_test_gguf_writer_matches_transformers_reading(kind, tmp_path):
+    """Guards the test above against a writer and loader that are consistently wrong: transformers reads the
+    files write_gguf_from_hf makes (llama q/k permuted as llama.cpp does) back into the original model."""
+    from transformers import AutoModelForCausalLM
+
+    model = make_tiny_model(kind, seed=7)
+    write_gguf_from_hf(model, tmp_path / "m.gguf", "F32")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32)
+    ids = torch.arange(3, 23)[None]
+    with torch.no_grad():
+        a, b = model(ids).logits, back(ids).logits
+    assert float((a - b).abs().max() / a.abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_dequantized_weights(qtype, tmp_path):
     model = make_tiny_model("llama", seed=1)

@@ -140,6 +140,7 @@ def write_gguf_from_hf(model, path, qtype: str = "F32") -> Path:
     rp = getattr(cfg, "rope_parameters", None) or {}
     w.add_rope_freq_base(float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
     if cfg.model_type == "mistral" and cfg.sliding_window:
