@@ -1,0 +1,104 @@
+"""The monokernel's host-side streaming protocol on the CPU: a thread plays the device (ring entry, then the
+write index; the cancel word checked once per token; status last), so ring reading, cancel, abandoned
+streams and error statuses are tested without a GPU. The GPU tests run the real kernel."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hipengine.backend import SamplingParams
+from hipengine.errors import DeviceError
+from hipengine.gpu import monokernel as mk
+
+
+class FakeDevice(mk.MonokernelBackend):
+    """MonokernelBackend minus the GPU: host words and ring are plain numpy memory; _launch starts a thread."""
+
+    def __init__(self, tokens, fail_after=None, step_s=2e-4):
+        self.tokens_to_emit, self.fail_after, self.step_s = list(tokens), fail_after, step_s
+        words = np.zeros(len(mk.MK_HOST_WORDS) + 4096, np.uint32)
+        self.host_words, self.ring = words[:len(mk.MK_HOST_WORDS)], words[len(mk.MK_HOST_WORDS):].view(np.int32)
+        self.W = {w: i for i, w in enumerate(mk.MK_HOST_WORDS)}
+        self.timeout_ns, self.pos = int(1e9), 0
+        self.config = type("C", (), {"eos_token_ids": (7,)})()
+        self.rt = type("R", (), {"device_index": 0})()
+
+    def _launch(self, mode, token, pos, hist_len, params=None, eos=(), seed=0):
+        self.host_words[:] = 0
+        hw, W = self.host_words, self.W
+
+        def device():
+            n, finish, status = 0, 0, 1
+            for tok in self.tokens_to_emit:
+                time.sleep(self.step_s)
+                if self.fail_after is not None and n == self.fail_after:
+                    status = 2
+                    break
+                self.ring[n] = tok
+                n += 1
+                hw[W["write_idx"]] = n
+                if tok in eos:
+                    finish = 1
+                elif n >= params.max_tokens:
+                    finish = 2
+                elif hw[W["cancel"]]:
+                    finish = 3
+                if finish:
+                    break
+            hw[W["n_out"]], hw[W["pos"]], hw[W["finish"]] = n, pos + n, finish
+            hw[W["status"]] = status
+
+        self.thread = threading.Thread(target=device)
+        self.thread.start()
+
+    def _finish(self):
+        self.thread.join()
+        super()._finish()
+
+
+@pytest.fixture(autouse=True)
+def _no_stream(monkeypatch):
+    # _finish synchronises the stream first; the fake has none
+    monkeypatch.setattr(mk.MonokernelBackend, "stream", type("S", (), {"synchronize": lambda self: None})(),
+                        raising=False)
+
+
+def test_streams_every_token_in_order():
+    dev = FakeDevice(range(10, 60))
+    got = list(dev.generate_from_state(0, 0, SamplingParams(max_tokens=50, ignore_eos=True)))
+    assert got == list(range(10, 60)) and dev.last_finish == "length"
+
+
+def test_eos_is_emitted_then_stops():
+    dev = FakeDevice([3, 4, 7, 9, 9])
+    assert list(dev.generate_from_state(0, 0, SamplingParams(max_tokens=50))) == [3, 4, 7]
+    assert dev.last_finish == "stop"
+
+
+def test_cancel_stops_yielding_and_the_device():
+    dev = FakeDevice(range(100, 600))
+    seen = []
+    for t in dev.generate_from_state(0, 0, SamplingParams(max_tokens=500, ignore_eos=True),
+                                     should_stop=lambda: len(seen) >= 3):
+        seen.append(t)
+    assert seen == [100, 101, 102] and dev.last_finish == "cancelled"
+    assert dev.last_n_out <= dev.cancel_seen_at + 2
+
+
+def test_abandoned_generator_cancels_the_kernel():
+    dev = FakeDevice(range(100, 600))
+    g = dev.generate_from_state(0, 0, SamplingParams(max_tokens=500, ignore_eos=True))
+    assert next(g) == 100
+    g.close()
+    assert dev.last_finish == "cancelled" and dev.last_n_out < 500
+
+
+def test_device_error_status_raises():
+    dev = FakeDevice(range(10), fail_after=4)
+    with pytest.raises(DeviceError, match="grid barrier timeout"):
+        list(dev.generate_from_state(0, 0, SamplingParams(max_tokens=10, ignore_eos=True)))
+
+
+def test_status_names_cover_sync_h_codes():
+    assert set(mk.MK_STATUS) == {0, 1, 2, 3, 4} and mk.MK_FINISH[3] == "cancelled"
