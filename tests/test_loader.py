@@ -76,6 +76,12 @@ def test_directory_without_config(tmp_path):
     _one_line(e.value)
 
 
+def test_directory_with_one_gguf_loads_it(tmp_path):
+    pytest.importorskip("gguf")
+    write_gguf_from_hf(make_tiny_model("qwen2", seed=1), tmp_path / "only.gguf", "F32")
+    assert load_model(tmp_path, progress=False).source == "gguf"
+
+
 def test_directory_without_weights(llama_dir, tmp_path):
     d = tmp_path / "m"
     d.mkdir()

@@ -39,6 +39,10 @@ def load_model(path: str | Path, progress: bool = True) -> LoadedModel:
         raise ModelError(f"model path {str(p)!r} does not exist (give a HF model directory or a .gguf file)")
     if p.is_file() and p.name == "config.json":
         p = p.parent
+    if p.is_dir() and not (p / "config.json").exists():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:  # a directory holding just one GGUF file (as pip-installed model packages do)
+            p = ggufs[0]
     if p.is_dir():
         from .hf import load_hf
 
