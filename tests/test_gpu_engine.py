@@ -24,6 +24,60 @@ def _rel_err(a, b):
     return float(np.max(np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)))
 
 
+def test_philox_known_answer():
+    """Random123's published Philox4x32-10 vectors; the kernel is checked bit-exact against this function."""
+    from hipengine.gpu.ops import philox4x32_10
+
+    assert philox4x32_10([0, 0, 0, 0], [0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert philox4x32_10([0xFFFFFFFF] * 4, [0xFFFFFFFF] * 2) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+
+
+def test_bf16_round_to_nearest_even():
+    torch = pytest.importorskip("torch")
+    from hipengine.gpu.ops import from_bf16, to_bf16
+
+    x = np.random.default_rng(0).standard_normal(100000).astype(np.float32) * 1e3
+    x[:4] = [np.inf, -np.inf, 0.0, -0.0]
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(to_bf16(x), want)
+    assert np.isnan(from_bf16(to_bf16(np.array([np.nan], np.float32)))).all()
+
+
+def test_rope_tables_match_reference():
+    from hipengine.config import ModelConfig
+    from hipengine.gpu.ops import rope_tables
+    from hipengine.reference import rope_tables as ref_tables
+
+    cfg = ModelConfig(family="llama", vocab_size=10, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    for a, b in zip(rope_tables(cfg.rope_inv_freq(), 300), ref_tables(cfg, 300)):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=5), dict(top_p=0.5), dict(min_p=0.2), dict(top_k=50, top_p=0.9, min_p=0.01)])
+def test_device_sampling_keeps_what_host_sampling_keeps(kw):
+    """The kernel's kept set (oracle: ops.ref_sample_keep) equals the host sampler's non-zero probabilities."""
+    from hipengine.gpu.ops import ref_sample_keep
+    from hipengine.sampling import probabilities
+
+    for seed in range(5):
+        logits = (np.random.default_rng(seed).standard_normal(5000) * 3).astype(np.float32)
+        params = SamplingParams(temperature=0.8, **kw)
+        _, keep, _ = ref_sample_keep(logits, [], 0.8, params.top_k, params.top_p, params.min_p, 1.0)
+        assert np.array_equal(keep, probabilities(logits, params) > 0)
+
+
+def test_attention_plan_covers_the_context():
+    from hipengine.gpu.ops import attention_plan
+
+    for ctx in (1, 31, 1024, 4096, 32768, 131072):
+        for nkv in (1, 2, 8):
+            nsplit, chunk = attention_plan(ctx, nkv, 132)
+            assert nsplit * chunk >= ctx and (nsplit - 1) * chunk < ctx and chunk % 32 == 0
+
+
 def test_tp_not_supported_yet():
     from hipengine.gpu.executor import GpuBackend
 
@@ -34,20 +88,35 @@ def test_tp_not_supported_yet():
         GpuBackend(Fake(), tp=2)
 
 
+_TINY: dict = {}
+
+
+def _tiny_model(kind, tmp_path_factory):
+    """A tiny transformers model of `kind`, saved and loaded once per session."""
+    if kind not in _TINY:
+        from hipengine.loader import load_model
+        from tiny_models import save_tiny_model
+
+        path, _ = save_tiny_model(kind, tmp_path_factory.mktemp(f"tiny_{kind}"), seed=3,
+                                  max_position_embeddings=1024)
+        _TINY[kind] = load_model(path, progress=False)
+    return _TINY[kind]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from hipengine.loader import load_model
-    from tiny_models import save_tiny_model
-
-    path, _ = save_tiny_model("llama", tmp_path_factory.mktemp("tiny_llama"), seed=3, max_position_embeddings=1024)
-    return load_model(path, progress=False)
+    return _tiny_model("llama", tmp_path_factory)
 
 
+# llama: head_dim 24 (not a power of two); llama3: rope scaling, G = 4, head_dim 8; qwen2: q/k/v bias;
+# qwen3: per-head q/k norm (the unfused QKV path); smollm: tied embeddings, G = 3.
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama"])
-def test_tiny_teacher_forced(tiny, kind):
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "smollm"])
+def test_tiny_teacher_forced(kind, tmp_path_factory):
     from hipengine.gpu.executor import GpuBackend
     from hipengine.reference import ReferenceBackend
+
+    tiny = _tiny_model(kind, tmp_path_factory)
 
     ids = np.random.default_rng(0).integers(3, tiny.config.vocab_size, 512)
     ref = ReferenceBackend(tiny, max_context=1024)

@@ -57,7 +57,8 @@ class GpuBackend(Backend):
     # ---- setup ----------------------------------------------------------------------------------------------
     def _check_fits(self, loaded) -> None:
         cfg = self.config
-        w_bytes = cfg.decode_bytes_per_token(2.0) + cfg.vocab_size * cfg.hidden_size * 2  # + embedding table
+        # decode_bytes_per_token counts the LM head; an untied model also holds the embedding table
+        w_bytes = cfg.decode_bytes_per_token(2.0) + (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
         kv_bytes = 2 * cfg.num_layers * cfg.kv_dim * self.max_context * 2
         need = w_bytes + kv_bytes + 64 * 2**20
         free, total = self.rt.mem_info()
