@@ -36,12 +36,14 @@ constexpr he_u32 kStatusAborted = 4;  // another block reported an error first
 constexpr int kPollsPerClock = 64;
 
 // Shared state of one grid barrier, in device memory, zeroed by the host before the launch.
-//   count  : arrivals at the current barrier. RMW acq_rel at device scope (release: publish this block's
-//            stage outputs; acquire: the last arriver sees every other block's outputs before resetting).
-//   epoch  : number of completed barriers. Written by the last arriver with a device-scope RELEASE store
-//            after it reset `count`; waiters poll it with device-scope ACQUIRE loads. Because count is reset
-//            (relaxed store) before the release of epoch, no block can arrive at the next barrier before
-//            count is 0 again: arriving needs the new epoch, whose acquire orders the reset before it.
+//   count  : total arrivals since the launch, monotone (never reset). Arrival is a fetch_add with acq_rel at
+//            device scope (release: publishes this block's stage outputs; the RMWs form a release sequence,
+//            so a reader that observes the final value synchronises with every arriver). Barrier k (k = 1,
+//            2, ...) is open once count >= k * nblocks: waiters poll count itself with device-scope ACQUIRE
+//            loads. Polling the counter rather than a separate "epoch" word that the last arriver writes
+//            saves one dependent L2 round trip per barrier (the last arrival opens it directly). 32-bit
+//            wrap-around is harmless: comparisons are on the signed difference.
+//   epoch  : unused (kept so the 16-byte layout the host zeroes stays fixed).
 //   abort  : non-zero once any block gave up. Relaxed loads in every poll (it only tells waiters to leave;
 //            no data is published through it); written with a release store by the block that failed.
 struct HeGridBarrier {
@@ -98,21 +100,26 @@ template <class F = HeNoWork>
 HE_INLINE bool he_grid_barrier(const HeWaitCtx& w, he_u32& epoch, int nblocks, const F& while_waiting = F()) {
   __shared__ int he_bar_ok;
   he_sync_block();  // every thread's stage outputs happen-before thread 0's release below (block scope)
-  if (he_thread_idx() == 0) {
-    // acq_rel RMW at device scope: release publishes this block's outputs; acquire (for the last arriver)
-    // makes every earlier arriver's outputs visible before it resets the counter and opens the barrier.
-    const he_u32 old = he_fetch_add_acq_rel_device(&w.bar->count, 1u);
-    if (old == (he_u32)nblocks - 1u) {
-      he_store_relaxed_device(&w.bar->count, 0u);       // ordered before the release below
-      he_store_release_device(&w.bar->epoch, epoch + 1u);  // opens the barrier (release, device scope)
-    }
-  }
+  // acq_rel RMW at device scope: release publishes this block's outputs to whoever acquires a later value.
+  if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(&w.bar->count, 1u);
   while_waiting();
-  if (he_thread_idx() == 0) he_bar_ok = he_wait_geq_device(w, &w.bar->epoch, epoch + 1u, kStatusBarrierTimeout);
+  const he_u32 target = (epoch + 1u) * (he_u32)nblocks;
+  if (he_thread_idx() == 0) he_bar_ok = he_wait_geq_device(w, &w.bar->count, target, kStatusBarrierTimeout);
   he_sync_block();  // hands thread 0's acquire to the block (block-scope acq_rel)
   const bool ok = he_bar_ok != 0;
   he_sync_block();  // he_bar_ok may be rewritten by the next barrier only after everyone read it
   ++epoch;
+  return ok;
+}
+
+// Wait (whole block) until *counter >= target; the counter's writers used device-scope releases after
+// publishing their data. Returns false if the kernel must end.
+HE_INLINE bool he_block_wait_geq(const HeWaitCtx& w, const he_u32* counter, he_u32 target) {
+  __shared__ int he_wait_ok;
+  if (he_thread_idx() == 0) he_wait_ok = he_wait_geq_device(w, counter, target, kStatusCounterTimeout);
+  he_sync_block();
+  const bool ok = he_wait_ok != 0;
+  he_sync_block();
   return ok;
 }
 

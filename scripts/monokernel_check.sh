@@ -25,9 +25,31 @@ run() {  # run NAME CMD... : log to $OUT/NAME.log, remember failures
   [ $r -ne 0 ] && rc=1
   return 0
 }
+sweep() {
+    cat > "$OUT/sweep.py" <<'PYEOF'
+import os, sys, time
+from hipengine.bench.decode import measure
+from hipengine.gpu.monokernel import MonokernelBackend, grid_info
+from hipengine.presets import preset_model
+loaded = preset_model("llama-3.2-1b", 0)
+for cap in [None, "128"]:
+    if cap: os.environ["HIPENGINE_MK_MAXRREG"] = cap
+    be = MonokernelBackend(loaded, max_context=1024)
+    for bps in sorted({1, 2, be.occupancy}):
+        if bps > be.occupancy: continue
+        for pf, fine in ((1, 1), (0, 1), (1, 0), (0, 0)):
+            be.grid, be.blocks_per_sm, be.prefetch, be.fine = be.rt.num_sms * bps, bps, pf, fine
+            r = measure(be, [1024], ["monokernel"], runs=3, log=lambda m: None)[0]
+            print(f"maxrreg={cap} occ={be.occupancy} blocks/SM={bps} prefetch={pf} fine={fine}: "
+                  f"{r['tok_s']:.1f} tok/s", flush=True)
+    be.close()
+PYEOF
+    run sweep $PY "$OUT/sweep.py"
+}
 case "$MODE" in
-  quick)
-    run tests $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "not qwen3" --timeout 300
+  quick|first)
+    run tests $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs --timeout 240
+    [ "$MODE" = first ] && sweep
     run bench1k $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --json "$OUT/bench_1k.json"
     ;;
   full)
@@ -39,28 +61,7 @@ case "$MODE" in
     run bench $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 \
         --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
     ;;
-  sweep)
-    cat > "$OUT/sweep.py" <<'PYEOF'
-import os, sys, time
-from hipengine.bench.decode import measure
-from hipengine.gpu.monokernel import MonokernelBackend, grid_info
-from hipengine.presets import preset_model
-loaded = preset_model("llama-3.2-1b", 0)
-rows = []
-for cap in [None, "128"]:
-    if cap: os.environ["HIPENGINE_MK_MAXRREG"] = cap
-    be = MonokernelBackend(loaded, max_context=1024)
-    for bps in sorted({1, 2, be.occupancy}):
-        if bps > be.occupancy: continue
-        for pf in (1, 0):
-            be.grid, be.blocks_per_sm, be.prefetch = be.rt.num_sms * bps, bps, pf
-            r = measure(be, [1024], ["monokernel"], runs=3, log=lambda m: None)[0]
-            rows.append((cap, bps, pf, r["tok_s"]))
-            print(f"maxrreg={cap} occ={be.occupancy} blocks/SM={bps} prefetch={pf}: {r['tok_s']:.1f} tok/s", flush=True)
-    be.close()
-PYEOF
-    run sweep $PY "$OUT/sweep.py"
-    ;;
+  sweep) sweep ;;
   *) echo "unknown mode $MODE (quick|full|bench|sweep)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -74,7 +74,7 @@ PARAM_FIELDS = [
     ("eos", "const int*"),          # [n_eos]
     ("state", "MkState*"),          # device memory, written by the kernel
     ("bar", "HeGridBarrier*"),      # device memory, zeroed before each launch
-    ("attn_count", "he_u32*"),      # [nkv + 1] split-arrival counters (+ the greedy one), zeroed per launch
+    ("attn_count", "he_u32*"),      # [nkv + 2] split arrivals per KV head, greedy arrivals, heads combined
     ("cand", "float*"),             # [2 * grid] greedy candidates per block: (value, index bits)
     ("host", "he_u32*"),            # mapped host words (MK_HOST_WORDS)
     ("ring", "int*"),               # mapped host token ring [ring_cap]
@@ -105,6 +105,7 @@ PARAM_FIELDS = [
     ("seed_lo", "he_u32"),
     ("seed_hi", "he_u32"),
     ("prefetch", "he_i32"),         # issue the next stage's first weight loads before each barrier wait
+    ("fine", "he_i32"),             # O-proj waits for the heads-combined counter instead of a grid barrier
 ]
 
 STATE_FIELDS = [
@@ -283,6 +284,7 @@ class MonokernelBackend(GpuBackend):
         self.occupancy = occ
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
         self.prefetch = int(os.environ.get("HIPENGINE_MK_PREFETCH", "1"))
+        self.fine = int(os.environ.get("HIPENGINE_MK_FINE", "1"))
         self._setup_buffers()
 
     def _check_layout(self) -> None:
@@ -309,7 +311,7 @@ class MonokernelBackend(GpuBackend):
         self.iota = self._up(np.arange(self.max_context, dtype=np.int32))
         self.state_buf = self._buf(ctypes.sizeof(MkState))
         self.bar_buf = self._buf(16)
-        self.attn_count = self._buf(4 * (cfg.num_kv_heads + 1))
+        self.attn_count = self._buf(4 * (cfg.num_kv_heads + 2))
         self.cand = self._buf(8 * rt.num_sms * max(self.occupancy, 1))
         self.eos_buf = self._buf(4 * MAX_EOS)
         self.params_buf = self._buf(ctypes.sizeof(MkParams))
@@ -339,7 +341,7 @@ class MonokernelBackend(GpuBackend):
             ring_cap=self.ring_cap, top_k=int(sp.top_k), eps=float(cfg.rms_norm_eps),
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
             rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
-            prefetch=self.prefetch)
+            prefetch=self.prefetch, fine=self.fine)
 
     def _launch(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
                 eos: list[int] = (), seed: int = 0) -> None:
@@ -353,7 +355,7 @@ class MonokernelBackend(GpuBackend):
         if eos:
             rt.copy_htod(self.eos_buf, np.asarray(eos, np.int32), stream=s)
         rt.memset(self.bar_buf, 0, 16, stream=s)
-        rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 1), stream=s)
+        rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 2), stream=s)
         s.synchronize()  # the host words below are read by the kernel: reset them with nothing in flight
         self.host_words[:] = 0
         rt.launch(self.fn, self.grid, THREADS, [c_void_p(self.params_buf.ptr)], shared=self.smem, stream=s,
@@ -483,5 +485,5 @@ def grid_info(backend: MonokernelBackend) -> dict:
 
 def barriers_per_token(cfg) -> int:
     """Grid barriers one decode step crosses (the monokernel's main fixed cost; see docs/perf-log.md)."""
-    per_layer = 5 + (1 if cfg.qk_norm else 0)  # qkv | attention(+combine) | o | gate-up | down
+    per_layer = 4 + (1 if cfg.qk_norm else 0)  # qkv | o | gate-up | down (attention -> O: a counter wait)
     return cfg.num_layers * per_layer + 2  # + LM head + sample/embed

@@ -155,8 +155,9 @@ struct MkParams {
   he_u32 seed_lo;
   he_u32 seed_hi;
   he_i32 prefetch;
+  he_i32 fine;
 };
-static_assert(sizeof(MkParams) == 296, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 304, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -207,6 +208,7 @@ MK_OFFSET_CHECK(MkParams, rep_pen, 280)
 MK_OFFSET_CHECK(MkParams, seed_lo, 284)
 MK_OFFSET_CHECK(MkParams, seed_hi, 288)
 MK_OFFSET_CHECK(MkParams, prefetch, 292)
+MK_OFFSET_CHECK(MkParams, fine, 296)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -291,6 +293,7 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[72] = (he_u64)((const char*)&vMkParams.seed_lo - (const char*)&vMkParams);
   out[73] = (he_u64)((const char*)&vMkParams.seed_hi - (const char*)&vMkParams);
   out[74] = (he_u64)((const char*)&vMkParams.prefetch - (const char*)&vMkParams);
+  out[75] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -375,6 +378,10 @@ HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
         he_attention_combine_head(p.partial + (he_i64)h * p.nsplit * (p.hd + 2), p.nsplit, p.hd,
                                   p.att + (he_i64)h * p.hd, smem, scratch);  // smem: split weights [nsplit]
       }
+      // Heads-combined counter (monotone over layers and tokens): acq_rel RMW at device scope after the
+      // block's att rows (he_sync_block first: every thread's writes happen-before the release).
+      he_sync_block();
+      if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(p.attn_count + p.nkv + 1, 1u);
     }
     he_sync_block();  // shared memory is reused by the next item
   }
@@ -456,7 +463,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS(kMkThreads) monokernel_decode(const 
   const HeWaitCtx w{p.bar, p.host + kMkHost_status, p.timeout_ns};
   const int nb = he_grid_dim();
   const bool lead = he_block_idx() == 0;
-  he_u32 epoch = 0, sink = 0;
+  he_u32 epoch = 0, sink = 0, attn_done = 0;
   MkState* st = p.state;
   int pos = st->pos, hist_len = st->hist_len, n_out = 0, steps = 0, finish = 0;
   bool sample_now = !(p.mode & kMkModeEmbedFirst);
@@ -517,7 +524,17 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS(kMkThreads) monokernel_decode(const 
       }
       if (!barrier(kNextO, l)) return;
       mk_attention(p, L, pos, he_mk_smem, scratch);
-      if (!barrier(kNextO, l)) return;
+      if (p.fine) {
+        // O-proj needs every head of att and nothing else of this stage, so wait for the heads-combined
+        // counter (nkv more per layer) instead of a grid barrier: no 132-way arrival, and blocks with no
+        // attention work start the O-proj as soon as the last combine lands. Safe without a barrier: the
+        // stages until the next grid barrier (O-proj: reads att, writes x) touch nothing attention uses.
+        attn_done += (he_u32)p.nkv;
+        mk_prefetch(p, kNextO, l, sink);
+        if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
+      } else if (!barrier(kNextO, l)) {
+        return;
+      }
       mk_o_proj<kMkF16>(p, L, he_mk_smem, scratch);
       if (!barrier(kNextGateUp, l)) return;
       mk_gate_up<kMkF16>(p, L, he_mk_smem, scratch);
