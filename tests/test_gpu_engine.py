@@ -1,4 +1,5 @@
-"""The per-op GPU executor against the numpy ReferenceBackend.
+"""The per-op GPU executor against the numpy ReferenceBackend (on the GPU), and its wiring on the CPU through
+a numpy-emulated device (end of file).
 
 * tiny Llama made with transformers: teacher-forced top-1 agreement >= 99% over 512 positions (prefill and
   decode paths), logits relative error <= 2e-2, greedy 32 tokens identical to the CPU path;
@@ -181,3 +182,289 @@ def test_llama_1b_preset():
     assert m >= n // 4, f"only {m} of {n} positions have a clear top-1"
     assert agree >= 0.99, f"1B preset top-1 agreement {agree:.3f} over {m} clear positions"
     assert _rel_err(got, want) <= 2e-2
+
+
+# ---- the executor's wiring on the CPU ------------------------------------------------------------------------
+# A runtime that executes each kernel launch with the numpy oracles of hipengine/gpu/ops.py over an emulated
+# device memory. The kernels are proven on the GPU (test_ops_gpu.py); this proves that the executor hands them
+# the right buffers, offsets, layouts and positions (stacked QKV, the Qwen3 unfused path, biases, tied heads,
+# prefill chunks, the captured decode graph, device-side sampling state) for every tiny architecture.
+import ctypes  # noqa: E402
+
+from hipengine.gpu import ops as O  # noqa: E402
+from hipengine.gpu.runtime import DeviceBuffer  # noqa: E402
+
+BASE = 1 << 32  # fake device addresses start here, so a host pointer mix-up cannot alias
+
+
+class _Fn:
+    def __init__(self, name):
+        self.name = name
+
+
+class _Mod:
+    def function(self, name):
+        return _Fn(name)
+
+
+class _Stream:
+    def synchronize(self):
+        pass
+
+
+class _Graph:
+    def __init__(self, rt, launches):
+        self.rt, self.launches = rt, launches
+
+    def launch(self, stream=None):
+        for item in self.launches:
+            self.rt._execute(*item)
+
+    def destroy(self):
+        pass
+
+
+class EmulatedRuntime:
+    vendor, device_index, name, arch = "emulated", 0, "numpy", "sm_90"
+    warp_size, num_sms, max_shared_per_block, l2_bytes, total_mem = 32, 132, 227 * 1024, 60 << 20, 1 << 30
+
+    def __init__(self, nbytes=256 << 20):
+        self.mem = np.zeros(nbytes, np.uint8)
+        self.top = 0
+        self.capturing = None
+
+    # memory ---------------------------------------------------------------------------------------------
+    def malloc(self, n):
+        p = self.top
+        self.top += (int(n) + 255) // 256 * 256
+        assert self.top <= self.mem.size, "emulated device memory exhausted"
+        return DeviceBuffer(BASE + p, int(n), self)
+
+    def _free(self, buf):
+        pass
+
+    def view(self, ptr, dtype, count):
+        off = int(ptr) - BASE
+        assert 0 <= off and off + count * np.dtype(dtype).itemsize <= self.mem.size, "wild pointer"
+        return self.mem[off:off + count * np.dtype(dtype).itemsize].view(dtype)
+
+    def _addr(self, x):
+        return x.ptr if isinstance(x, DeviceBuffer) else int(x)
+
+    def copy_htod(self, dst, src, stream=None):
+        src = np.ascontiguousarray(src)
+        self.view(self._addr(dst), np.uint8, src.nbytes)[:] = src.view(np.uint8).reshape(-1)
+
+    def copy_dtoh(self, dst, src, stream=None):
+        dst.view(np.uint8).reshape(-1)[:] = self.view(self._addr(src), np.uint8, dst.nbytes)
+
+    def copy_dtod(self, dst, src, nbytes, stream=None):
+        self.view(self._addr(dst), np.uint8, nbytes)[:] = self.view(self._addr(src), np.uint8, nbytes).copy()
+
+    def upload(self, a):
+        b = self.malloc(max(a.nbytes, 1))
+        self.copy_htod(b, a)
+        return b
+
+    def download(self, src, shape, dtype):
+        out = np.empty(shape, dtype)
+        self.copy_dtoh(out, src)
+        return out
+
+    def mem_info(self):
+        return self.mem.size - self.top, self.mem.size
+
+    # code / execution -----------------------------------------------------------------------------------
+    def compile(self, source, **kw):
+        return _Mod()
+
+    def stream(self):
+        return _Stream()
+
+    def synchronize(self):
+        pass
+
+    def begin_capture(self, stream):
+        self.capturing = []
+
+    def end_capture(self, stream):
+        g, self.capturing = _Graph(self, self.capturing), None
+        return g
+
+    def launch(self, fn, grid, block, args, shared=0, stream=None, cooperative=False):
+        vals = [a.value if isinstance(a, ctypes._SimpleCData) else a for a in args]
+        vals = [0 if v is None else v for v in vals]
+        grid = (grid, 1) if isinstance(grid, int) else tuple(grid)
+        if self.capturing is not None:
+            self.capturing.append((fn.name, grid, vals))
+        else:
+            self._execute(fn.name, grid, vals)
+
+    # the kernels, as numpy ------------------------------------------------------------------------------
+    def _f32(self, p, n):
+        return self.view(p, np.float32, n)
+
+    def _w(self, p, rows, inn, f16):
+        return O.bits_to_f64(self.view(p, np.uint16, rows * inn), bool(f16)).reshape(rows, inn)
+
+    def _norm(self, x, gamma_p, eps, n):
+        return O.ref_rmsnorm(x, None if not gamma_p else self._f32(gamma_p, n), eps)
+
+    def _execute(self, name, grid, v):
+        getattr(self, "_k_" + (name if not name.startswith("attention_split_g") else "attention_split"))(grid, *v)
+
+    def _k_embedding(self, grid, table, tokens, vocab, hidden, out, f16):
+        T = grid[0]
+        tok = self.view(tokens, np.int32, T)
+        tab = self._w(table, vocab, hidden, f16)
+        self._f32(out, T * hidden)[:] = np.stack([tab[t] for t in tok]).reshape(-1)
+
+    def _k_rmsnorm(self, grid, x, gamma, eps, n, y):
+        rows = grid[0]
+        xs = self._f32(x, rows * n).reshape(rows, n).astype(np.float64)
+        self._f32(y, rows * n)[:] = self._norm(xs, gamma, eps, n).reshape(-1)
+
+    def _k_matvec(self, grid, W, x, gamma, eps, residual, y, rows, inn, f16):
+        r = self._w(W, rows, inn, f16) @ self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
+        if residual:
+            r = r + self._f32(residual, rows)
+        self._f32(y, rows)[:] = r
+
+    def _k_matvec_gate_up(self, grid, Wg, Wu, x, gamma, eps, y, rows, inn, f16):
+        xn = self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
+        self._f32(y, rows)[:] = O.ref_silu(self._w(Wg, rows, inn, f16) @ xn) * (self._w(Wu, rows, inn, f16) @ xn)
+
+    def _k_matvec_qkv(self, grid, W, x, gamma, eps, bias, cos, sin, pos, q_out, kc, vc, max_ctx, q_dim, kv_dim, hd,
+                      inn, rope, f16):
+        rows = q_dim + 2 * kv_dim
+        qkv = self._w(W, rows, inn, f16) @ self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
+        if bias:
+            qkv = qkv + self._f32(bias, rows)
+        if not rope:
+            self._f32(q_out, rows)[:] = qkv
+            return
+        tmp = self.malloc(rows * 4)
+        self._f32(tmp.ptr, rows)[:] = qkv
+        self._k_qk_norm_rope((q_dim // hd + 2 * kv_dim // hd, 1), tmp.ptr, 0, 0, 0.0, cos, sin, pos, q_out, kc, vc,
+                             max_ctx, q_dim // hd, kv_dim // hd, hd)
+
+    def _k_matmul_small_m(self, grid, W, W2, X, bias, Y, M, rows, inn, mode, f16):
+        Xs = self._f32(X, M * inn).reshape(M, inn).astype(np.float64)
+        r = Xs @ self._w(W, rows, inn, f16).T
+        y = self._f32(Y, M * rows).reshape(M, rows)
+        if mode == 0:
+            y[:] = r + (self._f32(bias, rows) if bias else 0)
+        elif mode == 1:
+            y[:] = y + r
+        else:
+            y[:] = O.ref_silu(r) * (Xs @ self._w(W2, rows, inn, f16).T)
+
+    def _k_qk_norm_rope(self, grid, qkv, qn, kn, eps, cos, sin, pos, q_out, kc, vc, max_ctx, nh, nkv, hd):
+        T, half = grid[1], hd // 2
+        p0 = int(self.view(pos, np.int32, 1)[0])
+        W = (nh + 2 * nkv) * hd
+        x = self._f32(qkv, T * W).reshape(T, W).astype(np.float64)
+        cs = self._f32(cos, max_ctx * half).reshape(max_ctx, half)
+        sn = self._f32(sin, max_ctx * half).reshape(max_ctx, half)
+        K = self.view(kc, np.uint16, nkv * max_ctx * hd).reshape(nkv, max_ctx, hd)
+        V = self.view(vc, np.uint16, nkv * max_ctx * hd).reshape(nkv, max_ctx, hd)
+        for t in range(T):
+            p = p0 + t
+            q = x[t, :nh * hd].reshape(nh, hd)
+            k = x[t, nh * hd:(nh + nkv) * hd].reshape(nkv, hd)
+            v = x[t, (nh + nkv) * hd:].reshape(nkv, hd)
+            if qn:
+                q = O.ref_rmsnorm(q, self._f32(qn, hd), eps)
+            if kn:
+                k = O.ref_rmsnorm(k, self._f32(kn, hd), eps)
+            c, s = cs[p].astype(np.float64), sn[p].astype(np.float64)
+            self._f32(q_out + t * nh * hd * 4, nh * hd)[:] = O.ref_rope(q, c, s).reshape(-1)
+            K[:, p] = O.to_bf16(O.ref_rope(k, c, s).astype(np.float32))
+            V[:, p] = O.to_bf16(v.astype(np.float32))
+
+    def _k_attention_split(self, grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx):
+        T, G = grid[1], nh // nkv
+        p0 = int(self.view(pos, np.int32, 1)[0])
+        K = O.from_bf16(self.view(kc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd).astype(np.float64)
+        V = O.from_bf16(self.view(vc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd).astype(np.float64)
+        Q = self._f32(q, T * nh * hd).reshape(T, nh, hd).astype(np.float64)
+        P = self._f32(partial, T * nh * nsplit * (hd + 2)).reshape(T, nh, nsplit, hd + 2)
+        for t in range(T):
+            seq = p0 + t + 1
+            for h in range(nh):
+                s_all = K[h // G, :seq] @ Q[t, h] / np.sqrt(hd) * np.log2(np.e)
+                for sp in range(nsplit):
+                    a, b = sp * chunk, min(seq, (sp + 1) * chunk)
+                    if a >= b:
+                        P[t, h, sp, hd], P[t, h, sp, hd + 1] = -np.inf, 0.0
+                        continue
+                    s = s_all[a:b]
+                    m = s.max()
+                    e = np.exp2(s - m)
+                    P[t, h, sp, :hd] = e @ V[h // G, a:b]
+                    P[t, h, sp, hd], P[t, h, sp, hd + 1] = m, e.sum()
+
+    def _k_attention_combine(self, grid, partial, nsplit, nh, hd, out):
+        T = grid[1]
+        P = self._f32(partial, T * nh * nsplit * (hd + 2)).reshape(T, nh, nsplit, hd + 2).astype(np.float64)
+        m, l = P[..., hd], P[..., hd + 1]
+        M = np.where(l > 0, m, -np.inf).max(-1, keepdims=True)
+        w = np.where(l > 0, np.exp2(np.where(l > 0, m, 0) - M), 0.0)
+        o = (P[..., :hd] * w[..., None]).sum(-2) / (l * w).sum(-1)[..., None]
+        self._f32(out, T * nh * hd)[:] = o.reshape(-1)
+
+    def _k_sample(self, grid, logits, n, history, hist_len, temp, top_k, top_p, min_p, rep, seed_lo, seed_hi, step,
+                  out_token, z):
+        hl = int(self.view(hist_len, np.int32, 1)[0])
+        hist = self.view(history, np.int32, hl).tolist() if hl else []
+        zz, keep, arg = O.ref_sample_keep(self._f32(logits, n), hist, temp, top_k, top_p, min_p, rep)
+        if temp > 0:
+            seed = seed_lo | (seed_hi << 32)
+            e = np.where(keep, np.exp(zz - zz.max()), 0.0)
+            cum = np.cumsum(e)
+            u = O.sample_uniform(seed, int(self.view(step, np.int32, 1)[0]))
+            arg = int(min(np.searchsorted(cum, u * cum[-1], side="right"), np.flatnonzero(keep)[-1]))
+        self.view(out_token, np.int32, 1)[0] = arg
+
+    def _k_decode_advance(self, grid, token, history, hist_len, pos, cap):
+        h = int(self.view(hist_len, np.int32, 1)[0])
+        if h < cap:
+            self.view(history + 4 * h, np.int32, 1)[0] = self.view(token, np.int32, 1)[0]
+            self.view(hist_len, np.int32, 1)[0] = h + 1
+        self.view(pos, np.int32, 1)[0] += 1
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    import hipengine.gpu.executor as E
+
+    rt = EmulatedRuntime()
+    monkeypatch.setattr(E, "get_runtime", lambda index=0: rt)
+    return E.GpuBackend
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "smollm"])
+def test_executor_wiring_matches_reference(emulated, kind, tmp_path):
+    from hipengine.loader import load_model
+    from hipengine.reference import ReferenceBackend
+    from tiny_models import save_tiny_model
+
+    path, _ = save_tiny_model(kind, tmp_path, seed=5, max_position_embeddings=1024)
+    model = load_model(path, progress=False)
+    ids = np.random.default_rng(2).integers(3, model.config.vocab_size, 21)
+    want = ReferenceBackend(model, max_context=64).prefill(ids, all_logits=True)
+    gpu = emulated(model, max_context=64)
+    got = gpu.prefill(ids, all_logits=True)  # 8-token chunks: 8 + 8 + 5
+    rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert rel.max() < 2e-2, f"prefill logits rel err {rel.max():.3g}"
+    gpu.reset()
+    dec = [gpu.prefill(ids[:11], all_logits=True)] + [gpu.decode(int(t))[None] for t in ids[11:]]
+    dec = np.concatenate(dec)
+    rel = np.linalg.norm(dec - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert rel.max() < 2e-2, f"decode logits rel err {rel.max():.3g}"
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cpu = list(ReferenceBackend(model, max_context=64).generate_ids(ids[:9], params, lambda: False))
+    assert list(gpu.generate_ids(ids[:9], params, lambda: False)) == cpu
+    sp = SamplingParams(max_tokens=6, temperature=0.9, top_k=20, repetition_penalty=1.2, seed=3, ignore_eos=True)
+    assert list(gpu.generate_ids(ids[:9], sp, lambda: False)) == list(gpu.generate_ids(ids[:9], sp, lambda: False))
+    gpu.close()
