@@ -43,7 +43,8 @@ def test_hf_bf16_and_fp16_are_widened_to_float32(tmp_path):
         want = model.model.layers[1].mlp.down_proj.weight.float().detach().numpy()
         got = lm.weights["layers.1.w_down"]
         assert got.dtype == np.float32 and np.array_equal(got, want)
-        assert np.array_equal(lm.weights["layers.0.bk"], model.model.layers[0].self_attn.k_proj.bias.float().detach().numpy())
+        bias = model.model.layers[0].self_attn.k_proj.bias.float().detach().numpy()
+        assert np.array_equal(lm.weights["layers.0.bk"], bias)
 
 
 def test_hf_float32_weights_are_memory_mapped(llama_dir):

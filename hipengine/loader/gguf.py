@@ -140,7 +140,8 @@ def load_gguf(path: Path, progress: bool = True) -> LoadedModel:
         reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # the reader raises ValueError/struct/IndexError/... on malformed files
         detail = (str(e).splitlines() or [""])[0]
-        raise ModelError(f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {detail})") from None
+        raise ModelError(f"{path}: not a readable GGUF file, truncated or corrupt "
+                         f"({type(e).__name__}: {detail})") from None
     tensors = {t.name: t for t in reader.tensors}
     cfg = read_config(reader, tensors, path)
     for t in tensors.values():  # fail before the (slow) dequantization if anything is unsupported
