@@ -42,6 +42,17 @@ def test_hf_configs_of_every_family(saved_configs):
     assert all(x.eos_token_ids == (2,) and x.bos_token_id == 1 for x in c.values())
 
 
+def test_generation_config_eos_ids_are_merged(saved_configs, tmp_path):
+    import shutil
+
+    from hipengine.loader.hf import read_hf_config
+
+    d = tmp_path / "m"
+    shutil.copytree(saved_configs["llama3"], d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    assert read_hf_config(d).eos_token_ids == (2, 7, 9)
+
+
 def test_llama3_inv_freq_matches_transformers(saved_configs):
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

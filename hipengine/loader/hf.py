@@ -62,7 +62,20 @@ def read_hf_config(d: Path) -> ModelConfig:
         raw = {**raw, "rope_scaling": {k: v for k, v in rp.items() if k != "rope_theta"}}
     if raw.get("mlp_bias"):
         raise UnsupportedError(f"{cfg_path}: mlp_bias=true is not supported")
-    return ModelConfig.from_hf(raw, name=d.name)
+    cfg = ModelConfig.from_hf(raw, name=d.name)
+    # Chat checkpoints often list their end-of-turn ids only in generation_config.json (Llama 3: <|eot_id|>);
+    # generation must stop on those too.
+    gen = d / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            eos = None
+        extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(e) for e in extra)]))
+        if ids != cfg.eos_token_ids:
+            cfg = cfg.replace(eos_token_ids=ids)
+    return cfg
 
 
 def _open_safetensors(f: Path) -> tuple[np.memmap, int, dict]:
