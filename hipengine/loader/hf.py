@@ -69,10 +69,10 @@ def read_hf_config(d: Path) -> ModelConfig:
     if gen.is_file():
         try:
             eos = json.loads(gen.read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            eos = None
-        extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-        ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *(int(e) for e in extra)]))
+            extra = [int(e) for e in (eos if isinstance(eos, list) else ([] if eos is None else [eos]))]
+        except (OSError, ValueError, TypeError, AttributeError):
+            raise ModelError(f"{gen}: cannot read its eos_token_id") from None
+        ids = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
         if ids != cfg.eos_token_ids:
             cfg = cfg.replace(eos_token_ids=ids)
     return cfg
