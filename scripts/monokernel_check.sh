@@ -4,6 +4,7 @@
 #   quick : tiny-model tests (identity vs per-op, sampling, cancel, timeout) + 1B identity + bench at 1K
 #   full  : every monokernel GPU test + bench decode at 1K/8K/32K with JSON + PNG
 #   bench : bench decode at 1K/8K/32K only
+#   all   : tests + bench (1K/8K/32K, JSON + PNG) + sweep, each step time-boxed (one call does it all)
 #   sweep : 1K decode tok/s for a few launch configurations (blocks/SM, register cap, prefetch on/off)
 # Compiled kernels come from $HIPENGINE_CACHE (default ./.mkcache, filled on the CPU machine by
 # hipengine.gpu.monokernel.precompile() and carried), so the call does not spend device time in NVRTC.
@@ -26,7 +27,7 @@ run() {  # run NAME CMD... : log to $OUT/NAME.log, remember failures
   return 0
 }
 sweep() {
-    cat > "$OUT/sweep.py" <<'PYEOF'
+    cat > /tmp/mk_sweep.py <<'PYEOF'
 import os, sys, time
 from hipengine.bench.decode import measure
 from hipengine.gpu.monokernel import MonokernelBackend, grid_info
@@ -44,13 +45,19 @@ for cap in [None, "128"]:
                   f"{r['tok_s']:.1f} tok/s", flush=True)
     be.close()
 PYEOF
-    run sweep $PY "$OUT/sweep.py"
+    run sweep timeout ${SWEEP_TIMEOUT:-300} $PY /tmp/mk_sweep.py
 }
 case "$MODE" in
   quick|first)
     run tests $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs --timeout 240
     [ "$MODE" = first ] && sweep
     run bench1k $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --json "$OUT/bench_1k.json"
+    ;;
+  all)  # one call, everything, each step time-boxed so the call returns inside its limit
+    run tests timeout 170 $PY -m pytest tests/test_monokernel_gpu.py -q -rs --timeout 120
+    run bench timeout 150 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
+        --context 32768 --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
+    SWEEP_TIMEOUT=80 sweep
     ;;
   full)
     run tests $PY -m pytest tests/test_monokernel_gpu.py -q -rs --timeout 400
