@@ -77,7 +77,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos0: int, key_pos0: 
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
+    with np.errstate(over="ignore"):  # exp(-x) -> inf for x < -88 gives the right limit, -0
+        return x / (np.float32(1.0) + np.exp(-x))
 
 
 def swiglu_mlp(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
@@ -194,6 +195,8 @@ class ReferenceBackend(Backend):
             raise RequestError("no tokens to run (empty prompt)")
         if self.pos + ids.size > self.max_context:
             raise RequestError(f"{self.pos + ids.size} tokens exceed the context of {self.max_context}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:  # before any chunk moves the position
+            raise RequestError(f"token id out of range [0, {self.config.vocab_size})")
         # Long prompts run in chunks (each attends to the cache plus itself: the same math) so the attention
         # scores stay [heads, PREFILL_CHUNK, S] instead of [heads, T, T].
         parts = [self.forward(ids[i:i + PREFILL_CHUNK], all_logits) for i in range(0, ids.size, PREFILL_CHUNK)]
