@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     ksub = k.add_subparsers(dest="kernels_command", metavar="ACTION")
     ksub.required = True
     kc = ksub.add_parser("check", help="compile every kernel for gfx942 and sm_90 (no GPU needed)")
-    kc.add_argument("--arch", action="append", default=None, help="only these targets (gfx942, sm_90)")
+    _add_check_arguments(kc)
     kc.set_defaults(entry="hipengine.gpu.check")
 
     b = sub.add_parser("bench", help="GPU benchmarks")
@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--plot", default=None, metavar="OUT.png")
     ba.set_defaults(entry="hipengine.bench.allreduce")
     return ap
+
+
+def _add_check_arguments(parser) -> None:
+    from .gpu.check import add_arguments  # light module: no vendor library is loaded by importing it
+
+    add_arguments(parser)
 
 
 # ---- commands ---------------------------------------------------------------

@@ -208,13 +208,18 @@ def run(args) -> int:
     return 1 if failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m hipengine.gpu.check`` (the same as ``hipengine kernels check`` plus the extra options)."""
-    ap = argparse.ArgumentParser(prog="python -m hipengine.gpu.check", description=__doc__.split("\n")[0])
+def add_arguments(ap) -> None:
+    """The options of ``hipengine kernels check`` (shared by the CLI and ``python -m hipengine.gpu.check``)."""
     ap.add_argument("--arch", action="append", default=None, help="only these targets (gfx942, sm_90)")
     ap.add_argument("--skip-missing", action="store_true", help="skip a target whose compiler is not installed")
     ap.add_argument("--no-cache", action="store_true", help="recompile everything")
     ap.add_argument("--jobs", type=int, default=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hipengine.gpu.check`` (the same as ``hipengine kernels check`` plus the extra options)."""
+    ap = argparse.ArgumentParser(prog="python -m hipengine.gpu.check", description=__doc__.split("\n")[0])
+    add_arguments(ap)
     args = ap.parse_args(argv)
     try:
         return run(args)
