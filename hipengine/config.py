@@ -123,6 +123,11 @@ class ModelConfig:
             what = arch or d.get("model_type") or "<none>"
             raise UnsupportedError(
                 f"unsupported architecture {what!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
+        # transformers >= 5 writes RoPE settings as ``rope_parameters`` (rope_theta inside) instead of
+        # ``rope_theta`` + ``rope_scaling``; read either spelling.
+        rp = d.get("rope_parameters")
+        if d.get("rope_scaling") is None and isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
+            d = {**d, "rope_scaling": {k: v for k, v in rp.items() if k != "rope_theta"}}
         try:
             nh = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])

@@ -55,11 +55,6 @@ def read_hf_config(d: Path) -> ModelConfig:
         raise ModelError(f"cannot read {cfg_path}: {e}") from None
     if not isinstance(raw, dict):
         raise ModelError(f"{cfg_path} is not a JSON object")
-    # transformers >= 5 writes RoPE scaling as ``rope_parameters`` (with rope_theta inside) instead of
-    # ``rope_scaling``; ModelConfig.from_hf reads the latter, so present it under that name.
-    rp = raw.get("rope_parameters")
-    if raw.get("rope_scaling") is None and isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
-        raw = {**raw, "rope_scaling": {k: v for k, v in rp.items() if k != "rope_theta"}}
     if raw.get("mlp_bias"):
         raise UnsupportedError(f"{cfg_path}: mlp_bias=true is not supported")
     cfg = ModelConfig.from_hf(raw, name=d.name)
