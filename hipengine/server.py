@@ -184,7 +184,6 @@ class Job:
         self.created = int(time.time())
         self.t_start: float | None = None  # left the queue
         self.t_first: float | None = None  # first text piece
-        self.t_end: float | None = None
         self.error: BaseException | None = None
         self.stream = False
         self.include_usage = False
@@ -306,13 +305,10 @@ class EngineWorker:
                         self.metrics.itl.observe(now - last)
                     last = now
                     job.post(("piece", piece))
-            job.t_end = time.perf_counter()
             job.post(("end", None))
         except HipEngineError as e:
-            job.t_end = time.perf_counter()
             job.post(("error", e))
         except Exception as e:  # a bug in the engine: the request fails, the server keeps serving
-            job.t_end = time.perf_counter()
             log.exception("engine failed on request %s", job.id)
             job.post(("error", e))
         finally:
