@@ -740,9 +740,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                     err = _error_for(event[1])
                     yield _sse({"error": {"message": err.message, "type": err.type, "param": err.param,
                                           "code": err.code}})
-                    yield "data: [DONE]\n\n"
-                    finished = True
+                    finished = True  # recorded before the last write, so a client that sees [DONE] sees it counted
                     server.record(endpoint, job, err.status, reason="error")
+                    yield "data: [DONE]\n\n"
                     return
                 else:
                     break
@@ -750,9 +750,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             yield chunk(None, _finish_reason(job))
             if job.include_usage:
                 yield _sse(dict(base, choices=[], usage=_usage(job.stats)))
-            yield "data: [DONE]\n\n"
             finished = True
             server.record(endpoint, job, 200)
+            yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
             if not finished:  # the client went away (Starlette cancelled us) or the send failed

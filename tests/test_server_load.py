@@ -26,40 +26,58 @@ def _capture_server_log(caplog):
 
 def test_16_clients_against_queue_of_8(caplog):
     engine = shared_engine()
-    n_clients, max_queue, max_tokens = 16, 8, 1
+    n_clients, max_queue, max_tokens, lead_tokens = 16, 8, 1, 8
     # Distinct prompts with distinct one-token answers ("a, b, c," -> " d"), so an answer delivered to the
     # wrong client shows up as wrong text; one token keeps the burst affordable on the CPU reference.
     letters = "abcdefghijklmnopqrstuvwxyz"
     prompts = [", ".join(letters[i:i + 3]) + "," for i in range(n_clients)]
     results: list = [None] * n_clients
-    start = threading.Barrier(n_clients)
+    engine_busy = threading.Event()
 
     with LiveServer(engine, api_key=API_KEY, max_queue=max_queue) as srv:
+        def lead_client() -> None:
+            """Client 0 streams a longer answer; the others fire the moment its first text arrives, so the
+            engine is certainly busy during the burst and the queue really fills, however fast the CPU."""
+            try:
+                stream = srv.client().completions.create(
+                    model=srv.model, prompt=prompts[0], max_tokens=lead_tokens, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True})
+                text = []
+                for ch in stream:
+                    if ch.choices and ch.choices[0].text:
+                        text.append(ch.choices[0].text)
+                        engine_busy.set()
+                results[0] = "".join(text)
+            except Exception as e:
+                results[0] = e
+            finally:
+                engine_busy.set()
+
         def client(i: int) -> None:
             c = srv.client()  # max_retries=0: the client must see the 429, not retry it away
-            start.wait()
+            engine_busy.wait(120)
             try:
                 results[i] = c.completions.create(model=srv.model, prompt=prompts[i], max_tokens=max_tokens,
                                                   temperature=0)
-            except openai.RateLimitError as e:
-                results[i] = e
-            except Exception as e:  # anything else is a failure the asserts below report
+            except Exception as e:  # RateLimitError expected for some; anything else fails below
                 results[i] = e
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(n_clients)]
+        threads = [threading.Thread(target=lead_client)]
+        threads += [threading.Thread(target=client, args=(i,)) for i in range(1, n_clients)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(300)
         assert not any(t.is_alive() for t in threads), "a client never got an answer"
 
+        assert results[0] == expected(prompts[0], max_tokens=lead_tokens, temperature=0.0, ignore_eos=True)
         ok = [i for i, r in enumerate(results) if isinstance(r, openai.types.Completion)]
         busy = [i for i, r in enumerate(results) if isinstance(r, openai.RateLimitError)]
-        other = {i: repr(r) for i, r in enumerate(results) if i not in ok and i not in busy}
+        other = {i: repr(r) for i, r in enumerate(results[1:], 1) if i not in ok and i not in busy}
         assert not other, f"requests neither completed nor got 429: {other}"
-        # One decodes and eight wait; every request is answered one way or the other, none lost.
-        assert len(ok) + len(busy) == n_clients
-        assert len(ok) >= 1 + max_queue and len(busy) >= 1, (len(ok), len(busy))
+        # Client 0 decodes, eight wait, the rest are refused; every request is answered, none lost.
+        assert 1 + len(ok) + len(busy) == n_clients
+        assert len(ok) >= max_queue and len(busy) >= 1, (len(ok), len(busy))
         for i in busy:
             e = results[i]
             assert e.status_code == 429 and e.body["code"] == "queue_full"
@@ -74,7 +92,7 @@ def test_16_clients_against_queue_of_8(caplog):
         assert h["status"] == "ok" and h["queue_depth"] == 0 and h["running"] == 0
         metrics = httpx.get(srv.base + "/metrics").text
         assert f'hipengine_requests_total{{endpoint="/v1/completions",status="429"}} {len(busy)}' in metrics
-        assert f'hipengine_requests_total{{endpoint="/v1/completions",status="200"}} {len(ok)}' in metrics
+        assert f'hipengine_requests_total{{endpoint="/v1/completions",status="200"}} {len(ok) + 1}' in metrics
         # still serving after the burst
         r = srv.client().completions.create(model=srv.model, prompt=prompts[ok[0]], max_tokens=max_tokens,
                                             temperature=0)
