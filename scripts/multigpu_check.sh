@@ -28,13 +28,13 @@ if [ "${AR_VARIANTS:-1}" = 1 ]; then
   timeout 40 "$PY" - >"$OUT/variants.log" 2>&1 <<'PYEOF'
 import statistics
 from hipengine.comm.allreduce import CustomAllReduce
-for fence, threads in ((1, 256), (0, 256), (1, 128), (1, 512)):
+for fence, threads in ((1, 256), (1, 128), (1, 64)):
     c = CustomAllReduce([0, 1], max_bytes=1 << 20, threads=threads, defines={"AR_FENCE_EVERY_THREAD": fence})
     ins = [rt.malloc(1 << 20) for rt in c.rts]
     outs = [rt.malloc(1 << 20) for rt in c.rts]
     ev = [(rt.event(), rt.event()) for rt in c.rts]
-    for nb in (4096, 16384, 65536, 1 << 20):
-        for algo in ("oneshot", "twoshot"):
+    for nb in (4096, 16384, 65536):
+        for algo in ("ll", "oneshot"):
             s = []
             for _ in range(5):
                 for (a, b), st in zip(ev, c.streams):

@@ -60,7 +60,7 @@ def _as_f32(y, dtype):
     return (y.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else y
 
 
-@pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("algo", ["ll", "oneshot", "twoshot"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("nbytes", SIZES)
 def test_exact_sum_identical_on_every_rank(comm, bufs, algo, dtype, nbytes):
@@ -77,7 +77,7 @@ def test_exact_sum_identical_on_every_rank(comm, bufs, algo, dtype, nbytes):
         assert g.tobytes() == got[0].tobytes()
 
 
-@pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("algo", ["ll", "oneshot", "twoshot"])
 def test_repeated_in_one_kernel(comm, bufs, algo):
     rng = np.random.default_rng(1)
     n = 8192
@@ -89,7 +89,7 @@ def test_repeated_in_one_kernel(comm, bufs, algo):
         np.testing.assert_array_equal(g, want)
 
 
-@pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("algo", ["ll", "oneshot", "twoshot"])
 def test_inputs_mutated_right_after_launch(comm, bufs, algo):
     """Overwrite every rank's input on its stream right after the launch and run the next all-reduce on
     the new data: the first result must not see the mutation, the second must see all of it."""
@@ -131,7 +131,7 @@ def test_10000_back_to_back_with_random_delays(comm):
         for r in range(comm.world):
             if delays[i, r]:
                 comm.delay(r, int(amounts[i, r]))
-        comm.allreduce(ins, outs, nbytes, "float32", "oneshot" if (i // 4) % 2 == 0 else "twoshot")
+        comm.allreduce(ins, outs, nbytes, "float32", ("ll", "oneshot", "twoshot")[(i // 4) % 3])
         if i % 1000 == 999:
             comm.check()
     comm.check()
@@ -164,11 +164,11 @@ def test_timeout_reports_instead_of_hanging():
         c.close()
 
 
-@pytest.mark.parametrize("algo", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("algo", ["ll", "oneshot", "twoshot"])
 def test_graph_replay_with_device_epochs(comm, algo):
     """Three calls captured in one graph per rank, replayed with fresh inputs each time: the device-side
     epoch counters must advance on every replay (a stale epoch would let a rank read before its peer wrote)."""
-    from hipengine.comm.allreduce import CustomAllReduce
+    from hipengine.comm.allreduce import CustomAllReduce, capture_graphs
 
     c = CustomAllReduce(list(range(comm.world)), max_bytes=1 << 20, device_epochs=True)
     rng = np.random.default_rng(6)
@@ -176,11 +176,8 @@ def test_graph_replay_with_device_epochs(comm, algo):
     ins = [rt.malloc(n * 4) for rt in c.rts]
     outs = [rt.malloc(n * 4) for rt in c.rts]
     try:
-        for rt, s in zip(c.rts, c.streams):
-            rt.begin_capture(s)
-        for _ in range(3):
-            c.allreduce(ins, outs, n * 4, "float32", algo)
-        graphs = [rt.end_capture(s) for rt, s in zip(c.rts, c.streams)]
+        graphs = capture_graphs(c.rts, c.streams,
+                                lambda: [c.allreduce(ins, outs, n * 4, "float32", algo) for _ in range(3)])
         for _ in range(20):
             xs, _ = _ints(c.world, n, rng)
             _sync(c)

@@ -69,14 +69,14 @@ def test_epoch_compare_is_wrap_safe():
 def test_layout_and_table():
     L = ArLayout(world=4, nblocks=8, tile_bytes=4096, max_bytes=1 << 20)
     assert L.off_os >= L.flags_bytes and L.off_rs > L.off_os and L.off_ag > L.off_rs
-    assert L.total_bytes == L.off_ag + 2 * L.slot_bytes
+    assert L.off_ll == L.off_ag + 2 * L.slot_bytes and L.total_bytes == L.off_ll + 4 * 4 * L.slot_bytes
     assert L.grid(4096) == 1 and L.grid(16 * 1024) == 4 and L.grid(1 << 20) == 8
     # every tile is owned by exactly one virtual block
     tiles = sorted(t for vb in range(8) for t in L.tiles_of_block(vb, 100_000))
     assert tiles == list(range(L.ntiles(100_000)))
     t = L.table(2, [0x1000 * (i + 1) for i in range(4)], 0xBEEF0, 10**9)
     raw = bytes(t)
-    assert len(raw) == 136 and ctypes.sizeof(ArPeerTable) == 136
+    assert len(raw) == 144 and ctypes.sizeof(ArPeerTable) == 144
     assert int.from_bytes(raw[64:72], "little") == 0xBEEF0  # offsetof(status) == 64, as static_asserted
     assert int.from_bytes(raw[72:76], "little") == 2 and MAX_RANKS == 8
     assert "rank 3" in status_message(0x10000 | (2 << 8) | 3) and "all-gather" in status_message(0x10203)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..comm.allreduce import ONESHOT_MAX_BYTES
+from ..comm.allreduce import ONESHOT_MAX_BYTES, capture_graphs
 from ..errors import DeviceError, HipEngineError
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -36,6 +36,7 @@ UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 2
 BATCH = 50  # calls per timed batch
 REPEATS = 7  # batches per figure; the median is reported
 IN_KERNEL_ROUNDS = 200
+LL_MAX_BYTES = 1 << 20  # LL doubles the bytes on the wire: only worth timing for small messages
 
 
 def parse_size(s: str) -> int:
@@ -137,28 +138,16 @@ class Harness:
         return lambda: self.custom.allreduce(self.ins, self.outs, nbytes, "float32", algo, repeats=repeats)
 
     def custom_graph(self, algo: str, nbytes: int, calls: int):
-        for rt, s in zip(self.rts, self.streams):
-            rt.begin_capture(s)
-        try:
-            for _ in range(calls):
-                self.custom_g.allreduce(self.ins, self.outs, nbytes, "float32", algo)
-        finally:
-            graphs = [rt.end_capture(s) for rt, s in zip(self.rts, self.streams)]
-        return graphs
+        return capture_graphs(self.rts, self.streams, lambda: [
+            self.custom_g.allreduce(self.ins, self.outs, nbytes, "float32", algo) for _ in range(calls)])
 
     def nccl_call(self, n: int):
         return lambda: self.nccl.allreduce(self.ins, self.outs, n, "float32", streams=self.streams)
 
     def nccl_graph(self, n: int, calls: int):
         """One graph per rank holding `calls` all-reduces (captured together in one NCCL group per call)."""
-        for rt, s in zip(self.rts, self.streams):
-            rt.begin_capture(s)
-        try:
-            for _ in range(calls):
-                self.nccl.allreduce(self.ins, self.outs, n, "float32", streams=self.streams)
-        finally:
-            graphs = [rt.end_capture(s) for rt, s in zip(self.rts, self.streams)]
-        return graphs
+        return capture_graphs(self.rts, self.streams, lambda: [
+            self.nccl.allreduce(self.ins, self.outs, n, "float32", streams=self.streams) for _ in range(calls)])
 
     def check(self, what: str, xs: list[np.ndarray]) -> None:
         want = np.sum(np.stack(xs).astype(np.float64), axis=0)
@@ -201,6 +190,8 @@ def run_bench(tp: int, sizes: list[int], log=print) -> dict:
         row = {"bytes": nbytes}
         # validate every path before timing it
         paths = [("oneshot", "custom one-shot"), ("twoshot", "custom two-shot")]
+        if nbytes <= LL_MAX_BYTES:
+            paths.insert(0, ("ll", "custom one-shot LL"))
         for algo, name in paths:
             h.upload(xs)
             h.custom_call(algo, nbytes)()
@@ -233,7 +224,7 @@ def run_bench(tp: int, sizes: list[int], log=print) -> dict:
             except DeviceError as e:  # keep the custom figures; say what failed
                 row["nccl_error"] = str(e)
                 log(f"NCCL at {nbytes} B: {e}")
-        best_custom = min(row["custom_oneshot_inkernel_us"], row["custom_twoshot_inkernel_us"])
+        best_custom = min(row[f"custom_{a}_inkernel_us"] for a, _ in paths)
         row["custom_best_inkernel_busbw_GBs"] = nbytes / (best_custom * 1e-6) * 2 * (tp - 1) / tp / 1e9
         if "nccl_graph_us" in row:
             row["nccl_graph_busbw_GBs"] = nbytes / (row["nccl_graph_us"] * 1e-6) * 2 * (tp - 1) / tp / 1e9
@@ -258,7 +249,8 @@ def run_bench(tp: int, sizes: list[int], log=print) -> dict:
     return info
 
 
-COLS = [("custom_oneshot_us", "1shot"), ("custom_twoshot_us", "2shot"), ("custom_oneshot_graph_us", "1shot-g"),
+COLS = [("custom_ll_us", "ll"), ("custom_ll_graph_us", "ll-g"), ("custom_ll_inkernel_us", "ll-k"),
+        ("custom_oneshot_us", "1shot"), ("custom_twoshot_us", "2shot"), ("custom_oneshot_graph_us", "1shot-g"),
         ("custom_twoshot_graph_us", "2shot-g"), ("custom_oneshot_inkernel_us", "1shot-k"),
         ("custom_twoshot_inkernel_us", "2shot-k"), ("nccl_eager_us", "nccl"), ("nccl_graph_us", "nccl-g")]
 

@@ -37,12 +37,13 @@ class ArPeerTable(ctypes.Structure):
     _fields_ = [("base", ctypes.c_uint64 * MAX_RANKS), ("status", ctypes.c_uint64),
                 ("rank", ctypes.c_uint32), ("world", ctypes.c_uint32), ("nblocks", ctypes.c_uint32),
                 ("tile_bytes", ctypes.c_uint32), ("off_flags", ctypes.c_uint64), ("off_os", ctypes.c_uint64),
-                ("off_rs", ctypes.c_uint64), ("off_ag", ctypes.c_uint64), ("slot_bytes", ctypes.c_uint64),
+                ("off_rs", ctypes.c_uint64), ("off_ag", ctypes.c_uint64), ("off_ll", ctypes.c_uint64),
+                ("slot_bytes", ctypes.c_uint64),
                 ("timeout_ns", ctypes.c_uint64)]
 
 
-assert ctypes.sizeof(ArPeerTable) == 136 and ArPeerTable.status.offset == 64
-assert ArPeerTable.off_flags.offset == 88 and ArPeerTable.timeout_ns.offset == 128
+assert ctypes.sizeof(ArPeerTable) == 144 and ArPeerTable.status.offset == 64
+assert ArPeerTable.off_flags.offset == 88 and ArPeerTable.timeout_ns.offset == 136
 
 
 def _round_up(x: int, m: int) -> int:
@@ -91,8 +92,13 @@ class ArLayout:
         return self.off_rs + 2 * self.world * self.slot_bytes
 
     @property
-    def total_bytes(self) -> int:
+    def off_ll(self) -> int:
         return self.off_ag + 2 * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        # LL lines carry an epoch word per payload word: twice the bytes per slot
+        return self.off_ll + 2 * self.world * 2 * self.slot_bytes
 
     # ---- protocol arithmetic (the kernel computes the same from the table) ----
     def ntiles(self, nbytes: int) -> int:
@@ -114,7 +120,8 @@ class ArLayout:
         for i, b in enumerate(bases):
             t.base[i] = b
         t.status, t.rank, t.world, t.nblocks, t.tile_bytes = status_ptr, rank, self.world, self.nblocks, self.tile_bytes
-        t.off_flags, t.off_os, t.off_rs, t.off_ag = self.off_flags, self.off_os, self.off_rs, self.off_ag
+        t.off_flags, t.off_os, t.off_rs, t.off_ag, t.off_ll = (self.off_flags, self.off_os, self.off_rs, self.off_ag,
+                                                             self.off_ll)
         t.slot_bytes, t.timeout_ns = self.slot_bytes, timeout_ns
         return t
 
@@ -380,7 +387,7 @@ class CustomAllReduce:
         self.layout = ArLayout(self.world, nblocks, threads * 16, max_bytes)
         self.threads = threads
         self.streams = streams or [rt.stream() for rt in self.rts]
-        self.epochs = {"oneshot": 0, "twoshot": 0}
+        self.epochs = {"oneshot": 0, "twoshot": 0, "ll": 0}
         # device_epochs: the epoch lives in per-virtual-block device counters (the kernels' _graph variants),
         # so calls can be captured into a CUDA/HIP graph and replayed; host epochs are then never used.
         self.device_epochs = device_epochs
@@ -395,8 +402,8 @@ class CustomAllReduce:
             self.bufs.append(buf)
             self.status.append(st)
             if device_epochs:
-                ctr = rt.malloc(2 * nblocks * 4)  # [oneshot, twoshot][nblocks] u32
-                rt.memset(ctr, 0, 2 * nblocks * 4)
+                ctr = rt.malloc(3 * nblocks * 4)  # [oneshot, twoshot, ll][nblocks] u32
+                rt.memset(ctr, 0, 3 * nblocks * 4)
                 self.ctrs.append(ctr)
         bases = [b.ptr for b in self.bufs]
         timeout_ns = int(timeout_s * 1e9)
@@ -428,7 +435,7 @@ class CustomAllReduce:
             if repeats:
                 raise DeviceError("repeated all-reduce kernels use host epochs: create the communicator "
                                   "without device_epochs")
-            row = 0 if algo == "oneshot" else 1
+            row = ("oneshot", "twoshot", "ll").index(algo)
             for r, rt in enumerate(self.rts):
                 ctr = self.ctrs[r].ptr + row * self.layout.nblocks * 4
                 args = [ctypes.c_void_p(_ptr(ins[r])), ctypes.c_void_p(_ptr(outs[r])), ctypes.c_uint64(nbytes),
@@ -490,6 +497,48 @@ class CustomAllReduce:
         for b in self.bufs + self.status + self.tables + self.ctrs:
             b.free()
         self.bufs, self.status, self.tables, self.ctrs = [], [], [], []
+
+
+def capture_graphs(rts: list, streams: list, issue) -> list:
+    """One graph per rank holding whatever ``issue()`` enqueues on ``streams`` (which may span all ranks, as
+    an NCCL group call or a custom all-reduce does). Each rank's capture is begun and ended by a thread of
+    its own: in thread-local capture mode a thread with an open capture may not instantiate a graph, and a
+    capture must end on the thread that began it, so one thread cannot capture several streams at once."""
+    import threading
+
+    n = len(rts)
+    started, done = threading.Barrier(n + 1), threading.Event()
+    graphs: list = [None] * n
+    errors: list = []
+
+    def worker(r: int) -> None:
+        try:
+            rts[r].begin_capture(streams[r])
+        except Exception as e:  # still meet the barrier so the caller does not wait forever
+            errors.append(e)
+            started.wait()
+            return
+        started.wait()
+        done.wait()
+        try:
+            graphs[r] = rts[r].end_capture(streams[r])
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    started.wait()
+    try:
+        if not errors:
+            issue()
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+    return graphs
 
 
 def _ptr(x) -> int:

@@ -8,6 +8,7 @@
 //   os     [2 parity][world][slot_bytes]         one-shot receive slots, one per source rank
 //   rs     [2 parity][world][slot_bytes]         two-shot reduce-scatter receive slots
 //   ag     [2 parity][slot_bytes]                two-shot gathered result
+//   ll     [2 parity][world][2 x slot_bytes]     one-shot LL lines (data word + epoch word, see ar_ll_block)
 //
 // Protocol (one round = one epoch; the host increments the epoch per call, separately per algorithm):
 //   * Flags hold the epoch number, grow monotonically and are never cleared: a waiter asks "has source s
@@ -57,14 +58,14 @@ struct ArPeerTable {
   he_u32 rank, world;
   he_u32 nblocks;            // virtual blocks: tile t belongs to block t % nblocks (fixed per communicator)
   he_u32 tile_bytes;         // bytes per tile = threads per block x 16
-  he_u64 off_flags, off_os, off_rs, off_ag;  // region offsets inside every comm buffer
+  he_u64 off_flags, off_os, off_rs, off_ag, off_ll;  // region offsets inside every comm buffer
   he_u64 slot_bytes;         // largest message, bytes (one-shot slot, gather region)
   he_u64 timeout_ns;         // spin-wait limit
 };
-// Every field is naturally aligned and the sizes add up to 136, so there is no padding and the offsets
+// Every field is naturally aligned and the sizes add up to 144, so there is no padding and the offsets
 // follow from the declaration order (NVRTC has no offsetof); Python asserts the same size and offsets.
-static_assert(sizeof(ArPeerTable) == 8 * kArMaxRanks + 8 + 4 * 4 + 8 * 4 + 8 + 8, "ArPeerTable has padding");
-static_assert(sizeof(ArPeerTable) == 136, "ArPeerTable layout changed: update allreduce.py");
+static_assert(sizeof(ArPeerTable) == 8 * kArMaxRanks + 8 + 4 * 4 + 8 * 5 + 8 + 8, "ArPeerTable has padding");
+static_assert(sizeof(ArPeerTable) == 144, "ArPeerTable layout changed: update allreduce.py");
 
 // ---- element types: a 16-byte pack is summed in fp32 and rounded once ------------------------------
 struct ArF32 {
@@ -239,6 +240,76 @@ HE_INLINE bool ar_oneshot_residual_rmsnorm_block(const void* partial, float* res
   return true;
 }
 
+// ---- one-shot LL ("low latency"): the epoch travels inside every data word -----------------------------
+// Each 4-byte payload word is sent as one 8-byte word {payload, epoch} with a single 8-byte store, which is
+// single-copy atomic (aligned; NVLink and xGMI carry it whole — NCCL's and RCCL's LL protocols rest on the
+// same fact). A reader that sees `epoch` in the high half therefore sees that round's payload in the low
+// half: no fence, no separate flag, no block barrier, one one-way trip over the link. The price is twice
+// the bytes, so it serves small messages only. Same parity double-buffering and tile -> virtual block map
+// as the one-shot; waiting is per thread on exactly `epoch` (the slot of this parity last held epoch - 2).
+// volatile accesses: every poll is a fresh load that bypasses non-coherent caches (PTX: ld.volatile has
+// relaxed.sys semantics; AMD: glc loads of fine-grained memory), and the compiler keeps each 8-byte
+// access whole.
+HE_INLINE bool ar_ll_poll(const volatile he_u64* p, he_u32 epoch, he_u32& word, const ArPeerTable* T, int src) {
+  he_u64 v = *p;
+  if ((he_u32)(v >> 32) == epoch) { word = (he_u32)v; return true; }
+  he_u32* status = (he_u32*)T->status;
+  const he_u64 t0 = he_clock_ns();
+  while (true) {
+    v = *p;
+    if ((he_u32)(v >> 32) == epoch) { word = (he_u32)v; return true; }
+    if (he_load_relaxed_device(status) != 0) return false;  // another thread timed out: give up too
+    if (he_clock_ns() - t0 > T->timeout_ns) {
+      he_store_relaxed_system(status, kArStatusTimeout | ((he_u32)kArKindOneshot << 8) | (he_u32)src);
+      return false;
+    }
+  }
+}
+
+template <class E>
+HE_INLINE bool ar_ll_block(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T, he_u32 epoch, int vb) {
+  const int rank = (int)T->rank, world = (int)T->world, tid = he_thread_idx();
+  const he_u64 tile = T->tile_bytes, par = epoch & 1u, slot = 2 * T->slot_bytes;
+  const he_u64 ntiles = (nbytes + tile - 1) / tile;
+  const he_u64 e32 = (he_u64)epoch << 32;
+  // 1. push: the 16-byte pack at `off` becomes four 8-byte LL words at 2 * off in slot `rank` of each peer.
+  for (he_u64 t = vb; t < ntiles; t += T->nblocks) {
+    const he_u64 off = t * tile + (he_u64)tid * 16;
+    if (off >= nbytes) continue;
+    const he_vec16 v = he_load16((const char*)in + off);
+    for (int p = 0; p < world; ++p) {
+      if (p == rank) continue;
+      volatile he_u64* dst = (volatile he_u64*)(ar_base(T, p) + T->off_ll + (par * world + rank) * slot + 2 * off);
+      dst[0] = e32 | v.x;
+      dst[1] = e32 | v.y;
+      dst[2] = e32 | v.z;
+      dst[3] = e32 | v.w;
+    }
+  }
+  // 2. receive and sum in rank order 0..world-1 (own contribution from `in`): identical bits everywhere.
+  const char* mine = ar_base(T, rank) + T->off_ll + par * world * slot;
+  for (he_u64 t = vb; t < ntiles; t += T->nblocks) {
+    const he_u64 off = t * tile + (he_u64)tid * 16;
+    if (off >= nbytes) continue;
+    float acc[E::kN];
+    for (int i = 0; i < E::kN; ++i) acc[i] = 0.f;
+    for (int s = 0; s < world; ++s) {
+      he_vec16 v;
+      if (s == rank) {
+        v = he_load16((const char*)in + off);
+      } else {
+        const volatile he_u64* src = (const volatile he_u64*)(mine + (he_u64)s * slot + 2 * off);
+        if (!ar_ll_poll(src + 0, epoch, v.x, T, s) || !ar_ll_poll(src + 1, epoch, v.y, T, s) ||
+            !ar_ll_poll(src + 2, epoch, v.z, T, s) || !ar_ll_poll(src + 3, epoch, v.w, T, s))
+          return false;
+      }
+      E::add(acc, v);
+    }
+    *(he_vec16*)((char*)out + off) = E::pack(acc);
+  }
+  return true;
+}
+
 // ---- two-shot: reduce-scatter (each rank sums one chunk) + all-gather --------------------------------
 // Bandwidth-optimal for large messages: each byte crosses the links ~2x instead of (world-1)x, at the
 // price of two flag round trips. Chunks are whole tiles so a tile has exactly one owner.
@@ -320,6 +391,8 @@ HE_INLINE bool ar_twoshot_block(const void* in, void* out, he_u64 nbytes, const 
 
 AR_KERNELS(allreduce_oneshot_f32, ar_oneshot_block, ArF32)
 AR_KERNELS(allreduce_oneshot_bf16, ar_oneshot_block, ArBf16)
+AR_KERNELS(allreduce_ll_f32, ar_ll_block, ArF32)
+AR_KERNELS(allreduce_ll_bf16, ar_ll_block, ArBf16)
 AR_KERNELS(allreduce_twoshot_f32, ar_twoshot_block, ArF32)
 AR_KERNELS(allreduce_twoshot_bf16, ar_twoshot_block, ArBf16)
 #undef AR_KERNELS
