@@ -103,3 +103,13 @@ def test_nccl_table_and_missing_library(monkeypatch, tmp_path):
         nccl.library_path()
     except DeviceError as e:
         assert "\n" not in str(e) and "nvidia-nccl-cu13" in str(e)
+
+
+def test_auto_pick_follows_measurements():
+    from hipengine.comm.allreduce import CustomAllReduce
+
+    c = object.__new__(CustomAllReduce)  # pick() needs only the world size
+    c.world = 2
+    assert c.pick(4096) == "ll" and c.pick(512 * 1024) == "ll" and c.pick(4 << 20) == "oneshot"
+    c.world = 8
+    assert c.pick(16 * 1024) == "ll" and c.pick(4 << 20) == "twoshot"

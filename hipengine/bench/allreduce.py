@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..comm.allreduce import ONESHOT_MAX_BYTES, capture_graphs
+from ..comm.allreduce import LL_MAX_BYTES, ONESHOT_MAX_BYTES, capture_graphs
 from ..errors import DeviceError, HipEngineError
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -36,7 +36,7 @@ UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 2
 BATCH = 50  # calls per timed batch
 REPEATS = 7  # batches per figure; the median is reported
 IN_KERNEL_ROUNDS = 200
-LL_MAX_BYTES = 1 << 20  # LL doubles the bytes on the wire: only worth timing for small messages
+LL_TIMED_MAX_BYTES = 1 << 20  # LL doubles the bytes on the wire: only worth timing for small messages
 
 
 def parse_size(s: str) -> int:
@@ -72,8 +72,10 @@ def _inputs(world: int, n: int, seed: int) -> list[np.ndarray]:
 def _git_commit() -> str:
     try:
         root = Path(__file__).resolve().parents[2]
-        return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        # a copied tree without git objects answers "HEAD": fall back to what the caller says it sent
+        return out if re.fullmatch(r"[0-9a-f]{40}", out) else os.environ.get("HIPENGINE_COMMIT", "unknown")
     except Exception:
         return "unknown"
 
@@ -190,7 +192,7 @@ def run_bench(tp: int, sizes: list[int], log=print) -> dict:
         row = {"bytes": nbytes}
         # validate every path before timing it
         paths = [("oneshot", "custom one-shot"), ("twoshot", "custom two-shot")]
-        if nbytes <= LL_MAX_BYTES:
+        if nbytes <= LL_TIMED_MAX_BYTES:
             paths.insert(0, ("ll", "custom one-shot LL"))
         for algo, name in paths:
             h.upload(xs)
@@ -234,7 +236,7 @@ def run_bench(tp: int, sizes: list[int], log=print) -> dict:
         "bench": "allreduce", "tp": tp, "dtype": "float32", "commit": _git_commit(),
         "gpu": h.rts[0].name, "arch": h.rts[0].arch, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "nccl": (h.nccl.lib.path + " " + h.nccl.lib.version()) if h.nccl else f"unavailable: {h.nccl_error}",
-        "oneshot_max_bytes": ONESHOT_MAX_BYTES,
+        "auto_pick": {"ll_max_bytes": LL_MAX_BYTES, "oneshot_max_bytes_world_gt_2": ONESHOT_MAX_BYTES},
         "nblocks": h.custom.layout.nblocks, "threads": h.custom.threads,
         "method": f"median of {REPEATS} batches; standalone/eager = device-event time of {BATCH} back-to-back "
                   f"Python launches / {BATCH}; in-kernel = {IN_KERNEL_ROUNDS} rounds in one launch / "

@@ -28,7 +28,12 @@ KIND_ONESHOT, KIND_REDUCE_SCATTER, KIND_ALLGATHER = 0, 1, 2
 KIND_NAMES = ("one-shot", "reduce-scatter", "all-gather")
 STATUS_TIMEOUT = 0x10000
 STATUS_CONFIG = 0x20000  # fused all-reduce + RMSNorm launched on a communicator with nblocks != 1
-ONESHOT_MAX_BYTES = 256 * 1024  # above this two-shot wins on 2xH200 NVLink (bench allreduce measures it)
+# Algorithm choice, from benchmarks/results/allreduce_tp2_h200.json (2xH200 NV18, in-kernel µs per round):
+# LL 2.0-2.3 µs up to 256 KB vs 5-8 µs for the flag-based one-shot; at 512 KB LL 6.0 vs 8.2; from 1 MB
+# the one-shot wins (10.8 vs LL 11.3) and two-shot never wins at 2 ranks (same bytes, two round trips).
+# Two-shot is kept for >2 ranks, where one-shot pushes (world-1)x the bytes (unmeasured: issue 7).
+LL_MAX_BYTES = 512 * 1024
+ONESHOT_MAX_BYTES = 256 * 1024  # world > 2: above this, two-shot
 
 
 class ArPeerTable(ctypes.Structure):
@@ -419,7 +424,9 @@ class CustomAllReduce:
         return self.fns[rank].function(name)
 
     def pick(self, nbytes: int) -> str:
-        return "oneshot" if nbytes <= ONESHOT_MAX_BYTES else "twoshot"
+        if nbytes <= LL_MAX_BYTES:
+            return "ll"
+        return "oneshot" if self.world == 2 or nbytes <= ONESHOT_MAX_BYTES else "twoshot"
 
     def allreduce(self, ins: list, outs: list, nbytes: int, dtype: str = "float32", algo: str = "auto",
                   repeats: int = 0, streams: list | None = None) -> None:
