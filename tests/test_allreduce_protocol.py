@@ -19,6 +19,19 @@ def test_10000_rounds_no_race_no_deadlock(world):
     assert errors == []
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ll_rounds(world):
+    # LL: the epoch inside every word; mixed with the flag-based algorithms (separate epoch counters)
+    m = ProtocolModel(world, nblocks=2, tile_elems=2, delay_p=0.02, seed=21 + world)
+    assert m.run(3000 // world, sizes_elems=(4, 7, 1), algos=("ll", "oneshot", "ll", "twoshot")) == []
+
+
+def test_ll_single_buffer_race_is_caught():
+    hook = lambda r, vb, e, point: 0.05 if (r == 1 and e == 1 and point == "sum") else 0
+    m = ProtocolModel(2, nblocks=1, tile_elems=2, double_buffer=False, delay_p=0, delay_hook=hook, timeout_s=1)
+    assert m.run(4, sizes_elems=(2,), algos=("ll",)) != []
+
+
 @pytest.mark.parametrize("world", [2, 8])
 def test_device_epochs_mixed_rounds(world):
     # the _graph kernels' per-block counters: blocks skipped for small messages advance on no rank

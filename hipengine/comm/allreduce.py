@@ -263,6 +263,41 @@ class ProtocolModel:
             self._consume(r, KIND_ONESHOT, vb)
         return True
 
+    def _ll(self, r: int, vb: int, x: list, out: list, nbytes: int, epoch: int) -> bool:
+        """ar_ll_block: every word carries its epoch; readers wait per word for exactly ``epoch``."""
+        L, te, par = self.layout, self.tile_elems, self._par(epoch)
+        for t in L.tiles_of_block(vb, nbytes):
+            for p in range(self.world):
+                if p == r:
+                    continue
+                m = self.mem[p]
+                for i in range(t * te, (t + 1) * te):
+                    with m.conds[vb]:  # one single-copy-atomic 8-byte store {value, epoch}
+                        m.data[("ll", par, r, i)] = (epoch, x[i])
+                        m.conds[vb].notify_all()
+                    self._delay(r, vb, epoch, "push")
+        m = self.mem[r]
+        for t in L.tiles_of_block(vb, nbytes):
+            for i in range(t * te, (t + 1) * te):
+                acc = 0
+                for s in range(self.world):
+                    if s == r:
+                        acc += x[i]
+                        continue
+                    key = ("ll", par, s, i)
+                    with m.conds[vb]:
+                        ok = m.conds[vb].wait_for(lambda: m.data.get(key, (None,))[0] == epoch
+                                                  or any(q.status for q in self.mem), self.timeout_s)
+                        if not ok or m.data.get(key, (None,))[0] != epoch:
+                            if not m.status:
+                                m.status = STATUS_TIMEOUT | s
+                                self.errors.append(f"rank {r}: " + status_message(m.status))
+                            return False
+                        acc += m.data[key][1]
+                    self._delay(r, vb, epoch, "sum")
+                out[i] = acc
+        return True
+
     def _rs_slot(self, t: int, owner: int, ct: int) -> int:
         return t - owner * ct if self.chunk_relative else t
 
@@ -330,7 +365,7 @@ class ProtocolModel:
                     epoch = ctr[a]
                 x = [value(r, k, i) for i in range(_round_up(n, te))]
                 out = [None] * len(x)
-                fn = self._oneshot if a == "oneshot" else self._twoshot
+                fn = {"oneshot": self._oneshot, "twoshot": self._twoshot, "ll": self._ll}[a]
                 if not fn(r, vb, x, out, nbytes, epoch):
                     return
                 for t in self.layout.tiles_of_block(vb, nbytes):
