@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The default model (98 MB GGUF) on the GPU machine. One device call carries at most 64 MiB, so the file
+# travels in two halves on two back-to-back calls (the warm machine keeps /tmp between them):
+#   call 1: carry .carry/p1 (first half)   -> bash scripts/device_default_model.sh stage
+#   call 2: carry .carry/p2 .whl (gguf)    -> bash scripts/device_default_model.sh run
+# Halves are made here with: split -b 49181216 -d <gguf> (parts gguf.part00 / gguf.part01).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if [ "${1:-}" = stage ]; then
+  cp .carry/p1/gguf.part00 /tmp/ && ls -la /tmp/gguf.part00
+  exit
+fi
+cat /tmp/gguf.part00 .carry/p2/gguf.part01 > /tmp/smollm2.gguf || exit 1
+echo "a1231443440b107ff29f02bdb38c9d0a  /tmp/smollm2.gguf" | md5sum -c - || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. HIPENGINE_DEFAULT_MODEL=/tmp/smollm2.gguf PYTHONUNBUFFERED=1
+export HIPENGINE_COMMIT=${HIPENGINE_COMMIT:-unknown}
+python3 -m pytest tests/test_gpu_default_model.py -v -s 2>&1 | tee "$OUT/default_model_gpu_pytest.log"
+# The README's main job, on the GPU: stream text, TTFT and decode tok/s on stderr.
+python3 -m hipengine generate "The capital of France is" --device gpu --max-tokens 64 2>&1 | tee "$OUT/generate_gpu.log"
+python3 -m hipengine generate "The capital of France is" --device gpu --no-monokernel --max-tokens 64 2>&1 | tee -a "$OUT/generate_gpu.log"
