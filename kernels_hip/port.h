@@ -68,9 +68,15 @@ static_assert(sizeof(he_u16) == 2 && sizeof(he_u32) == 4 && sizeof(he_u64) == 8,
 #define HE_INLINE __device__ inline __attribute__((always_inline))
 // amdgpu_flat_work_group_size bounds the block so the register allocator can budget VGPRs for it.
 #define HE_LAUNCH_BOUNDS(max_threads) __attribute__((amdgpu_flat_work_group_size(1, max_threads)))
+// + at least min_blocks resident per CU: caps VGPRs so they fit (waves per SIMD = blocks · waves / 4 SIMDs).
+#define HE_LAUNCH_BOUNDS_MIN(max_threads, min_blocks)                                                    \
+  __attribute__((amdgpu_flat_work_group_size(1, max_threads),                                           \
+                 amdgpu_waves_per_eu((min_blocks * max_threads + 4 * kWarpSize - 1) / (4 * kWarpSize))))
 #else
 #define HE_INLINE __device__ __forceinline__
 #define HE_LAUNCH_BOUNDS(max_threads) __launch_bounds__(max_threads)
+// + at least min_blocks resident per SM: the compiler caps registers so they fit (persistent kernels).
+#define HE_LAUNCH_BOUNDS_MIN(max_threads, min_blocks) __launch_bounds__(max_threads, min_blocks)
 #endif
 
 // ------------------------------------------------------------------------------------------------------

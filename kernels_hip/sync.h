@@ -78,7 +78,7 @@ HE_INLINE bool he_wait_geq_device(const HeWaitCtx& w, const he_u32* flag, he_u32
   for (int polls = 0;; ++polls) {
     if ((int)(he_load_acquire_device(flag) - target) >= 0) return true;
     if (he_aborted(w)) return false;
-    if (polls % kPollsPerClock == kPollsPerClock - 1 && he_clock_ns() - t0 > w.timeout_ns) {
+    if (polls % kPollsPerClock == 0 && he_clock_ns() - t0 > w.timeout_ns) {
       he_report_error(w, code);
       return false;
     }

@@ -33,8 +33,7 @@ from hipengine.bench.decode import measure
 from hipengine.gpu.monokernel import MonokernelBackend, grid_info
 from hipengine.presets import preset_model
 loaded = preset_model("llama-3.2-1b", 0)
-for cap in [None, "128"]:
-    if cap: os.environ["HIPENGINE_MK_MAXRREG"] = cap
+for cap in [None]:
     be = MonokernelBackend(loaded, max_context=1024)
     for bps in sorted({1, 2, be.occupancy}):
         if bps > be.occupancy: continue

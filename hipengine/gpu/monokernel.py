@@ -229,7 +229,13 @@ def compile_args(vendor: str, f16: bool, group: int) -> dict:
     cap = os.environ.get("HIPENGINE_MK_MAXRREG")
     if cap and vendor == "nvidia":
         opts.append(f"--maxrregcount={int(cap)}")
-    return {"defines": {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group)}, "options": opts or None}
+    return {"defines": {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), "MK_MIN_BLOCKS": min_blocks()},
+            "options": opts or None}
+
+
+def min_blocks() -> int:
+    """Resident blocks per SM the kernel is compiled for (HIPENGINE_MK_MIN_BLOCKS, default 2)."""
+    return int(os.environ.get("HIPENGINE_MK_MIN_BLOCKS", "2"))
 
 
 def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4)) -> list[str]:
@@ -278,7 +284,7 @@ class MonokernelBackend(GpuBackend):
         occ = rt.max_active_blocks(self.fn, THREADS, self.smem)
         if occ < 1:
             raise DeviceError(f"monokernel cannot be resident with {THREADS} threads and {self.smem} B shared memory")
-        want = int(os.environ.get("HIPENGINE_MK_BLOCKS_PER_SM", "0")) or min(occ, 2)
+        want = int(os.environ.get("HIPENGINE_MK_BLOCKS_PER_SM", "0")) or min_blocks()
         self.blocks_per_sm = min(occ, want)
         self.grid = rt.num_sms * self.blocks_per_sm
         self.occupancy = occ

@@ -454,7 +454,13 @@ HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok) {
 }
 
 // ---- the kernel ------------------------------------------------------------------------------------------
-extern "C" __global__ void HE_LAUNCH_BOUNDS(kMkThreads) monokernel_decode(const MkParams* __restrict__ P) {
+// MK_MIN_BLOCKS resident blocks per SM (-D from the host): the first H200 run had one 256-thread block per
+// SM (249 registers) and ran at 0.7x the per-op path, whose matvecs keep 4 blocks per SM in flight; the
+// op bodies need warps in flight, so the register cap buys memory-level parallelism.
+#ifndef MK_MIN_BLOCKS
+#define MK_MIN_BLOCKS 2
+#endif
+extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monokernel_decode(const MkParams* __restrict__ P) {
   extern __shared__ float he_mk_smem[];  // max(matvec x staging, attention, sampling bitmap), host-sized
   __shared__ float scratch[kMaxWarpsPerBlock];
   __shared__ float slice_sums[kSampleThreads];
