@@ -176,3 +176,21 @@ def test_preset_prompt_must_be_token_ids():
 
 def test_info_unknown_name():
     assert_one_line_error(run_cli("info", "no-such-model-or-shape"), "preset")
+
+
+def test_shape_mismatch_is_one_line(tiny, tmp_path):
+    import shutil
+
+    d = tmp_path / "shape"
+    shutil.copytree(tiny, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] += 8
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(run_cli("generate", "hi", "--model", d, "--device", "cpu"), "w_gate")
+
+
+def test_unsupported_gguf_quant_is_one_line(tmp_path):
+    from test_loader import _minimal_gguf
+
+    p = _minimal_gguf(tmp_path / "q2k.gguf", "Q2_K")
+    assert_one_line_error(run_cli("generate", "hi", "--model", p, "--device", "cpu"), "Q2_K")
