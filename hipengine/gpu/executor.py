@@ -107,6 +107,7 @@ class GpuBackend(Backend):
                 L["q_norm"], L["k_norm"] = self._up(f32(weights[p + "q_norm"])), self._up(f32(weights[p + "k_norm"]))
             self.layers.append(L)
         embed = weights["embed"]
+        self.embed_vocab = int(embed.shape[0])  # rows of the embedding (a TP rank's head may score fewer)
         self.embed, self.embed_f16 = self._up_w([embed])
         if cfg.tie_word_embeddings:
             self.lm_head, self.head_f16 = self.embed, self.embed_f16
@@ -147,11 +148,23 @@ class GpuBackend(Backend):
     def _vc(self, i):
         return self.v_cache.ptr + i * self.kv_layer_bytes
 
+    def _proj_out(self):
+        """(output, residual) of the O-proj and down projections: x += W·a in place here. A tensor-parallel
+        rank (tp_executor) returns its partial-sum buffer instead; the all-reduce then adds it into x."""
+        return self.x, self.x
+
     def _decode_launches(self, s) -> None:
+        for _ in self._decode_steps(s):
+            pass  # tp=1: nothing to reduce at the partial-sum points
+
+    def _decode_steps(self, s):
+        """Enqueue one decode step; yields (rows = 1) right after each O-proj / down projection, the points
+        where a tensor-parallel driver all-reduces the partial sums before the next layer reads x."""
         cfg, ops = self.config, self.ops
+        out, res = self._proj_out()
         d, qd, kvd, hd, F = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.intermediate_size
         eps = cfg.rms_norm_eps
-        ops.embedding(self.embed, self.tokens, 1, cfg.vocab_size, d, self.x, self.embed_f16, stream=s)
+        ops.embedding(self.embed, self.tokens, 1, self.embed_vocab, d, self.x, self.embed_f16, stream=s)
         for i, L in enumerate(self.layers):
             f16 = L["f16"]
             if cfg.qk_norm:
@@ -168,10 +181,12 @@ class GpuBackend(Backend):
             ops.attention(self.q, self._kc(i), self._vc(i), self.partial, self.att, self.pos_buf, T=1,
                           nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                           nsplit=self.nsplit, chunk=self.chunk, stream=s)
-            ops.matvec(L["wo"], self.att, self.x, d, qd, residual=self.x, f16=f16, stream=s)
+            ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s)
+            yield 1
             ops.matvec_gate_up(L["w_gate"], L["w_up"], self.x, self.h, F, d, gamma=L["ffn_norm"], eps=eps,
                                f16=f16, stream=s)
-            ops.matvec(L["w_down"], self.h, self.x, d, F, residual=self.x, f16=f16, stream=s)
+            ops.matvec(L["w_down"], self.h, out, d, F, residual=res, f16=f16, stream=s)
+            yield 1
         ops.matvec(self.lm_head, self.x, self.logits, cfg.vocab_size, d, gamma=self.final_norm, eps=eps,
                    f16=self.head_f16, stream=s)
 
@@ -232,12 +247,19 @@ class GpuBackend(Backend):
         return res if all_logits else res[-1]
 
     def _prefill_chunk(self, ids: np.ndarray, logits: bool) -> None:
+        for _ in self._prefill_steps(ids, logits):
+            pass
+
+    def _prefill_steps(self, ids: np.ndarray, logits: bool):
+        """One prefill chunk; yields its row count at the partial-sum points, as _decode_steps."""
         cfg, ops, s = self.config, self.ops, self.stream
+        out, res = self._proj_out()
+        mode = 1 if res is not None else 0  # 1: Y += X Wᵀ (in place on x); 0: Y = X Wᵀ (a bare partial sum)
         d, qd, kvd, hd, F = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.intermediate_size
         eps, M = cfg.rms_norm_eps, int(ids.size)
         self.rt.copy_htod(self.tokens, ids.astype(np.int32), stream=s)
         self._set_int(self.pos_buf, self.pos)
-        ops.embedding(self.embed, self.tokens, M, cfg.vocab_size, d, self.x, self.embed_f16, stream=s)
+        ops.embedding(self.embed, self.tokens, M, self.embed_vocab, d, self.x, self.embed_f16, stream=s)
         for i, L in enumerate(self.layers):
             f16 = L["f16"]
             ops.rmsnorm(self.x, L["attn_norm"], eps, d, self.xn, rows=M, stream=s)
@@ -249,10 +271,12 @@ class GpuBackend(Backend):
             ops.attention(self.q, self._kc(i), self._vc(i), self.partial, self.att, self.pos_buf, T=M,
                           nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                           nsplit=self.nsplit, chunk=self.chunk, stream=s)
-            ops.matmul_small_m(L["wo"], self.att, self.x, M, d, qd, mode=1, f16=f16, stream=s)
+            ops.matmul_small_m(L["wo"], self.att, out, M, d, qd, mode=mode, f16=f16, stream=s)
+            yield M
             ops.rmsnorm(self.x, L["ffn_norm"], eps, d, self.xn, rows=M, stream=s)
             ops.matmul_small_m(L["w_gate"], self.xn, self.h, M, F, d, mode=2, W2=L["w_up"], f16=f16, stream=s)
-            ops.matmul_small_m(L["w_down"], self.h, self.x, M, d, F, mode=1, f16=f16, stream=s)
+            ops.matmul_small_m(L["w_down"], self.h, out, M, d, F, mode=mode, f16=f16, stream=s)
+            yield M
         if logits:
             ops.rmsnorm(self.x, self.final_norm, eps, d, self.xn, rows=M, stream=s)
             ops.matmul_small_m(self.lm_head, self.xn, self.logits, M, cfg.vocab_size, d, mode=0, f16=self.head_f16,
