@@ -58,6 +58,8 @@ struct HeWaitCtx {
   HeGridBarrier* bar;   // device memory
   he_u32* status;       // host-mapped status word (system scope: the host polls it without a sync)
   he_u64 timeout_ns;
+  he_u32 sleep_ns;      // back-off between polls (0: spin); hundreds of pollers on one L2 line compete with
+                        // the arrivals they wait for
 };
 
 // Record the first error: status is written at system scope so the host sees it even while the kernel is
@@ -78,6 +80,7 @@ HE_INLINE bool he_wait_geq_device(const HeWaitCtx& w, const he_u32* flag, he_u32
   for (int polls = 0;; ++polls) {
     if ((int)(he_load_acquire_device(flag) - target) >= 0) return true;
     if (he_aborted(w)) return false;
+    if (w.sleep_ns) he_sleep(w.sleep_ns);
     if (polls % kPollsPerClock == 0 && he_clock_ns() - t0 > w.timeout_ns) {
       he_report_error(w, code);
       return false;

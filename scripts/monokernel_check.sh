@@ -26,25 +26,27 @@ run() {  # run NAME CMD... : log to $OUT/NAME.log, remember failures
   [ $r -ne 0 ] && rc=1
   return 0
 }
-sweep() {
+sweep() {  # 1K decode tok/s per runtime configuration; the best one goes to /tmp/mk_best.env for the bench
     cat > /tmp/mk_sweep.py <<'PYEOF'
-import os, sys, time
 from hipengine.bench.decode import measure
-from hipengine.gpu.monokernel import MonokernelBackend, grid_info
+from hipengine.gpu.monokernel import MonokernelBackend
 from hipengine.presets import preset_model
-loaded = preset_model("llama-3.2-1b", 0)
-for cap in [None]:
-    be = MonokernelBackend(loaded, max_context=1024)
-    for bps in sorted({1, 2, be.occupancy}):
-        if bps > be.occupancy: continue
-        for pf, fine in ((1, 1), (0, 1), (1, 0), (0, 0)):
-            be.grid, be.blocks_per_sm, be.prefetch, be.fine = be.rt.num_sms * bps, bps, pf, fine
-            r = measure(be, [1024], ["monokernel"], runs=3, log=lambda m: None)[0]
-            print(f"maxrreg={cap} occ={be.occupancy} blocks/SM={bps} prefetch={pf} fine={fine}: "
-                  f"{r['tok_s']:.1f} tok/s", flush=True)
-    be.close()
+be = MonokernelBackend(preset_model("llama-3.2-1b", 0), max_context=1024)
+best = None
+for fine, pf, sleep in ((1, 0, 0), (2, 0, 0), (2, 1, 0), (2, 0, 100), (1, 0, 100), (2, 0, 400), (0, 0, 0)):
+    be.fine, be.prefetch, be.poll_sleep_ns = fine, pf, sleep
+    r = measure(be, [1024], ["monokernel"], runs=3, log=lambda m: None)[0]
+    print(f"blocks/SM={be.blocks_per_sm} fine={fine} prefetch={pf} poll_sleep_ns={sleep}: {r['tok_s']:.1f} tok/s",
+          flush=True)
+    if best is None or r["tok_s"] > best[0]:
+        best = (r["tok_s"], fine, pf, sleep)
+be.close()
+open("/tmp/mk_best.env", "w").write(f"export HIPENGINE_MK_FINE={best[1]} HIPENGINE_MK_PREFETCH={best[2]} "
+                                    f"HIPENGINE_MK_POLL_SLEEP_NS={best[3]}\n")
+print("best:", best)
 PYEOF
     run sweep timeout ${SWEEP_TIMEOUT:-300} $PY /tmp/mk_sweep.py
+    [ -f /tmp/mk_best.env ] && . /tmp/mk_best.env && cat /tmp/mk_best.env
 }
 case "$MODE" in
   quick|first)
@@ -53,10 +55,15 @@ case "$MODE" in
     run bench1k $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --json "$OUT/bench_1k.json"
     ;;
   all)  # one call, everything, each step time-boxed so the call returns inside its limit
+    SWEEP_TIMEOUT=80 sweep
     run tests timeout 170 $PY -m pytest tests/test_monokernel_gpu.py -q -rs --timeout 120
     run bench timeout 150 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
         --context 32768 --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
+    ;;
+  tune)  # sweep, then the bench with the best configuration (no tests)
     SWEEP_TIMEOUT=80 sweep
+    run bench timeout 150 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
+        --context 32768 --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
     ;;
   full)
     run tests $PY -m pytest tests/test_monokernel_gpu.py -q -rs --timeout 400

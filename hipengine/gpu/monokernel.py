@@ -105,7 +105,10 @@ PARAM_FIELDS = [
     ("seed_lo", "he_u32"),
     ("seed_hi", "he_u32"),
     ("prefetch", "he_i32"),         # issue the next stage's first weight loads before each barrier wait
-    ("fine", "he_i32"),             # O-proj waits for the heads-combined counter instead of a grid barrier
+    ("fine", "he_i32"),             # 0: barrier after attention; 1: O-proj waits on the heads-combined
+                                    # counter; 2: barrier, then heads combined in parallel, then the counter
+    ("poll_sleep_ns", "he_u32"),    # back-off between polls of a barrier/counter (0: spin)
+    ("pad_end", "he_i32"),
 ]
 
 STATE_FIELDS = [
@@ -291,6 +294,7 @@ class MonokernelBackend(GpuBackend):
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
         self.prefetch = int(os.environ.get("HIPENGINE_MK_PREFETCH", "1"))
         self.fine = int(os.environ.get("HIPENGINE_MK_FINE", "1"))
+        self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
         self._setup_buffers()
 
     def _check_layout(self) -> None:
@@ -347,7 +351,7 @@ class MonokernelBackend(GpuBackend):
             ring_cap=self.ring_cap, top_k=int(sp.top_k), eps=float(cfg.rms_norm_eps),
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
             rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
-            prefetch=self.prefetch, fine=self.fine)
+            prefetch=self.prefetch, fine=self.fine, poll_sleep_ns=self.poll_sleep_ns)
 
     def _launch(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
                 eos: list[int] = (), seed: int = 0) -> None:
@@ -484,6 +488,7 @@ class MonokernelBackend(GpuBackend):
 
 def grid_info(backend: MonokernelBackend) -> dict:
     return {"grid": backend.grid, "blocks_per_sm": backend.blocks_per_sm, "occupancy": backend.occupancy,
+            "prefetch": backend.prefetch, "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns,
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config)}

@@ -156,8 +156,10 @@ struct MkParams {
   he_u32 seed_hi;
   he_i32 prefetch;
   he_i32 fine;
+  he_u32 poll_sleep_ns;
+  he_i32 pad_end;
 };
-static_assert(sizeof(MkParams) == 304, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 312, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -209,6 +211,8 @@ MK_OFFSET_CHECK(MkParams, seed_lo, 284)
 MK_OFFSET_CHECK(MkParams, seed_hi, 288)
 MK_OFFSET_CHECK(MkParams, prefetch, 292)
 MK_OFFSET_CHECK(MkParams, fine, 296)
+MK_OFFSET_CHECK(MkParams, poll_sleep_ns, 300)
+MK_OFFSET_CHECK(MkParams, pad_end, 304)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -294,6 +298,8 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[73] = (he_u64)((const char*)&vMkParams.seed_hi - (const char*)&vMkParams);
   out[74] = (he_u64)((const char*)&vMkParams.prefetch - (const char*)&vMkParams);
   out[75] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
+  out[76] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
+  out[77] = (he_u64)((const char*)&vMkParams.pad_end - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -364,24 +370,27 @@ HE_INLINE void mk_qkv(const MkParams& p, const MkLayer& L, int pos, float* smem,
                            p.hd, p.d, p.qk_norm ? 0 : 1, smem, scratch);
 }
 
+// Combine the split partials of head h into att (one block) and count it (heads-combined counter:
+// acq_rel RMW at device scope after he_sync_block, so every thread's att writes happen-before it).
+HE_INLINE void mk_combine_head(const MkParams& p, int h, float* smem, float* scratch) {
+  he_attention_combine_head(p.partial + (he_i64)h * p.nsplit * (p.hd + 2), p.nsplit, p.hd, p.att + (he_i64)h * p.hd,
+                            smem, scratch);  // smem: split weights [nsplit]
+  he_sync_block();
+  if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(p.attn_count + p.nkv + 1, 1u);
+}
+
 HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, float* scratch) {
   const int G = MK_ATTN_G, items = p.nkv * p.nsplit;
   for (int it = he_block_idx(); it < items; it += he_grid_dim()) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
     he_attention_split_block<MK_ATTN_G>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
                                         p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem);
-    // Finer than a grid barrier: the last of this KV head's nsplit blocks to arrive combines its G heads
-    // (acq_rel counter at device scope: it sees every split's partial).
-    if (he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit)) {
-      for (int g = 0; g < G; ++g) {
-        const int h = kvh * G + g;
-        he_attention_combine_head(p.partial + (he_i64)h * p.nsplit * (p.hd + 2), p.nsplit, p.hd,
-                                  p.att + (he_i64)h * p.hd, smem, scratch);  // smem: split weights [nsplit]
-      }
-      // Heads-combined counter (monotone over layers and tokens): acq_rel RMW at device scope after the
-      // block's att rows (he_sync_block first: every thread's writes happen-before the release).
-      he_sync_block();
-      if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(p.attn_count + p.nkv + 1, 1u);
+    // fine < 2: finer than a grid barrier, the last of this KV head's nsplit blocks to arrive combines its
+    // G heads (acq_rel counter at device scope: it sees every split's partial). Measured on H200: the G
+    // combines run one after another in that block (~3 µs each at nsplit 32), so fine == 2 combines after a
+    // barrier instead, one head per block in parallel.
+    if (p.fine < 2 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit)) {
+      for (int g = 0; g < G; ++g) mk_combine_head(p, kvh * G + g, smem, scratch);
     }
     he_sync_block();  // shared memory is reused by the next item
   }
@@ -466,7 +475,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   __shared__ float slice_sums[kSampleThreads];
   __shared__ int mk_token;
   const MkParams& p = *P;
-  const HeWaitCtx w{p.bar, p.host + kMkHost_status, p.timeout_ns};
+  const HeWaitCtx w{p.bar, p.host + kMkHost_status, p.timeout_ns, p.poll_sleep_ns};
   const int nb = he_grid_dim();
   const bool lead = he_block_idx() == 0;
   he_u32 epoch = 0, sink = 0, attn_done = 0;
@@ -530,12 +539,16 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       }
       if (!barrier(kNextO, l)) return;
       mk_attention(p, L, pos, he_mk_smem, scratch);
+      if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
+        if (!barrier(kNextO, l)) return;
+        for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine_head(p, h, he_mk_smem, scratch);
+      }
       if (p.fine) {
         // O-proj needs every head of att and nothing else of this stage, so wait for the heads-combined
         // counter (nkv more per layer) instead of a grid barrier: no 132-way arrival, and blocks with no
         // attention work start the O-proj as soon as the last combine lands. Safe without a barrier: the
         // stages until the next grid barrier (O-proj: reads att, writes x) touch nothing attention uses.
-        attn_done += (he_u32)p.nkv;
+        attn_done += (he_u32)p.nh;  // one count per combined head
         mk_prefetch(p, kNextO, l, sink);
         if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       } else if (!barrier(kNextO, l)) {
