@@ -126,7 +126,14 @@ class Engine:
                 from .gpu.executor import GpuBackend
             except ImportError as e:
                 raise DeviceError(f"the GPU backend is not available ({e}); use --device cpu") from None
-            backend = GpuBackend(loaded, max_context=max_context, tp=tp, monokernel=monokernel, allreduce=allreduce)
+            if tp > 1:  # one process drives GPUs 0..tp-1 (ShardPlan refuses unsplittable shapes first)
+                from .gpu.tp_executor import TpGpuBackend
+
+                backend = TpGpuBackend(loaded, max_context=max_context, tp=tp, monokernel=monokernel,
+                                       allreduce=allreduce)
+            else:
+                backend = GpuBackend(loaded, max_context=max_context, tp=tp, monokernel=monokernel,
+                                     allreduce=allreduce)
         name = shape or (cfg.name or (Path(loaded.path).stem if loaded.path else "model"))
         return cls(cfg, tok, backend, name, device)
 

@@ -1,0 +1,319 @@
+"""TpGpuBackend: tensor-parallel decode on the per-op GPU path, one process driving GPUs 0..tp-1.
+
+Each rank is a ``GpuBackend`` built from the ``ShardPlan`` slices of the model (its query/KV heads, its FFN
+columns, its vocabulary range of the LM head; embedding and norms replicated), so every launch is the
+single-GPU executor's own code. What tensor parallelism adds lives at the two partial-sum points of each
+layer, where ``GpuBackend._decode_steps`` / ``_prefill_steps`` yield:
+
+* rank 0 writes its O-proj / down output in place on the residual stream (x + W₀·a, exactly as at tp=1);
+  every other rank writes its bare partial sum W_r·a into a scratch buffer ``y``;
+* the driver then all-reduces {x₀, y₁, .., y_{tp-1}} into every rank's x. The residual rides along in
+  rank 0's term, so no separate add is needed, and because the all-reduce sums in a fixed rank order every
+  rank ends up with a bitwise-identical x (the next layer's inputs agree across GPUs, as they must).
+
+The all-reduce is the custom one over peer-mapped memory (``allreduce="custom"``; device-side epochs, so it
+can live inside captured graphs) or NCCL/RCCL (``allreduce="nccl"``). Decode is one captured graph per rank
+(``capture_graphs``: every rank's stream captured at once while one thread issues the layers in lockstep);
+prefill runs eagerly per rank in 8-token chunks with the same lockstep.
+
+LM head: vocab-parallel. Greedy decoding (no repetition penalty) picks on the device per rank (the sampling
+kernel at temperature 0 over the rank's slice) and exchanges only (logit, global index) pairs, merged on
+the host with ties to the lower index (``merge_argmax``) — the same token np.argmax picks over the full
+vocabulary. Temperature / top-k / top-p / min-p / repetition-penalty sampling gathers the full logits to the
+host (correctness first: tp x vocab/tp floats per token) and applies the device sampler's exact rule
+(``host_sample``: same thresholds, same Philox draw keyed by (seed, position)), so a seeded request samples
+what the tp=1 device sampler would from the same logits.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..backend import Backend, SamplingParams
+from ..comm.shard import ShardPlan, merge_argmax
+from ..errors import DeviceError, RequestError
+from . import ops as O
+from .executor import GpuBackend
+
+# Host-side check of the custom all-reduce's status words (a timed-out kernel reports instead of hanging):
+# every this many decode steps and at the end of every request. Each check is one small read per rank.
+STATUS_CHECK_EVERY = 64
+
+
+class _RankWeights(Mapping):
+    """Rank r's canonical weights as lazy views (ShardPlan.slice_of), read one tensor at a time so a lazy
+    preset mapping is generated, sliced, uploaded and dropped in turn. The LM head is always a separate
+    slice (for a tied model a slice of ``embed``): the rank's embedding stays full-vocabulary."""
+
+    def __init__(self, plan: ShardPlan, weights: Mapping, rank: int):
+        self.plan, self.weights, self.rank = plan, weights, rank
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name == "lm_head" and self.plan.config.tie_word_embeddings:
+            return self.weights["embed"][self.plan.slice_of("lm_head", self.rank)]
+        return self.weights[name][self.plan.slice_of(name, self.rank)]
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+@dataclass
+class _RankModel:
+    """What GpuBackend reads of a LoadedModel: the rank's config and weights."""
+
+    config: object
+    weights: Mapping
+
+
+class TpRank(GpuBackend):
+    """One rank: the single-GPU executor on its shard, writing partial sums where tp=1 adds in place."""
+
+    def __init__(self, model: _RankModel, rank: int, max_context: int, device: int):
+        self.rank = rank
+        super().__init__(model, max_context=max_context, tp=1, device=device)
+
+    def _alloc_state(self) -> None:
+        super()._alloc_state()
+        # rank > 0: the partial-sum buffer [MAX_M, hidden] that the all-reduce adds into x
+        self.y = self._buf(O.MAX_M * self.config.hidden_size * 4) if self.rank else None
+
+    def _proj_out(self):
+        return (self.x, self.x) if self.rank == 0 else (self.y, None)
+
+
+def _rank_config(plan: ShardPlan, rank: int):
+    # The head is uploaded as its own slice, so the rank config is untied (GpuBackend would otherwise point
+    # the head at the full embedding table).
+    return plan.rank_config(rank).replace(tie_word_embeddings=False)
+
+
+class TpGpuBackend(Backend):
+    def __init__(self, loaded, max_context: int | None = None, tp: int = 2, monokernel: bool = True,
+                 allreduce: str = "custom", devices: list[int] | None = None):
+        if allreduce not in ("custom", "nccl"):
+            raise RequestError(f"allreduce must be custom or nccl, got {allreduce!r}")
+        cfg = self.config = loaded.config
+        # Unsplittable shapes fail here, in one line, before any GPU is touched.
+        self.plan = ShardPlan(cfg, tp)
+        self.tp, self.allreduce = tp, allreduce
+        # monokernel=True is accepted and ignored: the TP path is the per-op executor (+ graphs) so far.
+        self.monokernel = monokernel
+        self.devices = list(range(tp)) if devices is None else list(devices)
+        if len(self.devices) != tp:
+            raise RequestError(f"tp={tp} needs {tp} devices, got {self.devices}")
+        self.max_context = int(max_context or min(cfg.max_position_embeddings, 4096))
+        self.ranks: list[TpRank] = []
+        self.comm = None
+        self._graphs = None
+        try:
+            for r, dev in enumerate(self.devices):
+                model = _RankModel(_rank_config(self.plan, r), _RankWeights(self.plan, loaded.weights, r))
+                try:
+                    self.ranks.append(TpRank(model, r, self.max_context, dev))
+                except DeviceError as e:
+                    raise DeviceError(f"tp={tp}, rank {r} (GPU {dev}): {e}") from None
+            self.streams = [rk.stream for rk in self.ranks]
+            self.rts = [rk.rt for rk in self.ranks]
+            nbytes = O.MAX_M * cfg.hidden_size * 4  # the largest all-reduce: one prefill chunk of x (fp32)
+            if allreduce == "custom":
+                from ..comm.allreduce import CustomAllReduce
+
+                self.comm = CustomAllReduce(self.devices, max_bytes=nbytes, streams=self.streams,
+                                            device_epochs=True)
+            else:
+                from ..comm import nccl
+
+                self.comm = nccl.NcclComm(self.devices)
+        except BaseException:
+            self.close()
+            raise
+        self.vocab_offsets = [s.vocab[0] for s in self.plan.ranks]
+
+    # ---- positions (every rank advances in step) ---------------------------------------------------------
+    @property
+    def pos(self) -> int:
+        return self.ranks[0].pos
+
+    @pos.setter
+    def pos(self, value: int) -> None:
+        for rk in self.ranks:
+            rk.pos = value
+
+    # ---- the lockstep driver ----------------------------------------------------------------------------
+    def _lockstep(self, gens: list) -> None:
+        """Advance every rank's step generator to its next partial-sum point, all-reduce, repeat."""
+        while True:
+            rows = [next(g, None) for g in gens]
+            if rows[0] is None:
+                if any(r is not None for r in rows):
+                    raise DeviceError("tensor-parallel ranks disagree on their launch sequence")
+                return
+            if len(set(rows)) != 1:
+                raise DeviceError(f"tensor-parallel ranks reached a partial-sum point with rows {rows}")
+            self._allreduce(rows[0])
+
+    def _allreduce(self, rows: int) -> None:
+        """x_r <- x_0 + y_1 + ... + y_{tp-1} on every rank (rank 0's x already holds residual + its part)."""
+        n = rows * self.config.hidden_size
+        ins = [rk.x if rk.rank == 0 else rk.y for rk in self.ranks]
+        outs = [rk.x for rk in self.ranks]
+        if self.allreduce == "custom":
+            self.comm.allreduce(ins, outs, n * 4, "float32")
+        else:
+            self.comm.allreduce(ins, outs, n, "float32", streams=self.streams)
+
+    def _issue_decode(self) -> None:
+        self._lockstep([rk._decode_steps(rk.stream) for rk in self.ranks])
+
+    def _decode_graphs(self):
+        if self._graphs is None and os.environ.get("HIPENGINE_NO_GRAPH") != "1":
+            from ..comm.allreduce import capture_graphs
+
+            self._issue_decode()  # compile + warm every kernel outside the capture (same step twice: idempotent)
+            self._sync()
+            self._graphs = capture_graphs(self.rts, self.streams, self._issue_decode)
+        return self._graphs
+
+    def _run_decode(self) -> None:
+        graphs = self._decode_graphs()
+        if graphs is None:
+            self._issue_decode()
+        else:
+            for g, s in zip(graphs, self.streams):
+                g.launch(s)
+
+    def _sync(self) -> None:
+        for s in self.streams:
+            s.synchronize()
+
+    def check(self) -> None:
+        """Raise DeviceError if a custom all-reduce timed out on any rank (NCCL reports through its calls)."""
+        if self.allreduce == "custom" and self.comm is not None:
+            self.comm.check()
+        else:
+            self._sync()
+
+    # ---- what GpuBackend.prefill calls (it is reused as is, below) --------------------------------------
+    def _prefill_chunk(self, ids: np.ndarray, logits: bool) -> None:
+        self._lockstep([rk._prefill_steps(ids, logits) for rk in self.ranks])
+
+    def _read_logits(self, rows: int) -> np.ndarray:
+        """[rows, vocab] float32: every rank's vocabulary slice, side by side."""
+        self.check()
+        return np.concatenate([rk.rt.download(rk.logits, (rows, rk.config.vocab_size), np.float32)
+                               for rk in self.ranks], axis=1)
+
+    prefill = GpuBackend.prefill  # chunks, positions and logits rows exactly as at tp=1
+
+    # ---- Backend API ------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.pos = 0
+
+    def decode(self, token_id: int) -> np.ndarray:
+        if self.pos >= self.max_context:
+            raise RequestError(f"context of {self.max_context} tokens is full")
+        self._set_token(int(token_id))
+        self._run_decode()
+        self.pos += 1
+        return self._read_logits(1)[0]
+
+    def _set_token(self, token: int) -> None:
+        """The next step's token (global id: the embedding is replicated) and position, on every rank."""
+        for rk in self.ranks:
+            rk._set_int(rk.tokens, token)
+            rk._set_int(rk.pos_buf, rk.pos)
+
+    def _device_argmax(self) -> int:
+        """Greedy pick of the last decode step: per rank the sampling kernel's argmax over its slice (first
+        index on ties), then (logit, global index) pairs merged with ties to the lower index."""
+        for rk in self.ranks:
+            rk.ops.sample(rk.logits, rk.config.vocab_size, rk.history, rk.hist_len, rk.pos_buf, rk.tokens, rk.z,
+                          temperature=0.0, stream=rk.stream)
+        cands = []
+        idx, val = np.zeros(1, np.int32), np.zeros(1, np.float32)
+        for rk, off in zip(self.ranks, self.vocab_offsets):
+            rk.stream.synchronize()
+            rk.rt.copy_dtoh(idx, rk.tokens, stream=rk.stream)
+            rk.rt.copy_dtoh(val, rk.logits.ptr + 4 * int(idx[0]), stream=rk.stream)
+            cands.append((float(val[0]), off + int(idx[0])))
+        return merge_argmax(cands)
+
+    def generate_ids(self, prompt_ids, params: SamplingParams,
+                     should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
+        prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise RequestError("empty prompt")
+        if prompt.size > self.max_context:
+            raise RequestError(f"prompt is {prompt.size} tokens, longer than the context of {self.max_context} tokens")
+        eos = set() if params.ignore_eos else {int(e) for e in self.config.eos_token_ids}
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        device_greedy = params.temperature <= 0 and params.repetition_penalty == 1.0
+        if should_stop():
+            return
+        self.reset()
+        logits = self.prefill(prompt)  # the last prompt position's full logits (host)
+        history = prompt.tolist()
+        if device_greedy:
+            for rk in self.ranks:
+                rk._set_int(rk.hist_len, 0)  # no penalty: the rank's sampler ignores its history buffer
+        for n in range(params.max_tokens):
+            if logits is None:
+                tok = self._device_argmax()
+            else:
+                tok = host_sample(logits, history, params, seed, self.pos)
+            yield tok
+            if tok in eos or n + 1 >= params.max_tokens or self.pos >= self.max_context or should_stop():
+                break
+            history.append(tok)
+            self._set_token(tok)
+            self._run_decode()
+            self.pos += 1
+            if (n + 1) % STATUS_CHECK_EVERY == 0:
+                self.check()
+            logits = None if device_greedy else self._read_logits(1)[0]
+        self.check()
+
+    def close(self) -> None:
+        for g in self._graphs or []:
+            try:
+                g.destroy()
+            except Exception:
+                pass
+        self._graphs = None
+        if self.comm is not None:
+            try:
+                self.comm.close()
+            except Exception:
+                pass
+            self.comm = None
+        for rk in self.ranks:
+            rk.close()
+        self.ranks = []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def host_sample(logits: np.ndarray, history: list[int], params: SamplingParams, seed: int, step: int) -> int:
+    """The device sampler's rule (sampling.hip, oracle ``ops.ref_sample_keep``) on host logits: penalty,
+    temperature, top-k/top-p/min-p kept set, then the first kept index (in index order) whose running kept
+    mass exceeds u·(kept mass), u = Philox(seed, step). Greedy: argmax, first index on ties."""
+    z, keep, arg = O.ref_sample_keep(logits, history, params.temperature, params.top_k, params.top_p,
+                                     params.min_p, params.repetition_penalty)
+    if params.temperature <= 0:
+        return int(arg)
+    e = np.where(keep, np.exp(z - z.max()), 0.0)
+    cum = np.cumsum(e)
+    u = O.sample_uniform(int(seed) & 0xFFFFFFFFFFFFFFFF, int(step))
+    return int(min(np.searchsorted(cum, u * cum[-1], side="right"), np.flatnonzero(keep)[-1]))
+

@@ -1,0 +1,499 @@
+"""Tensor-parallel decode (TpGpuBackend) against tp=1.
+
+On the CPU: an emulated multi-GPU node. Every kernel launch runs through the numpy oracles of
+test_gpu_engine.EmulatedRuntime, but here each GPU has its own address range (a rank touching another
+rank's buffer fails as a wild pointer), streams are real queues (work runs only when the host synchronises,
+reads back, or a collective needs it, in the laziest order that is still valid), graphs are captured per
+stream and replayed, and the collectives are matched as on the device: the custom all-reduce by its
+peer-table group and epoch (read from the device-side counters of the ``_graph`` kernels), NCCL by each
+rank's k-th call on the communicator. A rank waiting on a collective no peer joins is a deadlock error.
+
+On 2+ GPUs (multigpu): TP=2 greedy output equals TP=1 for 256 tokens on a random llama-3.2-1b preset, and
+the TP=2 decode rate is printed.
+"""
+import ctypes
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+
+from hipengine.backend import SamplingParams
+from hipengine.errors import DeviceError, UnsupportedError
+from hipengine.gpu.runtime import DeviceBuffer
+from test_gpu_engine import EmulatedRuntime, _Mod  # the per-kernel numpy oracles (reused, not copied)
+
+# ==== the emulated node ========================================================================================
+
+
+class _Op:
+    """One queued unit of device work; run() returns False while it must wait (a collective)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def fresh(self):
+        return _Op(self.fn)
+
+    def run(self, dev) -> bool:
+        self.fn(dev)
+        return True
+
+
+class _Collective:
+    """One rank's part of an all-reduce: arrives once (registers its buffers), done once every rank has."""
+
+    def __init__(self, node, match, ins, out, nbytes, dtype):
+        self.node, self.match = node, match  # match(dev) -> (key, rank, world), evaluated at arrival
+        self.ins, self.out, self.nbytes, self.dtype = ins, out, nbytes, dtype
+        self.key = self.dev = None
+
+    def fresh(self):
+        return _Collective(self.node, self.match, self.ins, self.out, self.nbytes, self.dtype)
+
+    def run(self, dev) -> bool:
+        if self.key is None:
+            self.dev = dev
+            self.node.arrive(*self.match(dev), self)
+        return self.key in self.node.done
+
+
+class _Stream:
+    def __init__(self, dev):
+        self.dev, self.queue, self.capturing = dev, deque(), None
+
+    def put(self, op):
+        if self.capturing is not None:
+            self.capturing.append(op)
+        else:
+            self.queue.append(op)
+
+    def synchronize(self):
+        self.dev.node.drain(self)
+
+
+class _Graph:
+    def __init__(self, ops):
+        self.ops = ops
+
+    def launch(self, stream):
+        for op in self.ops:
+            stream.put(op.fresh())  # per-replay state (a collective's arrival) starts fresh
+
+    def destroy(self):
+        pass
+
+
+class EmulatedDevice(EmulatedRuntime):
+    def __init__(self, node, index, nbytes=128 << 20):
+        super().__init__(nbytes)
+        self.node, self.device_index = node, index
+        self.base = (index + 2) << 40  # disjoint address ranges: no rank can alias another's memory
+        self.streams = []
+        self.peers = set()
+
+    # memory, in this device's own range
+    def malloc(self, n):
+        b = super().malloc(n)
+        return DeviceBuffer(b.ptr - (1 << 32) + self.base, b.nbytes, self)
+
+    malloc_fine_grained = malloc
+
+    def view(self, ptr, dtype, count):
+        off = int(ptr) - self.base
+        n = count * np.dtype(dtype).itemsize
+        assert 0 <= off and off + n <= self.mem.size, f"GPU {self.device_index}: wild pointer {int(ptr):#x}"
+        return self.mem[off:off + n].view(dtype)
+
+    # streams, copies ordered on them
+    def stream(self):
+        s = _Stream(self)
+        self.streams.append(s)
+        return s
+
+    def synchronize(self):
+        for s in self.streams:
+            self.node.drain(s)
+
+    def copy_htod(self, dst, src, stream=None):
+        data = np.ascontiguousarray(src).copy()  # pageable source: staged at the call
+        if stream is None:
+            EmulatedRuntime.copy_htod(self, dst, data)  # legacy stream: not ordered with ours (as on the GPU)
+        else:
+            stream.put(_Op(lambda d, a=self._addr(dst): EmulatedRuntime.copy_htod(d, a, data)))
+
+    def copy_dtoh(self, dst, src, stream=None):
+        if stream is None:
+            self.synchronize()  # the CUDA backend synchronises the context first
+        else:
+            self.node.drain(stream)  # to pageable memory: returns when the copy is done
+        EmulatedRuntime.copy_dtoh(self, dst, src)
+
+    def copy_dtod(self, dst, src, nbytes, stream=None):
+        op = _Op(lambda d, a=self._addr(dst), b=self._addr(src): EmulatedRuntime.copy_dtod(d, a, b, nbytes))
+        stream.put(op) if stream is not None else op.run(self)
+
+    def memset(self, dst, byte, nbytes, stream=None):
+        op = _Op(lambda d, a=self._addr(dst): d.view(a, np.uint8, nbytes).fill(byte & 0xFF))
+        stream.put(op) if stream is not None else op.run(self)
+
+    # capture / launch
+    def begin_capture(self, stream):
+        assert stream is not None and stream.capturing is None
+        stream.capturing = []
+
+    def end_capture(self, stream):
+        g, stream.capturing = _Graph(stream.capturing), None
+        return g
+
+    def launch(self, fn, grid, block, args, shared=0, stream=None, cooperative=False):
+        vals = [a.value if isinstance(a, ctypes._SimpleCData) else a for a in args]
+        vals = [0 if v is None else (v.ptr if isinstance(v, DeviceBuffer) else v) for v in vals]
+        grid = (grid, 1) if isinstance(grid, int) else tuple(grid)
+        if fn.name.startswith("allreduce_"):
+            op = self._allreduce_op(fn.name, grid, vals)
+        else:
+            op = _Op(lambda d, n=fn.name: d._execute(n, grid, vals))
+        assert stream is not None, "executor launches must name a stream"
+        stream.put(op)
+
+    def compile(self, source, **kw):
+        return _Mod()
+
+    def can_access_peer(self, other):
+        return True
+
+    def enable_peer_access(self, other):
+        self.peers.add(other.device_index)
+
+    # the custom all-reduce kernels: matched across ranks by (peer-table group, algorithm, epoch)
+    def _allreduce_op(self, name, grid, v):
+        from hipengine.comm.allreduce import ArPeerTable
+
+        parts = name.split("_")  # allreduce_<algo>_<dtype>[_graph]
+        algo, dtype, graph = parts[1], parts[2], name.endswith("_graph")
+        assert not name.endswith("_repeat") and "residual" not in name, name
+        src, dst, nbytes, table = v[0], v[1], v[2], v[3]
+
+        def match(d):
+            t = ArPeerTable.from_buffer_copy(d.view(table, np.uint8, ctypes.sizeof(ArPeerTable)).tobytes())
+            assert t.world >= 1 and all(t.base[i] for i in range(t.world))
+            if t.world > 1:  # peers' buffers are written through peer mappings
+                assert set(range(t.world)) - {t.rank} <= d.peers, "peer access not enabled"
+            if graph:  # device epochs: one counter per virtual block, advanced by every launch
+                ctr = d.view(v[4], np.uint32, grid[0])
+                assert (ctr == ctr[0]).all()
+                ctr[:] += 1
+                epoch = int(ctr[0])
+            else:
+                epoch = int(v[4])
+            return ("custom", tuple(t.base[i] for i in range(t.world)), algo, epoch), t.rank, t.world
+
+        return _Collective(self.node, match, src, dst, nbytes, dtype)
+
+
+class EmulatedNode:
+    def __init__(self, n):
+        self.devices = [EmulatedDevice(self, i) for i in range(n)]
+        self.arrived = {}  # key -> {rank: collective}
+        self.done = set()
+        self.collectives = 0
+
+    def runtime(self, index=0):
+        if index >= len(self.devices):
+            raise DeviceError(f"GPU {index} requested but only {len(self.devices)} found")
+        return self.devices[index]
+
+    def arrive(self, key, rank, world, c):
+        c.key = key
+        got = self.arrived.setdefault(key, {})
+        assert rank not in got, f"rank {rank} joined collective {key} twice"
+        got[rank] = c
+        if len(got) == world:
+            sizes = {x.nbytes for x in got.values()}
+            assert len(sizes) == 1, f"ranks disagree on the all-reduce size: {sizes}"
+            dt = {"f32": np.float32, "float32": np.float32}[c.dtype]
+            n = c.nbytes // np.dtype(dt).itemsize
+            devs = {r: x.dev for r, x in got.items()}
+            acc = None
+            for r in range(world):  # fixed rank order, fp32: every rank gets the same bits
+                x = devs[r].view(got[r].ins, dt, n).copy()
+                acc = x if acc is None else (acc + x).astype(dt)
+            for r in range(world):
+                devs[r].view(got[r].out, dt, n)[:] = acc
+            self.done.add(key)
+            self.collectives += 1
+
+    def drain(self, target):
+        """Run queued work until ``target``'s queue is empty; other streams run only while target waits."""
+        while target.queue:
+            if self._step(target):
+                continue
+            if not any(self._step(s) for d in self.devices for s in d.streams if s is not target):
+                waiting = [(d.device_index, getattr(s.queue[0], "key", None)) for d in self.devices for s in d.streams if s.queue]
+                raise DeviceError(f"emulated all-reduce deadlock: streams waiting {waiting}")
+
+    def _step(self, s) -> bool:
+        if not s.queue:
+            return False
+        if s.queue[0].run(s.dev):
+            s.queue.popleft()
+            return True
+        return False
+
+
+class EmulatedNccl:
+    """NcclComm over the emulated node: each rank's k-th all-reduce matches every other rank's k-th."""
+
+    def __init__(self, node, devices):
+        self.node, self.devices, self.world = node, list(devices), len(devices)
+        self.calls = [0] * self.world
+
+    def allreduce(self, sends, recvs, count, dtype="float32", op="sum", streams=None):
+        assert op == "sum" and streams is not None
+        for r in range(self.world):
+            def match(d, r=r):
+                self.calls[r] += 1
+                return ("nccl", id(self), self.calls[r]), r, self.world
+
+            c = _Collective(self.node, match, _addr(sends[r]), _addr(recvs[r]), count * 4, dtype)
+            streams[r].put(c)
+
+    def close(self):
+        pass
+
+
+def _addr(x):
+    return x.ptr if hasattr(x, "ptr") else int(x)
+
+
+@pytest.fixture
+def node(monkeypatch):
+    import hipengine.comm.nccl as nccl_mod
+    import hipengine.gpu.executor as E
+    import hipengine.gpu.runtime as R
+
+    holder = {}
+
+    def make(n):
+        nd = EmulatedNode(n)
+        holder["node"] = nd
+        monkeypatch.setattr(E, "get_runtime", nd.runtime)
+        monkeypatch.setattr(R, "get_runtime", nd.runtime)
+        monkeypatch.setattr(R, "device_count", lambda: n)
+        monkeypatch.setattr(nccl_mod, "NcclComm", lambda devices: EmulatedNccl(nd, devices))
+        return nd
+
+    return make
+
+
+# ==== CPU tests through the emulated node ======================================================================
+_MODELS: dict = {}
+
+
+def _tiny(kind, tmp_path_factory):
+    if kind not in _MODELS:
+        from hipengine.loader import load_model
+        from tiny_models import save_tiny_model
+
+        path, _ = save_tiny_model(kind, tmp_path_factory.mktemp(f"tp_{kind}"), seed=7, max_position_embeddings=256)
+        _MODELS[kind] = load_model(path, progress=False)
+    return _MODELS[kind]
+
+
+def _backend(node, model, tp, allreduce="custom"):
+    from hipengine.gpu.executor import GpuBackend
+    from hipengine.gpu.tp_executor import TpGpuBackend
+
+    node(tp)
+    if tp == 1:
+        return GpuBackend(model, max_context=64)
+    return TpGpuBackend(model, max_context=64, tp=tp, allreduce=allreduce)
+
+
+def _run_all(be, ids):
+    """Teacher-forced logits over ids: prefill of the first 11 (8 + 3 rows), then decode one by one."""
+    be.reset()
+    out = [be.prefill(ids[:11], all_logits=True)] + [be.decode(int(t))[None] for t in ids[11:]]
+    return np.concatenate(out)
+
+
+def _rel(a, b):
+    return float(np.max(np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)))
+
+
+# llama: GQA (4 heads / 2 KV, head_dim 24): tp=2 splits KV heads, tp=4 replicates each KV head on 2 ranks.
+# qwen2: q/k/v bias, tied embeddings (the head is a vocab slice of embed, the embedding stays full).
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tp_logits_and_greedy_equal_tp1(node, kind, tmp_path_factory):
+    model = _tiny(kind, tmp_path_factory)
+    ids = np.random.default_rng(4).integers(3, model.config.vocab_size, 24)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ref = _backend(node, model, 1)
+    want = _run_all(ref, ids)
+    want_ids = list(ref.generate_ids(ids[:9], params, lambda: False))
+    for tp in (2, 4):
+        be = _backend(node, model, tp)
+        nd = node.__self__ if hasattr(node, "__self__") else None  # noqa: F841
+        got = _run_all(be, ids)
+        # fp32 partial sums added in a different order than one fp64-accumulated dot product, and bf16 K/V
+        # rounding downstream of that: agreement far inside the bf16 error bound
+        assert got.shape == want.shape
+        assert _rel(got, want) < 1e-4, f"tp={tp} logits rel err {_rel(got, want):.3g}"
+        assert (np.argmax(got, -1) == np.argmax(want, -1)).all()
+        assert list(be.generate_ids(ids[:9], params, lambda: False)) == want_ids, f"tp={tp} greedy ids"
+        be.close()
+
+
+@pytest.mark.parametrize("allreduce", ["custom", "nccl"])
+def test_tp_graph_replay_and_collective_count(node, allreduce, tmp_path_factory, monkeypatch):
+    """Decode through the captured per-rank graphs (custom: device epochs advance on every replay) and
+    eagerly (HIPENGINE_NO_GRAPH=1): same logits; 2 all-reduces per layer per step."""
+    model = _tiny("llama", tmp_path_factory)
+    ids = np.random.default_rng(5).integers(3, model.config.vocab_size, 20)
+    be = _backend(node, model, 2, allreduce)
+    nd = be.ranks[0].rt.node
+    graphed = _run_all(be, ids)
+    assert be._graphs is not None
+    before = nd.collectives
+    be.decode(int(ids[0]))
+    assert nd.collectives - before == 2 * model.config.num_layers
+    be.close()
+    monkeypatch.setenv("HIPENGINE_NO_GRAPH", "1")
+    be = _backend(node, model, 2, allreduce)
+    eager = _run_all(be, ids)
+    assert be._graphs is None
+    np.testing.assert_array_equal(graphed, eager)
+    be.close()
+
+
+def test_tp_sampling_matches_tp1_device_sampler(node, tmp_path_factory):
+    """temperature > 0 (host sampler over gathered logits) picks what the tp=1 device sampler picks, seeded;
+    a repetition penalty at temperature 0 takes the same host path."""
+    model = _tiny("qwen2", tmp_path_factory)
+    prompt = np.random.default_rng(6).integers(3, model.config.vocab_size, 9)
+    cases = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, top_p=0.95, seed=3, ignore_eos=True),
+             SamplingParams(max_tokens=10, temperature=0.7, min_p=0.05, repetition_penalty=1.3, seed=11,
+                            ignore_eos=True),
+             SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.5, ignore_eos=True)]
+    ref = _backend(node, model, 1)
+    want = [list(ref.generate_ids(prompt, p, lambda: False)) for p in cases]
+    be = _backend(node, model, 2)
+    got = [list(be.generate_ids(prompt, p, lambda: False)) for p in cases]
+    assert got == want
+    be.close()
+
+
+def test_tp_stops_on_eos_and_cancel(node, tmp_path_factory):
+    model = _tiny("llama", tmp_path_factory)
+    prompt = np.random.default_rng(8).integers(3, model.config.vocab_size, 5)
+    be = _backend(node, model, 2)
+    free = list(be.generate_ids(prompt, SamplingParams(max_tokens=12, ignore_eos=True), lambda: False))
+    eos = free[4]
+    be.config = model.config.replace(eos_token_ids=(eos,))
+    first = free.index(eos)
+    assert list(be.generate_ids(prompt, SamplingParams(max_tokens=12), lambda: False)) == free[:first + 1]
+    calls = []
+    got = list(be.generate_ids(prompt, SamplingParams(max_tokens=12, ignore_eos=True),
+                               lambda: calls.append(1) or len(calls) > 3))
+    assert got == free[:len(got)] and len(got) < 12
+    be.close()
+
+
+def test_unsplittable_shape_refused_before_gpu_work(monkeypatch, tmp_path_factory):
+    import hipengine.gpu.executor as E
+    import hipengine.gpu.runtime as R
+    from hipengine.gpu.tp_executor import TpGpuBackend
+
+    def no_gpu(index=0):
+        raise AssertionError("touched a GPU before refusing the shape")
+
+    monkeypatch.setattr(E, "get_runtime", no_gpu)
+    monkeypatch.setattr(R, "get_runtime", no_gpu)
+    smol = _tiny("smollm", tmp_path_factory)  # 6 heads / 2 KV heads: tp=4 does not divide
+    with pytest.raises(UnsupportedError, match=r"tp=4 cannot split 6 attention heads") as e:
+        TpGpuBackend(smol, tp=4)
+    assert "\n" not in str(e.value)
+    # the default model's shape (9 heads / 3 KV heads) at tp=2
+    cfg = smol.config.replace(num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576, name="SmolLM2-135M")
+    with pytest.raises(UnsupportedError, match=r"SmolLM2-135M: tp=2 cannot split 9 attention heads"):
+        TpGpuBackend(type("M", (), {"config": cfg, "weights": {}})(), tp=2)
+
+
+def test_tp_collective_mismatch_is_an_error_not_a_hang(node):
+    """The emulator is strict: an all-reduce only one rank joins cannot complete (the device kernel would
+    time out and report through CustomAllReduce.check)."""
+    from hipengine.comm.allreduce import CustomAllReduce
+
+    nd = node(2)
+    c = CustomAllReduce([0, 1], max_bytes=4096, device_epochs=True)
+    x = [rt.malloc(64) for rt in c.rts]
+    c.allreduce(x, x, 64, "float32")
+    c.streams[0].synchronize()  # both ranks joined
+    fn = c.rts[0].compile("comm/allreduce.hip").function("allreduce_ll_f32_graph")
+    c.rts[0].launch(fn, 1, 256, [ctypes.c_void_p(x[0].ptr), ctypes.c_void_p(x[0].ptr), ctypes.c_uint64(64),
+                                 ctypes.c_void_p(c.tables[0].ptr),
+                                 ctypes.c_void_p(c.ctrs[0].ptr + 2 * c.layout.nblocks * 4)],  # the LL row
+                    stream=c.streams[0])
+    with pytest.raises(DeviceError, match="deadlock"):
+        c.streams[0].synchronize()
+    assert nd.collectives == 1
+
+
+def test_engine_load_gpu_tp2_builds_tp_backend(node, tmp_path_factory):
+    from hipengine.engine import Engine
+    from hipengine.gpu.tp_executor import TpGpuBackend
+
+    model = _tiny("llama", tmp_path_factory)
+    node(2)
+    eng = Engine.load(model.path, device="gpu", tp=2, max_context=64, progress=False)
+    try:
+        assert isinstance(eng.backend, TpGpuBackend) and eng.backend.tp == 2
+        ids = [5, 17, 99, 42, 7]
+        cpu = Engine.load(model.path, device="cpu", max_context=64, progress=False)
+        assert eng.generate(ids, max_tokens=8, ignore_eos=True) == cpu.generate(ids, max_tokens=8, ignore_eos=True)
+    finally:
+        eng.backend.close()
+
+
+# ==== on 2+ GPUs ==============================================================================================
+@pytest.mark.multigpu
+def test_tp2_greedy_equals_tp1_llama_1b_preset():
+    """256 greedy tokens of a random llama-3.2-1b preset: TP=2 (custom all-reduce, captured graphs) equals
+    TP=1. bf16 weights are sliced, not re-rounded, so both see the same bits; the only difference is fp32
+    summation order at the two reductions per layer (~1e-6 relative). A divergence is accepted only at a
+    position where TP=1's top-1/top-2 logit gap is below that bound, and is reported with its gap."""
+    from hipengine.gpu.executor import GpuBackend
+    from hipengine.gpu.tp_executor import TpGpuBackend
+    from hipengine.presets import preset_model
+
+    model = preset_model("llama-3.2-1b", 0)
+    prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, 16)
+    params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    one = GpuBackend(model, max_context=512)
+    try:
+        want = list(one.generate_ids(prompt, params, lambda: False))
+        # TP=1 logits along its own greedy path (teacher forced) to measure the gap at any divergence
+        one.reset()
+        ref = [one.prefill(prompt)] + [one.decode(t) for t in want[:-1]]
+    finally:
+        one.close()
+    for allreduce in ("custom", "nccl"):
+        be = TpGpuBackend(model, max_context=512, tp=2, allreduce=allreduce)
+        try:
+            list(be.generate_ids(prompt, SamplingParams(max_tokens=8, ignore_eos=True), lambda: False))  # warm
+            t0 = time.perf_counter()
+            stamps, got = [], []
+            for t in be.generate_ids(prompt, params, lambda: False):
+                stamps.append(time.perf_counter())
+                got.append(t)
+            rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+            print(f"\nTP=2 ({allreduce}) decode {rate:.1f} tok/s, TTFT {(stamps[0] - t0) * 1e3:.1f} ms")
+        finally:
+            be.close()
+        if got != want:
+            i = next(k for k in range(len(want)) if got[k] != want[k])
+            top = np.sort(ref[i])[-2:]
+            gap = float(top[1] - top[0])
+            print(f"TP=2 ({allreduce}) diverges at token {i}: TP=1 top-1/top-2 gap {gap:.3g}")
+            assert gap < 1e-3 * float(np.abs(ref[i]).max()), f"divergence at token {i} with a clear gap {gap:.3g}"
