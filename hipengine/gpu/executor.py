@@ -26,6 +26,17 @@ from .runtime import get_runtime
 
 
 class GpuBackend(Backend):
+    def __new__(cls, *args, **kwargs):  # monokernel=True (default) on a GPU with cooperative launch: decode
+        # and generate_ids run in the monokernel (hipengine/gpu/monokernel.py, a subclass); prefill stays per-op
+        if cls is GpuBackend and kwargs.get("monokernel", args[3] if len(args) > 3 else True):
+            try:
+                coop = getattr(get_runtime(kwargs.get("device", 0)), "cooperative_launch", False)
+            except Exception:  # no GPU etc.: __init__ raises the real error
+                coop = False
+            if coop:
+                from .monokernel import MonokernelBackend as cls
+        return super().__new__(cls)
+
     def __init__(self, loaded, max_context: int | None = None, tp: int = 1, monokernel: bool = True,
                  allreduce: str = "custom", device: int = 0):
         if tp != 1:

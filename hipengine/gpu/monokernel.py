@@ -292,8 +292,10 @@ class MonokernelBackend(GpuBackend):
         self.grid = rt.num_sms * self.blocks_per_sm
         self.occupancy = occ
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
-        self.prefetch = int(os.environ.get("HIPENGINE_MK_PREFETCH", "1"))
-        self.fine = int(os.environ.get("HIPENGINE_MK_FINE", "1"))
+        # Defaults from the H200 sweep (docs/perf-log.md): register-prefetch off (714 vs 740 tok/s), heads
+        # combined in parallel after a barrier (740 vs 651 for the last-arriver combine).
+        self.prefetch = int(os.environ.get("HIPENGINE_MK_PREFETCH", "0"))
+        self.fine = int(os.environ.get("HIPENGINE_MK_FINE", "2"))
         self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
         self._setup_buffers()
 
@@ -496,5 +498,6 @@ def grid_info(backend: MonokernelBackend) -> dict:
 
 def barriers_per_token(cfg) -> int:
     """Grid barriers one decode step crosses (the monokernel's main fixed cost; see docs/perf-log.md)."""
-    per_layer = 4 + (1 if cfg.qk_norm else 0)  # qkv | o | gate-up | down (attention -> O: a counter wait)
+    # qkv | attention | (combine -> O-proj: a counter wait) | gate-up | down
+    per_layer = 5 + (1 if cfg.qk_norm else 0)
     return cfg.num_layers * per_layer + 2  # + LM head + sample/embed
