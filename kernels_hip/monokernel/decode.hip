@@ -1,17 +1,19 @@
 // The monokernel: the whole decode step — and the whole generation loop — in one persistent kernel.
 //
-// One launch per request (or per single decode step). The grid is every SM × the blocks that fit
+// One launch per request (or per single decode step). The grid is every SM × MK_MIN_BLOCKS blocks
 // (cooperative launch: all blocks resident), kMkThreads threads each. Per token:
 //
-//   [sample (block 0): he_sample_block on the logits -> token; ring + history; stop checks; embedding row]
+//   [token selection: greedy = every block arg-maxes a slice of the logits, the last to arrive leads;
+//    otherwise he_sample_block on block 0. The leader writes the ring + history, checks the stop
+//    conditions and the host's cancel word, and embeds the token]
 //   ── grid barrier ──
 //   per layer:  QKV (RMSNorm prologue, bias, RoPE, KV append)   he_matvec_qkv_body
 //               (Qwen3: raw q|k|v ── barrier ── per-head norm + RoPE + append: he_qk_norm_rope_head)
 //               ── barrier ──
-//               attention splits (he_attention_split_block); the last split block of each KV head (a
-//               per-head arrival counter, not a grid barrier) combines its G query heads
-//               (he_attention_combine_head)
-//               ── barrier ──
+//               attention splits (he_attention_split_block)
+//               fine == 2 (default): ── barrier ── one head per block: he_attention_combine_head
+//               fine <  2: the last split block of each KV head (arrival counter) combines its G heads
+//               ── O-proj waits on the heads-combined counter (fine ≥ 1) or a barrier (fine == 0) ──
 //               O-proj + residual (he_matvec_body)              ── barrier ──
 //               gate/up + SiLU·mul, RMSNorm prologue            ── barrier ──
 //               down + residual                                 ── barrier ──
@@ -31,9 +33,10 @@
 // `pos` is first read after it was written (previous steps read only rows < pos) and the streaming load
 // allocates no L1 line, so no stale copy can exist.
 //
-// Weight prefetch: weights never depend on the activations, so while a block waits at a barrier each warp
-// issues the first-iteration weight loads of its first rows in the next matvec stage (P->prefetch). They
-// land in L2 while the grid synchronises and the next stage's first sweep hits L2 instead of waiting on HBM.
+// Weight prefetch (P->prefetch, off by default): weights never depend on the activations, so while a block
+// waits at a barrier each warp can issue the first-batch weight loads of its first rows in the next matvec
+// stage, landing them in L2 while the grid synchronises. Measured on H200 (docs/perf-log.md) it gained
+// nothing: the stages are latency-bound inside, not at the barriers.
 #include "port.h"
 #include "sync.h"
 #include "ops/embedding.hip"
