@@ -12,6 +12,11 @@ ring (plain store, then a system-scope release of the write index); the host thr
 yields ids as they land. ``should_stop()`` (cancel, stop strings) sets a host-written cancel word the kernel
 reads once per token with a system-scope acquire. Every spin-wait in the kernel has a timeout that writes an
 error code into the mapped status word; the host raises it as ``DeviceError``.
+
+Knobs (environment; defaults from the H200 sweep in docs/perf-log.md): HIPENGINE_MK_MIN_BLOCKS (resident
+blocks per SM the kernel is compiled for, 2), HIPENGINE_MK_BLOCKS_PER_SM (grid, default = min blocks),
+HIPENGINE_MK_FINE (0/1/2 attention -> O-proj synchronisation, 2), HIPENGINE_MK_PREFETCH (0),
+HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s).
 """
 from __future__ import annotations
 
