@@ -307,7 +307,7 @@ def _backend(node, model, tp, allreduce="custom"):
 
     node(tp)
     if tp == 1:
-        return GpuBackend(model, max_context=64)
+        return GpuBackend(model, max_context=64, monokernel=False)
     return TpGpuBackend(model, max_context=64, tp=tp, allreduce=allreduce)
 
 
@@ -334,7 +334,6 @@ def test_tp_logits_and_greedy_equal_tp1(node, kind, tmp_path_factory):
     want_ids = list(ref.generate_ids(ids[:9], params, lambda: False))
     for tp in (2, 4):
         be = _backend(node, model, tp)
-        nd = node.__self__ if hasattr(node, "__self__") else None  # noqa: F841
         got = _run_all(be, ids)
         # fp32 partial sums added in a different order than one fp64-accumulated dot product, and bf16 K/V
         # rounding downstream of that: agreement far inside the bf16 error bound
@@ -456,6 +455,33 @@ def test_engine_load_gpu_tp2_builds_tp_backend(node, tmp_path_factory):
         eng.backend.close()
 
 
+def test_bench_decode_tp_on_the_emulator(node, monkeypatch, tmp_path, capsys):
+    """`hipengine bench decode --shape tiny-llama --tp 2 --no-monokernel --json`: real-prompt context, then a
+    synthetic-KV context after resize_context; greedy tokens stable across runs; JSON + table written."""
+    import argparse
+    import json
+
+    import hipengine.bench.decode as D
+    import hipengine.bench.probe as P
+
+    node(2)
+    monkeypatch.setattr(P, "measure_hbm_read_bandwidth", lambda rt: 4.0e12)
+    monkeypatch.setattr(D, "RUNS", 2)
+    monkeypatch.setattr(D, "GEN", 6)
+    out = tmp_path / "tp.json"
+    args = argparse.Namespace(shape="tiny-llama", model=None, context=[48, 16], tp=2, no_monokernel=True,
+                              allreduce="custom", json=str(out), plot=None)
+    assert D.run(args) == 0
+    res = json.loads(out.read_text())
+    assert [r["context"] for r in res["results"]] == [16, 48] and res["tp"] == 2
+    assert res["results"][0]["prompt"] == "real" and res["results"][1]["prompt"] == "synthetic-kv"
+    assert all(r["tok_s"] > 0 and r["roofline_tok_s"] > 0 for r in res["results"])
+    assert "per-op-tp2-custom" in capsys.readouterr().out
+    args.no_monokernel = False
+    assert D.run(args) == 1  # the monokernel is single-GPU: one clear line
+    assert "--no-monokernel" in capsys.readouterr().err
+
+
 # ==== on 2+ GPUs ==============================================================================================
 @pytest.mark.multigpu
 def test_tp2_greedy_equals_tp1_llama_1b_preset():
@@ -470,7 +496,7 @@ def test_tp2_greedy_equals_tp1_llama_1b_preset():
     model = preset_model("llama-3.2-1b", 0)
     prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, 16)
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
-    one = GpuBackend(model, max_context=512)
+    one = GpuBackend(model, max_context=512, monokernel=False)  # the per-op path TP=2 is built from
     try:
         want = list(one.generate_ids(prompt, params, lambda: False))
         # TP=1 logits along its own greedy path (teacher forced) to measure the gap at any divergence

@@ -149,8 +149,10 @@ def _run(args) -> int:
     from ..gpu.runtime import get_runtime
     from .probe import measure_hbm_read_bandwidth
 
-    if getattr(args, "tp", 1) != 1:
-        raise UnsupportedError(f"bench decode --tp {args.tp}: tensor parallelism is not implemented yet; use --tp 1")
+    if getattr(args, "tp", 1) != 1:  # the tensor-parallel per-op path measures itself (same method)
+        from ..gpu.tp_executor import bench_decode
+
+        return bench_decode(args)
     contexts = sorted(set(args.context or DEFAULT_CONTEXTS))
     loaded, name = _load(args)
     rt = get_runtime(0)

@@ -239,7 +239,7 @@ class TpGpuBackend(Backend):
         cands = []
         idx, val = np.zeros(1, np.int32), np.zeros(1, np.float32)
         for rk, off in zip(self.ranks, self.vocab_offsets):
-            rk.stream.synchronize()
+            # stream-ordered reads into pageable memory return once done: no separate synchronize
             rk.rt.copy_dtoh(idx, rk.tokens, stream=rk.stream)
             rk.rt.copy_dtoh(val, rk.logits.ptr + 4 * int(idx[0]), stream=rk.stream)
             cands.append((float(val[0]), off + int(idx[0])))
@@ -280,6 +280,39 @@ class TpGpuBackend(Backend):
             logits = None if device_greedy else self._read_logits(1)[0]
         self.check()
 
+    def decode_from(self, token: int, n: int) -> Iterator[int]:
+        """Greedy decode of n tokens from the current position and KV cache, starting from ``token``
+        (benchmarks: the loop of generate_ids without its prefill)."""
+        for rk in self.ranks:
+            rk._set_int(rk.hist_len, 0)
+        for _ in range(n):
+            self._set_token(int(token))
+            self._run_decode()
+            self.pos += 1
+            token = self._device_argmax()
+            yield token
+        self.check()
+
+    def resize_context(self, max_context: int) -> None:
+        """New KV cache, RoPE tables and attention plan on every rank (weights kept); graphs recaptured.
+        The old state buffers are freed at close()."""
+        self._drop_graphs()
+        self.max_context = int(max_context)
+        for rk in self.ranks:
+            rk.max_context = self.max_context
+            cos, sin = O.rope_tables(rk.config.rope_inv_freq(), self.max_context)
+            rk.cos, rk.sin = rk._up(cos), rk._up(sin)
+            rk._alloc_state()
+        self.pos = 0
+
+    def _drop_graphs(self) -> None:
+        for g in self._graphs or []:
+            try:
+                g.destroy()
+            except Exception:
+                pass
+        self._graphs = None
+
     def close(self) -> None:
         for g in self._graphs or []:
             try:
@@ -317,3 +350,89 @@ def host_sample(logits: np.ndarray, history: list[int], params: SamplingParams, 
     u = O.sample_uniform(int(seed) & 0xFFFFFFFFFFFFFFFF, int(step))
     return int(min(np.searchsorted(cum, u * cum[-1], side="right"), np.flatnonzero(keep)[-1]))
 
+
+
+def bench_decode(args) -> int:
+    """``hipengine bench decode --tp N --no-monokernel``: the per-op TP path's TTFT and decode tok/s, by the
+    method of hipengine.bench.decode (real prompt at the smallest context, synthetic KV fill above it; median
+    of RUNS fresh requests, host clock per token). Roofline per GPU: HBM read of GPU 0 / the largest rank's
+    bytes per step (its weight shard + its KV heads; communication not counted)."""
+    import json
+    import statistics
+    import sys
+    import time
+    from pathlib import Path
+
+    from ..bench import decode as D
+    from ..bench import git_commit, utc_now
+    from ..bench.probe import measure_hbm_read_bandwidth
+    from ..errors import HipEngineError, UnsupportedError
+    from .runtime import get_runtime
+
+    try:
+        if not args.no_monokernel:
+            raise UnsupportedError(f"bench decode --tp {args.tp}: the monokernel runs on one GPU; add --no-monokernel")
+        contexts = sorted(set(args.context or D.DEFAULT_CONTEXTS))
+        loaded, name = D._load(args)
+        ShardPlan(loaded.config, args.tp)  # refuse before touching a GPU
+        rt = get_runtime(0)
+        print(f"measuring HBM read bandwidth on {rt.name} ...", file=sys.stderr)
+        hbm = measure_hbm_read_bandwidth(rt)
+        allreduce = getattr(args, "allreduce", "custom")
+        t0 = time.perf_counter()
+        be = TpGpuBackend(loaded, max_context=contexts[0], tp=args.tp, allreduce=allreduce)
+        print(f"loaded {name} on {args.tp} GPUs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        path = f"per-op-tp{args.tp}-{allreduce}"
+        params = SamplingParams(max_tokens=D.GEN, temperature=0.0, ignore_eos=True)
+        rng = np.random.default_rng(0)
+        rows = []
+        try:
+            for C in contexts:
+                be.resize_context(C)
+                real = C == contexts[0]
+                prompt = rng.integers(0, loaded.config.vocab_size, C - D.GEN)
+                if not real:
+                    for rk in be.ranks:
+                        per = rk.kv_layer_bytes * rk.config.num_layers
+                        rk.rt.memset(rk.k_cache, D.KV_FILL_BYTE, per)
+                        rk.rt.memset(rk.v_cache, D.KV_FILL_BYTE, per)
+                ttfts, rates, first = [], [], None
+                for r in range(D.RUNS + 1):  # run 0 warms up (compiles, captures the graphs)
+                    t1 = time.perf_counter()
+                    if real:
+                        toks, stamps = D._timed(be.generate_ids(prompt, params))
+                    else:
+                        be.pos = C - D.GEN
+                        toks, stamps = D._timed(be.decode_from(int(prompt[-1]), D.GEN))
+                    if r == 0:
+                        first = toks
+                        continue
+                    if toks != first:
+                        raise HipEngineError(f"{path} at context {C}: greedy output changed between runs")
+                    ttfts.append(stamps[0] - t1)
+                    rates.append(D._decode_rate(stamps))
+                b = max(be.plan.rank_config(k).decode_bytes_per_token(2.0, context=C) for k in range(args.tp))
+                tok_s = statistics.median(rates)
+                rows.append({"context": C, "path": path, "prompt": "real" if real else "synthetic-kv",
+                             "ttft_ms": statistics.median(ttfts) * 1e3 if real else None, "tok_s": tok_s,
+                             "tok_s_runs": rates, "bytes_per_token_per_gpu": b, "roofline_tok_s": hbm / b,
+                             "pct_hbm": 100.0 * tok_s * b / hbm})
+                print(f"  context {C:6d} {path} {tok_s:8.1f} tok/s", file=sys.stderr)
+        finally:
+            be.close()
+    except HipEngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    result = {"benchmark": "decode", "model": name, "gpu": rt.name, "arch": rt.arch, "tp": args.tp,
+              "allreduce": allreduce, "commit": git_commit(), "date": utc_now(), "hbm_read_gbps": hbm / 1e9,
+              "runs": D.RUNS, "gen_tokens": D.GEN, "results": rows}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print(f"{name} on {args.tp}x {rt.name}, HBM read {hbm / 1e9:.0f} GB/s per GPU (measured now)")
+    print(f"{'context':>8} {'path':>22} {'TTFT ms':>8} {'tok/s':>8} {'roofline':>9} {'% HBM':>6}")
+    for r in rows:
+        ttft = f"{r['ttft_ms']:.1f}" if r["ttft_ms"] is not None else "-"
+        print(f"{r['context']:>8} {r['path']:>22} {ttft:>8} {r['tok_s']:>8.1f} {r['roofline_tok_s']:>9.1f} "
+              f"{r['pct_hbm']:>5.1f}%")
+    return 0
