@@ -291,12 +291,17 @@ def node(monkeypatch):
 _MODELS: dict = {}
 
 
+# llama3 gets an FFN of 320 so that tp=8 leaves 40 columns per rank (the executor needs multiples of 8)
+_OVERRIDES = {"llama3": dict(intermediate_size=320)}
+
+
 def _tiny(kind, tmp_path_factory):
     if kind not in _MODELS:
         from hipengine.loader import load_model
         from tiny_models import save_tiny_model
 
-        path, _ = save_tiny_model(kind, tmp_path_factory.mktemp(f"tp_{kind}"), seed=7, max_position_embeddings=256)
+        path, _ = save_tiny_model(kind, tmp_path_factory.mktemp(f"tp_{kind}"), seed=7, max_position_embeddings=256,
+                                  **_OVERRIDES.get(kind, {}))
         _MODELS[kind] = load_model(path, progress=False)
     return _MODELS[kind]
 
@@ -324,15 +329,16 @@ def _rel(a, b):
 
 # llama: GQA (4 heads / 2 KV, head_dim 24): tp=2 splits KV heads, tp=4 replicates each KV head on 2 ranks.
 # qwen2: q/k/v bias, tied embeddings (the head is a vocab slice of embed, the embedding stays full).
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_tp_logits_and_greedy_equal_tp1(node, kind, tmp_path_factory):
+# llama3: 8 heads / 2 KV heads, llama3 RoPE scaling, untied head: tp=8 puts one query head on each rank.
+@pytest.mark.parametrize("kind,tps", [("llama", (2, 4)), ("qwen2", (2, 4)), ("llama3", (4, 8))])
+def test_tp_logits_and_greedy_equal_tp1(node, kind, tps, tmp_path_factory):
     model = _tiny(kind, tmp_path_factory)
     ids = np.random.default_rng(4).integers(3, model.config.vocab_size, 24)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     ref = _backend(node, model, 1)
     want = _run_all(ref, ids)
     want_ids = list(ref.generate_ids(ids[:9], params, lambda: False))
-    for tp in (2, 4):
+    for tp in tps:
         be = _backend(node, model, tp)
         got = _run_all(be, ids)
         # fp32 partial sums added in a different order than one fp64-accumulated dot product, and bf16 K/V
@@ -344,13 +350,13 @@ def test_tp_logits_and_greedy_equal_tp1(node, kind, tmp_path_factory):
         be.close()
 
 
-@pytest.mark.parametrize("allreduce", ["custom", "nccl"])
-def test_tp_graph_replay_and_collective_count(node, allreduce, tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("allreduce,tp", [("custom", 2), ("nccl", 2), ("custom", 4), ("nccl", 4)])
+def test_tp_graph_replay_and_collective_count(node, allreduce, tp, tmp_path_factory, monkeypatch):
     """Decode through the captured per-rank graphs (custom: device epochs advance on every replay) and
     eagerly (HIPENGINE_NO_GRAPH=1): same logits; 2 all-reduces per layer per step."""
     model = _tiny("llama", tmp_path_factory)
     ids = np.random.default_rng(5).integers(3, model.config.vocab_size, 20)
-    be = _backend(node, model, 2, allreduce)
+    be = _backend(node, model, tp, allreduce)
     nd = be.ranks[0].rt.node
     graphed = _run_all(be, ids)
     assert be._graphs is not None
@@ -359,7 +365,7 @@ def test_tp_graph_replay_and_collective_count(node, allreduce, tmp_path_factory,
     assert nd.collectives - before == 2 * model.config.num_layers
     be.close()
     monkeypatch.setenv("HIPENGINE_NO_GRAPH", "1")
-    be = _backend(node, model, 2, allreduce)
+    be = _backend(node, model, tp, allreduce)
     eager = _run_all(be, ids)
     assert be._graphs is None
     np.testing.assert_array_equal(graphed, eager)

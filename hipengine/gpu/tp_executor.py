@@ -35,7 +35,7 @@ import numpy as np
 
 from ..backend import Backend, SamplingParams
 from ..comm.shard import ShardPlan, merge_argmax
-from ..errors import DeviceError, RequestError
+from ..errors import DeviceError, RequestError, UnsupportedError
 from . import ops as O
 from .executor import GpuBackend
 
@@ -117,8 +117,8 @@ class TpGpuBackend(Backend):
                 model = _RankModel(_rank_config(self.plan, r), _RankWeights(self.plan, loaded.weights, r))
                 try:
                     self.ranks.append(TpRank(model, r, self.max_context, dev))
-                except DeviceError as e:
-                    raise DeviceError(f"tp={tp}, rank {r} (GPU {dev}): {e}") from None
+                except (DeviceError, UnsupportedError) as e:  # say which shard of which GPU could not run
+                    raise type(e)(f"tp={tp}, rank {r} (GPU {dev}): {e}") from None
             self.streams = [rk.stream for rk in self.ranks]
             self.rts = [rk.rt for rk in self.ranks]
             nbytes = O.MAX_M * cfg.hidden_size * 4  # the largest all-reduce: one prefill chunk of x (fp32)
