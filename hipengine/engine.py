@@ -88,7 +88,7 @@ class Engine:
     # ---- construction -------------------------------------------------------
     @classmethod
     def load(cls, model: str | Path | None = None, device: str = "auto", tp: int = 1, shape: str | None = None,
-             max_context: int | None = None, monokernel: bool = True, allreduce: str = "custom",
+             max_context: int | None = None, monokernel: bool = False, allreduce: str = "custom",
              seed: int = 0, progress: bool = True) -> "Engine":
         if device not in ("auto", "cpu", "gpu"):
             raise RequestError(f"device must be auto, cpu or gpu, got {device!r}")

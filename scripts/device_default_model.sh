@@ -19,4 +19,21 @@ export HIPENGINE_COMMIT=${HIPENGINE_COMMIT:-unknown}
 python3 -m pytest tests/test_gpu_default_model.py -v -s 2>&1 | tee "$OUT/default_model_gpu_pytest.log"
 # The README's main job, on the GPU: stream text, TTFT and decode tok/s on stderr.
 python3 -m hipengine generate "The capital of France is" --device gpu --max-tokens 64 2>&1 | tee "$OUT/generate_gpu.log"
-python3 -m hipengine generate "The capital of France is" --device gpu --no-monokernel --max-tokens 64 2>&1 | tee -a "$OUT/generate_gpu.log"
+python3 -m hipengine generate "The capital of France is" --device gpu --monokernel --max-tokens 64 2>&1 | tee -a "$OUT/generate_gpu.log"
+# Monokernel vs per-op greedy ids on the default model (issue 4 acceptance; the monokernel is opt-in until equal).
+python3 - <<'PY' 2>&1 | tee "$OUT/monokernel_vs_perop_default.log"
+import numpy as np
+from hipengine.backend import SamplingParams
+from hipengine.gpu.executor import GpuBackend
+from hipengine.loader import default_model_path, load_model
+from hipengine.tokenizer import Tokenizer
+m = load_model(default_model_path(), progress=False); tok = Tokenizer.for_model(m)
+per, mk = GpuBackend(m, max_context=1024, monokernel=False), GpuBackend(m, max_context=1024, monokernel=True)
+sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+for prompt in ["The capital of France is", "def quicksort(arr):", "Once upon a time, in a small village,"]:
+    ids = np.array(tok.encode(prompt), np.int64)
+    per.reset(); a = list(per.generate_ids(ids, sp, lambda: False))
+    mk.reset(); b = list(mk.generate_ids(ids, sp, lambda: False))
+    diff = [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    print(f"{type(mk).__name__} {prompt!r}: identical={a == b} first diffs (step, per-op, monokernel)={diff[:5]}")
+PY
