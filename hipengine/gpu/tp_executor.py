@@ -162,7 +162,7 @@ class TpGpuBackend(Backend):
     def _allreduce(self, rows: int) -> None:
         """x_r <- x_0 + y_1 + ... + y_{tp-1} on every rank (rank 0's x already holds residual + its part)."""
         n = rows * self.config.hidden_size
-        ins = [rk.x if rk.rank == 0 else rk.y for rk in self.ranks]
+        ins = [rk._proj_out()[0] for rk in self.ranks]
         outs = [rk.x for rk in self.ranks]
         if self.allreduce == "custom":
             self.comm.allreduce(ins, outs, n * 4, "float32")
