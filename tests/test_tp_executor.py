@@ -522,21 +522,15 @@ def test_bench_decode_tp_on_the_emulator(node, monkeypatch, tmp_path, capsys):
     assert "--no-monokernel" in capsys.readouterr().err
 
 
-# ==== on 2+ GPUs ==============================================================================================
-@pytest.mark.multigpu
-def test_tp2_greedy_equals_tp1_llama_1b_preset():
-    """256 greedy tokens of a random llama-3.2-1b preset: TP=2 (custom all-reduce, captured graphs) equals
-    TP=1. bf16 weights are sliced, not re-rounded, so both see the same bits; the only difference is fp32
-    summation order at the two reductions per layer (~1e-6 relative). A divergence is accepted only at a
-    position where TP=1's top-1/top-2 logit gap is below that bound, and is reported with its gap."""
+def _tp_equals_tp1(model, n_tokens, max_context, tp=2, allreduces=("custom", "nccl")):
+    """Greedy n_tokens at TP=tp equal TP=1 (per-op); rates printed. Shared by the multigpu test and its CPU
+    dry run on the emulator (so the device test's own code has run before it meets a GPU)."""
     from hipengine.gpu.executor import GpuBackend
     from hipengine.gpu.tp_executor import TpGpuBackend
-    from hipengine.presets import preset_model
 
-    model = preset_model("llama-3.2-1b", 0)
     prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, 16)
-    params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
-    one = GpuBackend(model, max_context=512, monokernel=False)  # the per-op path TP=2 is built from
+    params = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    one = GpuBackend(model, max_context=max_context, monokernel=False)  # the per-op path TP is built from
     try:
         list(one.generate_ids(prompt, SamplingParams(max_tokens=8, ignore_eos=True), lambda: False))  # warm
         stamps, want = [], []
@@ -544,13 +538,13 @@ def test_tp2_greedy_equals_tp1_llama_1b_preset():
             stamps.append(time.perf_counter())
             want.append(t)
         print(f"\nTP=1 (per-op) decode {(len(stamps) - 1) / (stamps[-1] - stamps[0]):.1f} tok/s")
-        # TP=1 logits along its own greedy path (teacher forced) to measure the gap at any divergence
+        # TP=1 logits along its own greedy path (teacher forced): the top-1/top-2 gap at any divergence
         one.reset()
         ref = [one.prefill(prompt)] + [one.decode(t) for t in want[:-1]]
     finally:
         one.close()
-    for allreduce in ("custom", "nccl"):
-        be = TpGpuBackend(model, max_context=512, tp=2, allreduce=allreduce)
+    for allreduce in allreduces:
+        be = TpGpuBackend(model, max_context=max_context, tp=tp, allreduce=allreduce)
         try:
             list(be.generate_ids(prompt, SamplingParams(max_tokens=8, ignore_eos=True), lambda: False))  # warm
             t0 = time.perf_counter()
@@ -559,15 +553,38 @@ def test_tp2_greedy_equals_tp1_llama_1b_preset():
                 stamps.append(time.perf_counter())
                 got.append(t)
             rate = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-            print(f"TP=2 ({allreduce}) decode {rate:.1f} tok/s, TTFT {(stamps[0] - t0) * 1e3:.1f} ms")
+            print(f"TP={tp} ({allreduce}) decode {rate:.1f} tok/s, TTFT {(stamps[0] - t0) * 1e3:.1f} ms")
             sp = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
             a = list(be.generate_ids(prompt, sp, lambda: False))
             assert a == list(be.generate_ids(prompt, sp, lambda: False)) and len(a) == 32  # seeded replay
         finally:
             be.close()
+        assert len(got) == len(want) == n_tokens
         if got != want:
-            i = next(k for k in range(len(want)) if got[k] != want[k])
+            # bf16 tie: K/V are stored in bf16, so an fp32 summation-order difference can round one K/V value
+            # the other way; that moves logits by ~1e-5 relative and flips top-1 only where two logits tie
+            # that closely. Accepted only then, and reported with the gap.
+            i = next(k for k in range(n_tokens) if got[k] != want[k])
             top = np.sort(ref[i])[-2:]
             gap = float(top[1] - top[0])
-            print(f"TP=2 ({allreduce}) diverges at token {i}: TP=1 top-1/top-2 gap {gap:.3g}")
+            print(f"TP={tp} ({allreduce}) diverges at token {i}: TP=1 top-1/top-2 gap {gap:.3g} "
+                  f"(max |logit| {float(np.abs(ref[i]).max()):.3g})")
             assert gap < 1e-3 * float(np.abs(ref[i]).max()), f"divergence at token {i} with a clear gap {gap:.3g}"
+
+
+def test_tp_equals_tp1_dry_run_on_tiny_preset(node):
+    from hipengine.presets import preset_model
+
+    node(2)
+    _tp_equals_tp1(preset_model("tiny-llama", 0), 24, 64)
+
+
+# ==== on 2+ GPUs ==============================================================================================
+@pytest.mark.multigpu
+def test_tp2_greedy_equals_tp1_llama_1b_preset():
+    """256 greedy tokens of a random llama-3.2-1b preset: TP=2 (captured graphs; custom all-reduce, then
+    NCCL) equals TP=1. bf16 weights are sliced, not re-rounded, so both see the same bits; the difference is
+    fp32 summation order at the two reductions per layer (~1e-7 relative) and what it does to bf16 K/V."""
+    from hipengine.presets import preset_model
+
+    _tp_equals_tp1(preset_model("llama-3.2-1b", 0), 256, 512)
