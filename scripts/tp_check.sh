@@ -22,7 +22,8 @@ timeout 240 "$PY" -m pytest tests/test_tp_executor.py -q -rs -s -p no:cacheprovi
 tp_rc=$?
 
 # 2. the per-op executor on one GPU (regression for the hooks)
-timeout 120 "$PY" -m pytest tests/test_gpu_engine.py -m gpu -q -rs -p no:cacheprovider >"$OUT/pytest_gpu_engine.log" 2>&1
+timeout 120 "$PY" -m pytest tests/test_gpu_engine.py -m gpu -q -rs -p no:cacheprovider \
+  >"$OUT/pytest_gpu_engine.log" 2>&1
 eng_rc=$?
 
 # 3. decode benchmarks: TP=N custom, TP=N NCCL, TP=1 per-op baseline (same method, same shape)

@@ -229,7 +229,8 @@ class EmulatedNode:
             if self._step(target):
                 continue
             if not any(self._step(s) for d in self.devices for s in d.streams if s is not target):
-                waiting = [(d.device_index, getattr(s.queue[0], "key", None)) for d in self.devices for s in d.streams if s.queue]
+                waiting = [(d.device_index, getattr(s.queue[0], "key", None))
+                           for d in self.devices for s in d.streams if s.queue]
                 raise DeviceError(f"emulated all-reduce deadlock: streams waiting {waiting}")
 
     def _step(self, s) -> bool:

@@ -314,12 +314,7 @@ class TpGpuBackend(Backend):
         self._graphs = None
 
     def close(self) -> None:
-        for g in self._graphs or []:
-            try:
-                g.destroy()
-            except Exception:
-                pass
-        self._graphs = None
+        self._drop_graphs()
         if self.comm is not None:
             try:
                 self.comm.close()
