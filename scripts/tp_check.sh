@@ -4,7 +4,7 @@
 #      on a random llama-3.2-1b preset, custom all-reduce and NCCL, with the TP=2 decode rate printed;
 #   2. the single-GPU per-op executor's GPU tests (its decode/prefill gained the partial-sum hooks TP uses);
 #   3. bench decode --tp 2 --no-monokernel (custom all-reduce, then NCCL) and the TP=1 per-op baseline.
-# Full logs and JSON under $OUT (the device tool brings them back); a short table prints last.
+# Worst case 540 s of timeouts (one 600 s device call). Full logs and JSON under $OUT (the device tool brings them back); a short table prints last.
 #   usage (device): bash scripts/tp_check.sh        env: TP (default 2), PYTHON (default python3)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
@@ -18,11 +18,11 @@ SHAPE="${SHAPE:-llama-3.2-1b}"
 nvidia-smi topo -m >"$OUT/topo.txt" 2>&1 || rocm-smi --showtopo >"$OUT/topo.txt" 2>&1 || true
 
 # 1. TP tests (-s: the multigpu test prints its tok/s and any divergence with its logit gap)
-timeout 240 "$PY" -m pytest tests/test_tp_executor.py -q -rs -s -p no:cacheprovider >"$OUT/pytest_tp.log" 2>&1
+timeout 200 "$PY" -m pytest tests/test_tp_executor.py -q -rs -s -p no:cacheprovider >"$OUT/pytest_tp.log" 2>&1
 tp_rc=$?
 
 # 2. the per-op executor on one GPU (regression for the hooks)
-timeout 120 "$PY" -m pytest tests/test_gpu_engine.py -m gpu -q -rs -p no:cacheprovider \
+timeout 100 "$PY" -m pytest tests/test_gpu_engine.py -m gpu -q -rs -p no:cacheprovider \
   >"$OUT/pytest_gpu_engine.log" 2>&1
 eng_rc=$?
 
@@ -30,10 +30,10 @@ eng_rc=$?
 timeout 100 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --no-monokernel \
   --json "$OUT/decode_tp${TP}_custom.json" >"$OUT/bench_tp_custom.log" 2>&1
 custom_rc=$?
-timeout 80 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --no-monokernel --allreduce nccl \
+timeout 70 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --no-monokernel --allreduce nccl \
   --context 1024 --json "$OUT/decode_tp${TP}_nccl.json" >"$OUT/bench_tp_nccl.log" 2>&1
 nccl_rc=$?
-timeout 80 "$PY" -m hipengine bench decode --shape "$SHAPE" --no-monokernel --context 1024 \
+timeout 70 "$PY" -m hipengine bench decode --shape "$SHAPE" --no-monokernel --context 1024 \
   --json "$OUT/decode_tp1_perop.json" >"$OUT/bench_tp1.log" 2>&1
 tp1_rc=$?
 
