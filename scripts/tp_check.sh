@@ -4,7 +4,8 @@
 #      on a random llama-3.2-1b preset, custom all-reduce and NCCL, with the TP=2 decode rate printed;
 #   2. the single-GPU per-op executor's GPU tests (its decode/prefill gained the partial-sum hooks TP uses);
 #   3. bench decode --tp 2 --no-monokernel (custom all-reduce, then NCCL) and the TP=1 per-op baseline.
-# Worst case 540 s of timeouts (one 600 s device call). Full logs and JSON under $OUT (the device tool brings them back); a short table prints last.
+# Timeouts sum to 540 s (fits one 600 s device call). Full logs and JSON go under $OUT (the device tool
+# brings them back); a short table prints last.
 #   usage (device): bash scripts/tp_check.sh        env: TP (default 2), PYTHON (default python3)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
