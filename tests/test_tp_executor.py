@@ -364,6 +364,15 @@ def test_tp_graph_replay_and_collective_count(node, allreduce, tp, tmp_path_fact
     before = nd.collectives
     be.decode(int(ids[0]))
     assert nd.collectives - before == 2 * model.config.num_layers
+    # the all-reduce leaves every rank's residual stream bitwise identical (the next layer's inputs agree)
+    d = model.config.hidden_size
+    xs = [rk.rt.download(rk.x, (d,), np.float32).tobytes() for rk in be.ranks]
+    assert all(x == xs[0] for x in xs)
+    # tp=4 with 2 KV heads: ranks 2k and 2k+1 hold the same replicated KV head, written identically
+    if be.plan.kv_replicated:
+        n = be.ranks[0].kv_layer_bytes * model.config.num_layers
+        kc = [rk.rt.download(rk.k_cache, (n,), np.uint8).tobytes() for rk in be.ranks]
+        assert kc[0] == kc[1] and kc[2] == kc[3] and kc[0] != kc[2]
     be.close()
     monkeypatch.setenv("HIPENGINE_NO_GRAPH", "1")
     be = _backend(node, model, tp, allreduce)
