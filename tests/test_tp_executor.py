@@ -21,7 +21,7 @@ import pytest
 from hipengine.backend import SamplingParams
 from hipengine.errors import DeviceError, UnsupportedError
 from hipengine.gpu.runtime import DeviceBuffer
-from test_gpu_engine import EmulatedRuntime, _Mod  # the per-kernel numpy oracles (reused, not copied)
+from test_gpu_engine import BASE, EmulatedRuntime, _Mod  # the per-kernel numpy oracles (reused, not copied)
 
 # ==== the emulated node ========================================================================================
 
@@ -95,7 +95,7 @@ class EmulatedDevice(EmulatedRuntime):
     # memory, in this device's own range
     def malloc(self, n):
         b = super().malloc(n)
-        return DeviceBuffer(b.ptr - (1 << 32) + self.base, b.nbytes, self)
+        return DeviceBuffer(b.ptr - BASE + self.base, b.nbytes, self)
 
     malloc_fine_grained = malloc
 
