@@ -415,6 +415,24 @@ def test_tp_stops_on_eos_and_cancel(node, tmp_path_factory):
     be.close()
 
 
+def test_tp_context_limits_and_close(node, tmp_path_factory):
+    from hipengine.errors import RequestError
+
+    model = _tiny("llama", tmp_path_factory)
+    be = _backend(node, model, 2)
+    with pytest.raises(RequestError, match="exceeds the context"):
+        be.prefill(np.arange(3, 70))
+    with pytest.raises(RequestError, match="longer than the context"):
+        list(be.generate_ids(np.arange(3, 70), SamplingParams(), lambda: False))
+    be.reset()
+    be.prefill(np.arange(3, 66))
+    be.decode(5)
+    with pytest.raises(RequestError, match="context of 64 tokens is full"):
+        be.decode(5)
+    be.close()
+    be.close()  # idempotent
+
+
 def test_unsplittable_shape_refused_before_gpu_work(monkeypatch, tmp_path_factory):
     import hipengine.gpu.executor as E
     import hipengine.gpu.runtime as R
