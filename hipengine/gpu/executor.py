@@ -2,7 +2,8 @@
 
 Device state
   weights   per layer: wqkv [q+2kv, d] (wq|wk|wv stacked, so one launch fuses QKV + bias + RoPE + KV append),
-            wo, w_gate, w_up, w_down in bf16 (fp16 when the loader hands fp16 arrays); norms and biases fp32.
+            wo, w_gate, w_up, w_down in bf16 (fp16 when the loader hands fp16 arrays or the model is a GGUF,
+            whose weights come from fp16 scales); norms and biases fp32.
   kv cache  bf16 [layers][kv_heads][max_context][head_dim] (K and V separate), see attention_decode.hip.
   state     pos (int32, the position the next token is written at), token, history (prompt + generated
             ids, for the repetition penalty), all in device memory so the captured decode graph has
@@ -26,9 +27,10 @@ from .runtime import get_runtime
 
 
 class GpuBackend(Backend):
-    def __new__(cls, *args, **kwargs):  # monokernel=True (default) on a GPU with cooperative launch: decode
-        # and generate_ids run in the monokernel (hipengine/gpu/monokernel.py, a subclass); prefill stays per-op
-        if cls is GpuBackend and kwargs.get("monokernel", args[3] if len(args) > 3 else True):
+    def __new__(cls, *args, **kwargs):  # monokernel=True on a GPU with cooperative launch: decode and
+        # generate_ids run in the monokernel (hipengine/gpu/monokernel.py, a subclass); prefill stays per-op.
+        # Opt-in until the monokernel beats the per-op path (docs/perf-log.md).
+        if cls is GpuBackend and kwargs.get("monokernel", args[3] if len(args) > 3 else False):
             try:
                 coop = getattr(get_runtime(kwargs.get("device", 0)), "cooperative_launch", False)
             except Exception:  # no GPU etc.: __init__ raises the real error
@@ -37,12 +39,12 @@ class GpuBackend(Backend):
                 from .monokernel import MonokernelBackend as cls
         return super().__new__(cls)
 
-    def __init__(self, loaded, max_context: int | None = None, tp: int = 1, monokernel: bool = True,
+    def __init__(self, loaded, max_context: int | None = None, tp: int = 1, monokernel: bool = False,
                  allreduce: str = "custom", device: int = 0):
         if tp != 1:
             raise UnsupportedError(f"tensor parallelism (tp={tp}) is not implemented in the GPU executor yet; "
                                    "use tp=1")
-        # monokernel=True is accepted and ignored: the per-op path is the only GPU path so far.
+        # monokernel selects the subclass in __new__; kept for introspection (and TP ranks, always per-op).
         self.monokernel, self.allreduce = monokernel, allreduce
         cfg = self.config = loaded.config
         self.max_context = int(max_context or min(cfg.max_position_embeddings, 4096))
