@@ -55,6 +55,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
+    def resolved_seed(self) -> int:
+        """The seed as a 64-bit integer; a fresh random one when none was given."""
+        import os
+
+        return (self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little")) & (2**64 - 1)
+
 
 class Backend:
     """One model instance on one device (or one TP group). Holds its own KV cache.
@@ -76,6 +82,17 @@ class Backend:
     def decode(self, token_id: int) -> np.ndarray:
         """One step: logits [vocab] float32 for the next position."""
         raise NotImplementedError
+
+    def check_prompt(self, prompt_ids) -> np.ndarray:
+        """The prompt as int64 [T]; RequestError when it is empty or longer than the context."""
+        from .errors import RequestError
+
+        prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise RequestError("empty prompt")
+        if prompt.size > self.max_context:
+            raise RequestError(f"prompt is {prompt.size} tokens, longer than the context of {self.max_context} tokens")
+        return prompt
 
     def generate_ids(self, prompt_ids: np.ndarray, params: SamplingParams,
                      should_stop: Callable[[], bool]) -> Iterator[int]:

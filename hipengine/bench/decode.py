@@ -178,18 +178,23 @@ def _run(args) -> int:
     result = {"benchmark": "decode", "model": name, "gpu": rt.name, "arch": rt.arch, "sms": rt.num_sms,
               "commit": git_commit(), "date": utc_now(), "hbm_read_gbps": hbm / 1e9, "runs": RUNS,
               "gen_tokens": GEN, "monokernel": info, "results": rows}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
         plot(result, args.plot)
-    print(f"{name} on {rt.name}, HBM read {hbm / 1e9:.0f} GB/s (measured now)")
-    print(f"{'context':>8} {'path':>10} {'TTFT ms':>8} {'tok/s':>8} {'roofline':>9} {'% HBM':>6}")
-    for r in rows:
-        ttft = f"{r['ttft_ms']:.1f}" if r["ttft_ms"] is not None else "-"
-        print(f"{r['context']:>8} {r['path']:>10} {ttft:>8} {r['tok_s']:>8.1f} {r['roofline_tok_s']:>9.1f} "
-              f"{r['pct_hbm']:>5.1f}%")
+    emit(result, args.json, f"{name} on {rt.name}, HBM read {hbm / 1e9:.0f} GB/s (measured now)")
     return 0
+
+
+def emit(result: dict, json_out: str | None, title: str, path_width: int = 10) -> None:
+    """Write the JSON (when asked) and print the short table: context, path, TTFT, tok/s, roofline, % HBM."""
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(result, indent=1))
+    print(title)
+    print(f"{'context':>8} {'path':>{path_width}} {'TTFT ms':>8} {'tok/s':>8} {'roofline':>9} {'% HBM':>6}")
+    for r in result["results"]:
+        ttft = f"{r['ttft_ms']:.1f}" if r["ttft_ms"] is not None else "-"
+        print(f"{r['context']:>8} {r['path']:>{path_width}} {ttft:>8} {r['tok_s']:>8.1f} "
+              f"{r['roofline_tok_s']:>9.1f} {r['pct_hbm']:>5.1f}%")
 
 
 def plot(result: dict, out: str) -> None:

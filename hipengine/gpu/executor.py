@@ -305,13 +305,9 @@ class GpuBackend(Backend):
                      should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
         """Like sampling.host_generate, but the token is chosen on the device (sampling.hip); the host reads
         back one int32 per step. The RNG is Philox keyed by (seed, position), so a seeded request replays."""
-        prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
-        if prompt.size == 0:
-            raise RequestError("empty prompt")
-        if prompt.size > self.max_context:
-            raise RequestError(f"prompt is {prompt.size} tokens, longer than the context of {self.max_context} tokens")
+        prompt = self.check_prompt(prompt_ids)
         eos = set() if params.ignore_eos else {int(e) for e in self.config.eos_token_ids}
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        seed = params.resolved_seed()
         if should_stop():
             return
         self.reset()

@@ -399,11 +399,7 @@ class MonokernelBackend(GpuBackend):
 
     def generate_ids(self, prompt_ids, params: SamplingParams,
                      should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
-        prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
-        if prompt.size == 0:
-            raise RequestError("empty prompt")
-        if prompt.size > self.max_context:
-            raise RequestError(f"prompt is {prompt.size} tokens, longer than the context of {self.max_context} tokens")
+        prompt = self.check_prompt(prompt_ids)
         if should_stop():
             return
         self.reset()
@@ -423,7 +419,7 @@ class MonokernelBackend(GpuBackend):
         if params.max_tokens < 1:
             return
         eos = [] if params.ignore_eos else [int(e) for e in self.config.eos_token_ids]
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        seed = params.resolved_seed()
         mode = MK_MODE_EMBED_FIRST if embed_first else 0
         self._launch(mode, token, self.pos, hist_len, params, eos, int(seed) & 0xFFFFFFFFFFFFFFFF)
         hw, W, ring = self.host_words, self.W, self.ring

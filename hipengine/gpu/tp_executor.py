@@ -247,13 +247,9 @@ class TpGpuBackend(Backend):
 
     def generate_ids(self, prompt_ids, params: SamplingParams,
                      should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
-        prompt = np.asarray(prompt_ids, np.int64).reshape(-1)
-        if prompt.size == 0:
-            raise RequestError("empty prompt")
-        if prompt.size > self.max_context:
-            raise RequestError(f"prompt is {prompt.size} tokens, longer than the context of {self.max_context} tokens")
+        prompt = self.check_prompt(prompt_ids)
         eos = set() if params.ignore_eos else {int(e) for e in self.config.eos_token_ids}
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        seed = params.resolved_seed()
         device_greedy = params.temperature <= 0 and params.repetition_penalty == 1.0
         if should_stop():
             return
@@ -352,11 +348,9 @@ def bench_decode(args) -> int:
     method of hipengine.bench.decode (real prompt at the smallest context, synthetic KV fill above it; median
     of RUNS fresh requests, host clock per token). Roofline per GPU: HBM read of GPU 0 / the largest rank's
     bytes per step (its weight shard + its KV heads; communication not counted)."""
-    import json
     import statistics
     import sys
     import time
-    from pathlib import Path
 
     from ..bench import decode as D
     from ..bench import git_commit, utc_now
@@ -421,13 +415,6 @@ def bench_decode(args) -> int:
     result = {"benchmark": "decode", "model": name, "gpu": rt.name, "arch": rt.arch, "tp": args.tp,
               "allreduce": allreduce, "commit": git_commit(), "date": utc_now(), "hbm_read_gbps": hbm / 1e9,
               "runs": D.RUNS, "gen_tokens": D.GEN, "results": rows}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    print(f"{name} on {args.tp}x {rt.name}, HBM read {hbm / 1e9:.0f} GB/s per GPU (measured now)")
-    print(f"{'context':>8} {'path':>22} {'TTFT ms':>8} {'tok/s':>8} {'roofline':>9} {'% HBM':>6}")
-    for r in rows:
-        ttft = f"{r['ttft_ms']:.1f}" if r["ttft_ms"] is not None else "-"
-        print(f"{r['context']:>8} {r['path']:>22} {ttft:>8} {r['tok_s']:>8.1f} {r['roofline_tok_s']:>9.1f} "
-              f"{r['pct_hbm']:>5.1f}%")
+    D.emit(result, args.json, f"{name} on {args.tp}x {rt.name}, HBM read {hbm / 1e9:.0f} GB/s per GPU (measured now)",
+           path_width=22)
     return 0
