@@ -252,7 +252,7 @@ class IncrementalDetokenizer:
 
 # ---- GGUF builders ----------------------------------------------------------
 def _gguf_byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre: str | None):
-    from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
     if not merges:
         raise ModelError("GGUF gpt2 tokenizer has no tokenizer.ggml.merges")
@@ -283,18 +283,11 @@ def _gguf_byte_level_bpe(tokens: list[str], types: list[int], merges: list[str],
     alphabet = set(_byte_unicode().values())
     # Control tokens are special (never split, skipped on decode); a "control" token spelled outside the
     # byte alphabet is a converter mislabel and stays an ordinary vocabulary entry.
-    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
-               if ty == TOKEN_CONTROL and set(t) <= alphabet]
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED]
-    if special:
-        tok.add_special_tokens(special)
-    if user:
-        tok.add_tokens(user)
-    return tok
+    return _with_added_tokens(tok, tokens, types, lambda t, ty: ty == TOKEN_CONTROL and set(t) <= alphabet)
 
 
 def _gguf_sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float], add_space_prefix: bool):
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
     # SentencePiece BPE merges the adjacent pair whose merged piece has the highest score; a BPE merge list
@@ -319,8 +312,14 @@ def _gguf_sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[fl
     if add_space_prefix:
         dec.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(dec)
-    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
-               if ty in (TOKEN_CONTROL, TOKEN_UNKNOWN)]
+    return _with_added_tokens(tok, tokens, types, lambda t, ty: ty in (TOKEN_CONTROL, TOKEN_UNKNOWN))
+
+
+def _with_added_tokens(tok, tokens: list[str], types: list[int], is_special):
+    """Register GGUF special tokens (never split, skipped on decode) and user-defined ones (never split)."""
+    from tokenizers import AddedToken
+
+    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if is_special(t, ty)]
     user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED]
     if special:
         tok.add_special_tokens(special)
