@@ -61,8 +61,6 @@ def _decode_rate(stamps: list[float]) -> float:
 def _per_op_from_state(be, token: int, n: int) -> tuple[list[int], list[float]]:
     """The per-op path's decode loop (GpuBackend.generate_ids after its prefill) from a filled KV cache:
     graph step, device sampling, one int read back per token."""
-    from ..gpu.executor import GpuBackend  # noqa: F401  (the methods used below are GpuBackend's)
-
     s = be.stream
     be._set_int(be.tokens, token)
     be._set_int(be.pos_buf, be.pos)
