@@ -58,6 +58,25 @@ def _decode_rate(stamps: list[float]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else float("nan")
 
 
+def timed_runs(once, runs: int, gen: int, what: str) -> tuple[list[int], list[float], list[float]]:
+    """Run ``once() -> (tokens, arrival stamps)`` runs + 1 times; run 0 warms up (compiles, captures graphs).
+    Every timed run must reproduce run 0's greedy tokens. Returns (tokens, TTFTs s, decode tok/s rates)."""
+    first, ttfts, rates = None, [], []
+    for r in range(runs + 1):
+        t0 = time.perf_counter()
+        toks, stamps = once()
+        if len(toks) != gen:
+            raise HipEngineError(f"{what}: produced {len(toks)} tokens, expected {gen}")
+        if r == 0:
+            first = toks
+            continue
+        if toks != first:
+            raise HipEngineError(f"{what}: greedy output changed between runs")
+        ttfts.append(stamps[0] - t0)
+        rates.append(_decode_rate(stamps))
+    return first, ttfts, rates
+
+
 def _per_op_from_state(be, token: int, n: int) -> tuple[list[int], list[float]]:
     """The per-op path's decode loop (GpuBackend.generate_ids after its prefill) from a filled KV cache:
     graph step, device sampling, one int read back per token."""
@@ -101,28 +120,17 @@ def measure(be, contexts, paths, runs: int = RUNS, gen: int = GEN, log=print) ->
         if not real:
             _fill_kv(be)
         for path in paths:
-            ttfts, rates, first = [], [], None
-            for r in range(runs + 1):  # run 0 warms up (compiles, captures the graph)
-                t0 = time.perf_counter()
+            def once():
                 if real:
                     g = be.generate_ids(prompt, params) if path == "monokernel" else \
                         GpuBackend.generate_ids(be, prompt, params, lambda: False)
-                    toks, stamps = _timed(g)
-                else:
-                    be.pos = C - gen
-                    if path == "monokernel":
-                        toks, stamps = _timed(be.generate_from_state(int(prompt[-1]), 0, params))
-                    else:
-                        toks, stamps = _per_op_from_state(be, int(prompt[-1]), gen)
-                if len(toks) != gen:
-                    raise HipEngineError(f"{path} produced {len(toks)} tokens, expected {gen}")
-                if r == 0:
-                    first = toks
-                    continue
-                if toks != first:
-                    raise HipEngineError(f"{path} at context {C}: greedy output changed between runs")
-                ttfts.append(stamps[0] - t0)
-                rates.append(_decode_rate(stamps))
+                    return _timed(g)
+                be.pos = C - gen
+                if path == "monokernel":
+                    return _timed(be.generate_from_state(int(prompt[-1]), 0, params))
+                return _per_op_from_state(be, int(prompt[-1]), gen)
+
+            first, ttfts, rates = timed_runs(once, runs, gen, f"{path} at context {C}")
             rows.append({"context": C, "path": path, "prompt": "real" if real else "synthetic-kv",
                          "ttft_ms": statistics.median(ttfts) * 1e3 if real else None,
                          "tok_s": statistics.median(rates), "tok_s_runs": rates, "tokens": first})

@@ -385,21 +385,13 @@ def bench_decode(args) -> int:
                         per = rk.kv_layer_bytes * rk.config.num_layers
                         rk.rt.memset(rk.k_cache, D.KV_FILL_BYTE, per)
                         rk.rt.memset(rk.v_cache, D.KV_FILL_BYTE, per)
-                ttfts, rates, first = [], [], None
-                for r in range(D.RUNS + 1):  # run 0 warms up (compiles, captures the graphs)
-                    t1 = time.perf_counter()
+                def once():
                     if real:
-                        toks, stamps = D._timed(be.generate_ids(prompt, params))
-                    else:
-                        be.pos = C - D.GEN
-                        toks, stamps = D._timed(be.decode_from(int(prompt[-1]), D.GEN))
-                    if r == 0:
-                        first = toks
-                        continue
-                    if toks != first:
-                        raise HipEngineError(f"{path} at context {C}: greedy output changed between runs")
-                    ttfts.append(stamps[0] - t1)
-                    rates.append(D._decode_rate(stamps))
+                        return D._timed(be.generate_ids(prompt, params))
+                    be.pos = C - D.GEN
+                    return D._timed(be.decode_from(int(prompt[-1]), D.GEN))
+
+                _, ttfts, rates = D.timed_runs(once, D.RUNS, D.GEN, f"{path} at context {C}")
                 b = max(be.plan.rank_config(k).decode_bytes_per_token(2.0, context=C) for k in range(args.tp))
                 tok_s = statistics.median(rates)
                 rows.append({"context": C, "path": path, "prompt": "real" if real else "synthetic-kv",
