@@ -207,6 +207,22 @@ HE_INLINE he_vec16 he_load16_stream(const void* p) {
 }
 #endif
 
+// Streaming 16-byte load for data written earlier in the same kernel and read once (KV-cache rows in the
+// monokernel: row `pos` is appended, then read after a grid barrier). The coherent path: no .nc (the
+// read-only path may serve a stale line for memory rewritten during the kernel) and no L1 allocation on
+// NVIDIA; on AMD the non-temporal load is an ordinary coherent load with a cache hint.
+#if HE_AMD
+HE_INLINE he_vec16 he_load16_stream_rw(const void* p) { return he_load16_stream(p); }
+#else
+HE_INLINE he_vec16 he_load16_stream_rw(const void* p) {
+  he_vec16 v;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+#endif
+
 // ------------------------------------------------------------------------------------------------------
 // Warp shuffles and reductions. All lanes of the warp must be active (kernels here launch whole warps and
 // keep every lane in the reduction, masking data instead of threads).
@@ -408,10 +424,13 @@ HE_INLINE void he_atomic_or_relaxed_block(he_u32* p, he_u32 v) { atomicOr(p, v);
 // 64 clocks), so it sleeps a fixed short time (~0.1 µs at 2.1 GHz) per call whatever the hint.
 // he_clock_ns: a monotonically increasing wall clock for timeouts (not for fine profiling).
 //   NVIDIA: %globaltimer (ns, updated every ~µs).  AMD: s_memrealtime, a constant 100 MHz counter.
+// he_cycles: this SM's / CU's cycle counter, for stage profiles inside one block (calibrated against
+//   he_clock_ns over whole steps by the host).
 // ------------------------------------------------------------------------------------------------------
 #if HE_AMD
 HE_INLINE void he_sleep(unsigned ns) { (void)ns; __builtin_amdgcn_s_sleep(2); }
 HE_INLINE he_u64 he_clock_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
+HE_INLINE he_u64 he_cycles() { return __builtin_readcyclecounter(); }
 #else
 HE_INLINE void he_sleep(unsigned ns) { __nanosleep(ns); }
 HE_INLINE he_u64 he_clock_ns() {
@@ -419,6 +438,7 @@ HE_INLINE he_u64 he_clock_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+HE_INLINE he_u64 he_cycles() { return clock64(); }
 #endif
 
 // Portable extern "C" kernel declaration; standalone kernels are `HE_KERNEL(256) name(args) {...}`.

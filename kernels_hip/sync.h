@@ -93,19 +93,16 @@ HE_INLINE bool he_wait_geq_device(const HeWaitCtx& w, const he_u32* flag, he_u32
 // the same barriers in the same order). Returns false if the kernel must end (timeout/abort); the result is
 // the same in every thread of the block.
 //
-// `while_waiting` lets the caller overlap the wait with independent work (issuing the next stage's weight
-// loads): it runs in every thread after this block has arrived and before it waits.
-struct HeNoWork {
-  HE_INLINE void operator()() const {}
-};
-
-template <class F = HeNoWork>
-HE_INLINE bool he_grid_barrier(const HeWaitCtx& w, he_u32& epoch, int nblocks, const F& while_waiting = F()) {
-  __shared__ int he_bar_ok;
+// Split in two so a caller can overlap the wait with independent work (the monokernel requests the next
+// stage's weights between the two): he_grid_arrive() then he_grid_wait(); he_grid_barrier() is both.
+HE_INLINE void he_grid_arrive(const HeWaitCtx& w) {
   he_sync_block();  // every thread's stage outputs happen-before thread 0's release below (block scope)
   // acq_rel RMW at device scope: release publishes this block's outputs to whoever acquires a later value.
   if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(&w.bar->count, 1u);
-  while_waiting();
+}
+
+HE_INLINE bool he_grid_wait(const HeWaitCtx& w, he_u32& epoch, int nblocks) {
+  __shared__ int he_bar_ok;
   const he_u32 target = (epoch + 1u) * (he_u32)nblocks;
   if (he_thread_idx() == 0) he_bar_ok = he_wait_geq_device(w, &w.bar->count, target, kStatusBarrierTimeout);
   he_sync_block();  // hands thread 0's acquire to the block (block-scope acq_rel)
@@ -113,6 +110,11 @@ HE_INLINE bool he_grid_barrier(const HeWaitCtx& w, he_u32& epoch, int nblocks, c
   he_sync_block();  // he_bar_ok may be rewritten by the next barrier only after everyone read it
   ++epoch;
   return ok;
+}
+
+HE_INLINE bool he_grid_barrier(const HeWaitCtx& w, he_u32& epoch, int nblocks) {
+  he_grid_arrive(w);
+  return he_grid_wait(w, epoch, nblocks);
 }
 
 // Wait (whole block) until *counter >= target; the counter's writers used device-scope releases after

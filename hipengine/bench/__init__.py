@@ -13,7 +13,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> str:
-    """HEAD of the source tree being measured, or "unknown" (not a git checkout, git missing)."""
+    """HEAD of the source tree being measured; $HIPENGINE_COMMIT where the tree is a copy without .git (the
+    device machine), else "unknown"."""
+    import os
+
+    if os.environ.get("HIPENGINE_COMMIT"):
+        return os.environ["HIPENGINE_COMMIT"]
     try:
         p = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                            timeout=10)

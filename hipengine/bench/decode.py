@@ -17,6 +17,7 @@ Method (docs/perf-log.md records what each figure meant at the time):
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -105,8 +106,19 @@ def _fill_kv(be) -> None:
     be.rt.memset(be.v_cache, KV_FILL_BYTE, per)
 
 
+def profile_table(prof: dict, n_layers: int) -> str:
+    """The monokernel's stage profile (read_profile) as text: µs per decode step and per layer."""
+    out = [f"  stage profile, block 0, {prof['steps']} steps, {prof['us_per_step']:.1f} us/step "
+           f"(SM clock {prof['ghz']:.2f} GHz): stage, work us, work+wait us per step, per layer"]
+    for k, tot in prof["total_us"].items():
+        per = n_layers if k not in ("select", "lm_head") else 1
+        out.append(f"    {k:10s} {prof['work_us'][k]:8.1f} {tot:8.1f} {tot / per:8.2f}")
+    return "\n".join(out)
+
+
 def measure(be, contexts, paths, runs: int = RUNS, gen: int = GEN, log=print) -> list[dict]:
     from ..gpu.executor import GpuBackend
+    from ..gpu.monokernel import read_profile, reset_profile
 
     cfg = be.config
     params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
@@ -130,11 +142,17 @@ def measure(be, contexts, paths, runs: int = RUNS, gen: int = GEN, log=print) ->
                     return _timed(be.generate_from_state(int(prompt[-1]), 0, params))
                 return _per_op_from_state(be, int(prompt[-1]), gen)
 
+            profiled = path == "monokernel" and getattr(be, "prof_buf", None) is not None
+            if profiled:
+                reset_profile(be)
             first, ttfts, rates = timed_runs(once, runs, gen, f"{path} at context {C}")
             rows.append({"context": C, "path": path, "prompt": "real" if real else "synthetic-kv",
                          "ttft_ms": statistics.median(ttfts) * 1e3 if real else None,
                          "tok_s": statistics.median(rates), "tok_s_runs": rates, "tokens": first})
             log(f"  context {C:6d} {path:10s} {rows[-1]['tok_s']:8.1f} tok/s")
+            if profiled:
+                prof = rows[-1]["stage_profile"] = read_profile(be)
+                log(profile_table(prof, cfg.num_layers))
         same = [r for r in rows if r["context"] == C]
         if len(same) == 2:  # recorded, not raised: a divergence is a finding to report next to the figures
             for r in same:
@@ -160,6 +178,8 @@ def _run(args) -> int:
 
         return bench_decode(args)
     contexts = sorted(set(args.context or DEFAULT_CONTEXTS))
+    if getattr(args, "profile", False):  # the stage-profiling build of the monokernel (a few % slower)
+        os.environ["HIPENGINE_MK_PROFILE"] = "1"
     loaded, name = _load(args)
     rt = get_runtime(0)
     print(f"measuring HBM read bandwidth on {rt.name} ...", file=sys.stderr)

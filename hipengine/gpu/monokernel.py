@@ -15,8 +15,9 @@ error code into the mapped status word; the host raises it as ``DeviceError``.
 
 Knobs (environment; defaults from the H200 sweep in docs/perf-log.md): HIPENGINE_MK_MIN_BLOCKS (resident
 blocks per SM the kernel is compiled for, 2), HIPENGINE_MK_BLOCKS_PER_SM (grid, default = min blocks),
-HIPENGINE_MK_FINE (0/1/2 attention -> O-proj synchronisation, 2), HIPENGINE_MK_PREFETCH (0),
-HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s).
+HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation, 3), HIPENGINE_MK_PRELOAD (1),
+HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
+builds the stage-profiling variant, read with read_profile()).
 """
 from __future__ import annotations
 
@@ -109,11 +110,14 @@ PARAM_FIELDS = [
     ("rep_pen", "float"),
     ("seed_lo", "he_u32"),
     ("seed_hi", "he_u32"),
-    ("prefetch", "he_i32"),         # issue the next stage's first weight loads before each barrier wait
-    ("fine", "he_i32"),             # 0: barrier after attention; 1: O-proj waits on the heads-combined
-                                    # counter; 2: barrier, then heads combined in parallel, then the counter
+    ("preload", "he_i32"),          # 1: a matvec stage's first weight batches are requested while the
+                                    # block waits at the barrier before it (he_mv_begin); 0: after it
+    ("fine", "he_i32"),             # attention -> O-proj: 2: barrier, heads combined one per block;
+                                    # 3: the last split block of each KV head combines its group. O-proj
+                                    # then waits on the heads-combined counter (no grid barrier)
     ("poll_sleep_ns", "he_u32"),    # back-off between polls of a barrier/counter (0: spin)
     ("pad_end", "he_i32"),
+    ("prof", "he_u64*"),            # [MK_PROF_WORDS] stage profile (MK_PROFILE builds only), else null
 ]
 
 STATE_FIELDS = [
@@ -237,13 +241,25 @@ def compile_args(vendor: str, f16: bool, group: int) -> dict:
     cap = os.environ.get("HIPENGINE_MK_MAXRREG")
     if cap and vendor == "nvidia":
         opts.append(f"--maxrregcount={int(cap)}")
-    return {"defines": {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), "MK_MIN_BLOCKS": min_blocks()},
-            "options": opts or None}
+    defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), "MK_MIN_BLOCKS": min_blocks(),
+               "HE_MATVEC_UNROLL": matvec_unroll()}
+    if profiling():
+        defines["MK_PROFILE"] = 1
+    return {"defines": defines, "options": opts or None}
 
 
 def min_blocks() -> int:
-    """Resident blocks per SM the kernel is compiled for (HIPENGINE_MK_MIN_BLOCKS, default 2)."""
-    return int(os.environ.get("HIPENGINE_MK_MIN_BLOCKS", "2"))
+    """Resident blocks per SM the kernel is compiled for (HIPENGINE_MK_MIN_BLOCKS, default 1). One 256-thread
+    block per SM leaves the compiler 255 registers: the matvec stream keeps 2 x 2 rows x 8 16-byte loads per
+    lane (16 KiB per warp) in registers without spilling. Two blocks cap it at 128 registers, where the
+    stream spilled to local memory (each spill store waits for its load: no overlap left)."""
+    return int(os.environ.get("HIPENGINE_MK_MIN_BLOCKS", "1"))
+
+
+def matvec_unroll() -> int:
+    """16-byte weight loads per lane per row per batch in the monokernel's matvec stream
+    (HIPENGINE_MK_UNROLL, default 8; the per-op kernels use 4). Summation order does not depend on it."""
+    return int(os.environ.get("HIPENGINE_MK_UNROLL", "8"))
 
 
 def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4)) -> list[str]:
@@ -281,10 +297,28 @@ class MonokernelBackend(GpuBackend):
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
+        self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
+        # Defaults from the H200 sweeps (docs/perf-log.md): weights requested before each barrier wait, the
+        # last split block of each KV head combines its group.
+        self.preload = int(os.environ.get("HIPENGINE_MK_PRELOAD", "1"))
+        self.fine = int(os.environ.get("HIPENGINE_MK_FINE", "3"))
+        if self.fine not in (2, 3):
+            raise UnsupportedError(f"HIPENGINE_MK_FINE={self.fine}: 2 (barrier, one head per block) or 3 "
+                                   "(last split block combines its group)")
+        self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
+        self.prof_buf = self._buf(8 * MK_PROF_WORDS) if profiling() else None
+        self._size_launch()
+        self._setup_buffers()
+
+    def _size_launch(self) -> None:
+        """Shared memory, occupancy and grid for the current max_context (the combine's shared memory grows
+        with the attention split count)."""
+        rt, cfg = self.rt, self.config
         G = cfg.num_heads // cfg.num_kv_heads
         nw = THREADS // rt.warp_size
         self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),  # matvec x staging
                         (G * cfg.head_dim + nw * G * (cfg.head_dim + 2)) * 4,       # attention (ops.attention)
+                        O.combine_shared_bytes(self.nsplit, G),                     # group combine
                         4 * ((cfg.vocab_size + 31) // 32))                           # sampling history bitmap
         if self.smem > rt.max_shared_per_block:
             raise DeviceError(f"monokernel needs {self.smem} B of shared memory per block; the device allows "
@@ -296,13 +330,6 @@ class MonokernelBackend(GpuBackend):
         self.blocks_per_sm = min(occ, want)
         self.grid = rt.num_sms * self.blocks_per_sm
         self.occupancy = occ
-        self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
-        # Defaults from the H200 sweep (docs/perf-log.md): register-prefetch off (714 vs 740 tok/s), heads
-        # combined in parallel after a barrier (740 vs 651 for the last-arriver combine).
-        self.prefetch = int(os.environ.get("HIPENGINE_MK_PREFETCH", "0"))
-        self.fine = int(os.environ.get("HIPENGINE_MK_FINE", "2"))
-        self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
-        self._setup_buffers()
 
     def _check_layout(self) -> None:
         """NVRTC cannot static_assert offsets: ask the compiled code for them once (a 1-thread kernel)."""
@@ -358,7 +385,8 @@ class MonokernelBackend(GpuBackend):
             ring_cap=self.ring_cap, top_k=int(sp.top_k), eps=float(cfg.rms_norm_eps),
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
             rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
-            prefetch=self.prefetch, fine=self.fine, poll_sleep_ns=self.poll_sleep_ns)
+            preload=self.preload, fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
+            prof=self.prof_buf.ptr if self.prof_buf is not None else 0)
 
     def _launch(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
                 eos: list[int] = (), seed: int = 0) -> None:
@@ -469,6 +497,7 @@ class MonokernelBackend(GpuBackend):
         self._alloc_state()
         if self.hostmem is not None:
             self.hostmem.free()
+        self._size_launch()
         self._setup_buffers()
         self.pos = 0
 
@@ -491,14 +520,44 @@ class MonokernelBackend(GpuBackend):
 
 def grid_info(backend: MonokernelBackend) -> dict:
     return {"grid": backend.grid, "blocks_per_sm": backend.blocks_per_sm, "occupancy": backend.occupancy,
-            "prefetch": backend.prefetch, "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns,
+            "preload": backend.preload, "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns,
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
-            barriers_per_token(backend.config)}
+            barriers_per_token(backend.config, backend.fine)}
 
 
-def barriers_per_token(cfg) -> int:
+def barriers_per_token(cfg, fine: int = 3) -> int:
     """Grid barriers one decode step crosses (the monokernel's main fixed cost; see docs/perf-log.md)."""
-    # qkv | attention | (combine -> O-proj: a counter wait) | gate-up | down
-    per_layer = 5 + (1 if cfg.qk_norm else 0)
+    # qkv | (fine 2: attention) | (combine -> O-proj: a counter wait) | O | gate-up | down
+    per_layer = 4 + (1 if fine == 2 else 0) + (1 if cfg.qk_norm else 0)
     return cfg.num_layers * per_layer + 2  # + LM head + sample/embed
+
+
+# ---- stage profile (HIPENGINE_MK_PROFILE=1: a separate build with -DMK_PROFILE=1) --------------------------
+PROF_STAGES = ["select", "qkv", "attention", "combine", "o_proj", "gate_up", "down", "lm_head"]
+MK_PROF_WORDS = 2 * len(PROF_STAGES) + 3
+
+
+def profiling() -> bool:
+    return os.environ.get("HIPENGINE_MK_PROFILE", "0") not in ("", "0")
+
+
+def read_profile(backend: "MonokernelBackend") -> dict:
+    """Per-stage microseconds per decode step, summed over the launches since the last reset_profile():
+    ``work`` (block 0 from the stage's start to its barrier arrival) and ``total`` (to the barrier's exit).
+    Cycles are converted with the launch's own ns/cycle ratio."""
+    if backend.prof_buf is None:
+        raise DeviceError("stage profile needs HIPENGINE_MK_PROFILE=1 when the backend is built")
+    v = backend.rt.download(backend.prof_buf, (MK_PROF_WORDS,), np.uint64).astype(np.float64)
+    n = len(PROF_STAGES)
+    ns, cyc, steps = v[2 * n], v[2 * n + 1], max(v[2 * n + 2], 1.0)
+    us = (ns / cyc / 1e3) if cyc else 0.0
+    return {"steps": int(v[2 * n + 2]), "ghz": (cyc / ns) if ns else 0.0, "us_per_step": ns / steps / 1e3,
+            "work_us": {k: v[i] * us / steps for i, k in enumerate(PROF_STAGES)},
+            "total_us": {k: v[n + i] * us / steps for i, k in enumerate(PROF_STAGES)}}
+
+
+def reset_profile(backend: "MonokernelBackend") -> None:
+    if backend.prof_buf is not None:
+        backend.rt.memset(backend.prof_buf, 0, 8 * MK_PROF_WORDS, stream=backend.stream)
+        backend.stream.synchronize()

@@ -10,6 +10,7 @@ Pointer arguments take a DeviceBuffer, a raw device address (int) or None (a nul
 from __future__ import annotations
 
 import math
+import os
 from ctypes import c_float, c_int32, c_uint32, c_void_p
 
 import numpy as np
@@ -60,13 +61,27 @@ def _p(x) -> c_void_p:
     return c_void_p(int(x))
 
 
-def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int) -> tuple[int, int]:
-    """(nsplit, chunk): enough (kv head, split) blocks to cover ~2 blocks per SM at full context, chunks a
-    multiple of 32 positions between 32 and 512. Fixed per max_ctx so a captured graph stays valid."""
-    want = max(1, math.ceil(2 * num_sms / num_kv_heads))
+def attention_blocks_per_sm() -> int:
+    """(kv head, split) blocks per SM the split plan aims for: 1, the monokernel's grid (one round of split
+    blocks, then no idle SM). HIPENGINE_ATTN_BLOCKS_PER_SM overrides (sweeps)."""
+    return int(os.environ.get("HIPENGINE_ATTN_BLOCKS_PER_SM", "1"))
+
+
+def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int,
+                   blocks_per_sm: int | None = None) -> tuple[int, int]:
+    """(nsplit, chunk): enough (kv head, split) blocks to cover ~blocks_per_sm blocks per SM at full context,
+    chunks a multiple of 32 positions between 32 and 512. Fixed per max_ctx so a captured graph stays valid;
+    the per-op path and the monokernel use the same plan (their results are then bit-identical)."""
+    bps = blocks_per_sm or attention_blocks_per_sm()
+    want = max(1, math.ceil(bps * num_sms / num_kv_heads))
     chunk = math.ceil(max_ctx / want)
     chunk = min(512, max(32, (chunk + 31) // 32 * 32))
     return math.ceil(max_ctx / chunk), chunk
+
+
+def combine_shared_bytes(nsplit: int, heads: int = 1) -> int:
+    """Shared memory of he_attention_combine for `heads` heads: every split's (m, l), fp32."""
+    return 8 * nsplit * heads
 
 
 class Ops:
@@ -166,7 +181,8 @@ class Ops:
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
                         c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream)
         self.rt.launch(self.fn("attention_decode", "attention_combine"), (nh, T), 128,
-                       [_p(partial), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)], shared=nsplit * 4,
+                       [_p(partial), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)],
+                       shared=combine_shared_bytes(nsplit),
                        stream=stream)
 
     @staticmethod

@@ -7,38 +7,43 @@
 //    otherwise he_sample_block on block 0. The leader writes the ring + history, checks the stop
 //    conditions and the host's cancel word, and embeds the token]
 //   ── grid barrier ──
-//   per layer:  QKV (RMSNorm prologue, bias, RoPE, KV append)   he_matvec_qkv_body
+//   per layer:  QKV (RMSNorm prologue, bias, RoPE, KV append)   HeMvQkv
 //               (Qwen3: raw q|k|v ── barrier ── per-head norm + RoPE + append: he_qk_norm_rope_head)
 //               ── barrier ──
 //               attention splits (he_attention_split_block)
-//               fine == 2 (default): ── barrier ── one head per block: he_attention_combine_head
-//               fine <  2: the last split block of each KV head (arrival counter) combines its G heads
-//               ── O-proj waits on the heads-combined counter (fine ≥ 1) or a barrier (fine == 0) ──
-//               O-proj + residual (he_matvec_body)              ── barrier ──
-//               gate/up + SiLU·mul, RMSNorm prologue            ── barrier ──
-//               down + residual                                 ── barrier ──
-//   LM head with the final-norm prologue (he_matvec_body)       ── barrier ──
+//               fine == 3: the last split block of each KV head (arrival counter) combines its G heads
+//               fine == 2: ── barrier ── one head per block
+//               ── O-proj waits on the heads-combined counter ──
+//               O-proj + residual (HeMvPlain)                    ── barrier ──
+//               gate/up + SiLU·mul, RMSNorm prologue (HeMvGateUp) ── barrier ──
+//               down + residual (HeMvPlain)                      ── barrier ──
+//   LM head with the final-norm prologue (HeMvPlain)             ── barrier ──
 //
-// Every stage is the op's own __device__ body from ops/*.hip (the per-op kernels call the same bodies), so
-// with the same block size (kMkThreads == the per-op launch's 256) and the same attention split plan each
-// value is computed with the same instructions in the same order: greedy output is bit-identical to the
-// per-op path. The bodies stride over the grid (he_block_idx / he_grid_dim), so they need no change to run
-// on the persistent grid.
+// Every stage is the op's own __device__ code from ops/*.hip (the per-op kernels run the same op
+// descriptors and bodies), so with the same block size (kMkThreads == the per-op launch's 256) and the same
+// attention split plan each value is computed with the same instructions in the same order: greedy output
+// is bit-identical to the per-op path. The bodies stride over the grid (he_block_idx / he_grid_dim), so they
+// need no change to run on the persistent grid.
+//
+// Weights before activations (p.preload): a matvec stage's weights never depend on the step's activations,
+// so each warp requests its first two weight batches of the next stage (he_mv_begin, ops/matvec.hip)
+// after its block arrives at the barrier that publishes the stage's input and before it waits; the
+// barrier's latency then overlaps HBM's. The O-proj's batches are requested before the heads-combined wait.
 //
 // Coherence of data rewritten inside the kernel (activations, partials, logits, KV rows): read with plain
-// loads after a grid barrier / counter acquire (sync.h). Pointers come from the parameter block, never from
-// `const __restrict__` kernel parameters, so the compiler cannot turn those loads into non-coherent
-// read-only-cache loads. The position is passed to the op bodies as &iota[pos] (a table the kernel never
-// writes) instead of a device word that changes every step. KV rows are read with streaming loads: row
-// `pos` is first read after it was written (previous steps read only rows < pos) and the streaming load
-// allocates no L1 line, so no stale copy can exist.
-//
-// Weight prefetch (P->prefetch, off by default): weights never depend on the activations, so while a block
-// waits at a barrier each warp can issue the first-batch weight loads of its first rows in the next matvec
-// stage, landing them in L2 while the grid synchronises. Measured on H200 (docs/perf-log.md) it gained
-// nothing: the stages are latency-bound inside, not at the barriers.
+// loads after a grid barrier / counter acquire (sync.h). Pointers come from the parameter block, and the op
+// bodies take such data through plain (not `const __restrict__`) pointers, so the compiler cannot turn
+// those loads into non-coherent read-only-path loads (ld.global.nc). The position is passed to the op
+// bodies as &iota[pos] (a table the kernel never writes) instead of a device word that changes every step.
+// KV rows are read with he_load16_stream_rw (coherent, no L1 allocation): row `pos` is first read after it
+// was written and a barrier's acquire.
 #include "port.h"
 #include "sync.h"
+// 16-byte loads per lane per row per batch of the matvec stream (the host passes HIPENGINE_MK_UNROLL; the
+// per-op kernels default to 4). 8 keeps 16 KiB per warp in flight at one block per SM, spill-free.
+#ifndef HE_MATVEC_UNROLL
+#define HE_MATVEC_UNROLL 8
+#endif
 #include "ops/embedding.hip"
 #include "ops/matvec.hip"
 #include "ops/attention_decode.hip"
@@ -157,12 +162,13 @@ struct MkParams {
   float rep_pen;
   he_u32 seed_lo;
   he_u32 seed_hi;
-  he_i32 prefetch;
+  he_i32 preload;
   he_i32 fine;
   he_u32 poll_sleep_ns;
   he_i32 pad_end;
+  he_u64* prof;
 };
-static_assert(sizeof(MkParams) == 312, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 320, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -212,10 +218,11 @@ MK_OFFSET_CHECK(MkParams, min_p, 276)
 MK_OFFSET_CHECK(MkParams, rep_pen, 280)
 MK_OFFSET_CHECK(MkParams, seed_lo, 284)
 MK_OFFSET_CHECK(MkParams, seed_hi, 288)
-MK_OFFSET_CHECK(MkParams, prefetch, 292)
+MK_OFFSET_CHECK(MkParams, preload, 292)
 MK_OFFSET_CHECK(MkParams, fine, 296)
 MK_OFFSET_CHECK(MkParams, poll_sleep_ns, 300)
 MK_OFFSET_CHECK(MkParams, pad_end, 304)
+MK_OFFSET_CHECK(MkParams, prof, 312)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -299,10 +306,11 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[71] = (he_u64)((const char*)&vMkParams.rep_pen - (const char*)&vMkParams);
   out[72] = (he_u64)((const char*)&vMkParams.seed_lo - (const char*)&vMkParams);
   out[73] = (he_u64)((const char*)&vMkParams.seed_hi - (const char*)&vMkParams);
-  out[74] = (he_u64)((const char*)&vMkParams.prefetch - (const char*)&vMkParams);
+  out[74] = (he_u64)((const char*)&vMkParams.preload - (const char*)&vMkParams);
   out[75] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
   out[76] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
   out[77] = (he_u64)((const char*)&vMkParams.pad_end - (const char*)&vMkParams);
+  out[78] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -320,102 +328,101 @@ constexpr bool kMkF16 = MK_WEIGHT_F16 != 0;
 #define MK_ATTN_G 4
 #endif
 
-// ---- weight prefetch -------------------------------------------------------------------------------------
-// Loads this warp's first matvec sweep of rows ra and rb (the same addresses he_matvec_warp issues first)
-// and folds them into `sink`, which the kernel consumes at exit so no compiler can drop the loads.
-HE_INLINE void mk_prefetch_rows(const he_u16* ra, const he_u16* rb, int in, he_u32& sink) {
-  const he_u16* const rp[2] = {ra, rb};
-  he_vec16 w[2][kMatvecUnroll];
-  he_matvec_load<2>(rp, in, 0, w);  // the op's own first-batch load (same addresses, same predication)
-#pragma unroll
-  for (int u = 0; u < kMatvecUnroll; ++u) sink ^= w[0][u].x ^ w[1][u].y ^ w[0][u].z ^ w[1][u].w;
+// ---- stage profile (-DMK_PROFILE=1 builds only) -----------------------------------------------------------
+// Block 0's thread 0 accumulates, per stage kind, the cycles from the stage's start to its arrival at the
+// next barrier ("work") and to that barrier's exit ("total" = work + wait), over every decode step of the
+// launch; then the wall time and cycles of the whole loop so the host can convert cycles to ns.
+// prof[k] work, prof[kMkProfN + k] total, prof[2N] ns, prof[2N + 1] cycles, prof[2N + 2] steps.
+enum MkProfStage { kProfSelect, kProfQkv, kProfAttn, kProfCombine, kProfO, kProfGateUp, kProfDown, kProfHead,
+                   kMkProfN };
+#ifndef MK_PROFILE
+#define MK_PROFILE 0
+#endif
+struct MkProf {
+#if MK_PROFILE
+  he_u64* out;
+  he_u64 t, t0, ns0;
+  bool on;
+  HE_INLINE explicit MkProf(he_u64* o) : out(o), t(0), t0(0), ns0(0) {
+    on = o != nullptr && he_block_idx() == 0 && he_thread_idx() == 0;
+    if (on) { t = t0 = he_cycles(); ns0 = he_clock_ns(); }
+  }
+  HE_INLINE void work(int k) { if (on) out[k] += he_cycles() - t; }
+  HE_INLINE void done(int k) {
+    if (!on) return;
+    const he_u64 now = he_cycles();
+    out[kMkProfN + k] += now - t;
+    t = now;
+  }
+  HE_INLINE void finish(int steps) {
+    if (!on) return;
+    out[2 * kMkProfN] += he_clock_ns() - ns0;
+    out[2 * kMkProfN + 1] += he_cycles() - t0;
+    out[2 * kMkProfN + 2] += (he_u64)steps;
+  }
+#else
+  HE_INLINE explicit MkProf(he_u64*) {}
+  HE_INLINE void work(int) {}
+  HE_INLINE void done(int) {}
+  HE_INLINE void finish(int) {}
+#endif
+};
+
+// ---- the matvec stages as op descriptors (ops/matvec.hip) ------------------------------------------------
+HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos) {
+  // qk_norm models write raw q|k|v (rope = 0); the per-head norm stage rotates and appends.
+  return HeMvQkv{p.x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
+                 p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
+                 p.qk_norm ? 0 : 1};
+}
+HE_INLINE HeMvPlain mk_o_op(const MkParams& p, const MkLayer& L) {
+  return HeMvPlain{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, p.x, p.x, p.d};
+}
+HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L) {
+  return HeMvGateUp{p.x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
+}
+HE_INLINE HeMvPlain mk_down_op(const MkParams& p, const MkLayer& L) {
+  return HeMvPlain{p.h, nullptr, 0.f, p.ffn, L.w_down, p.x, p.x, p.d};
+}
+HE_INLINE HeMvPlain mk_head_op(const MkParams& p) {
+  return HeMvPlain{p.x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab};
 }
 
-// Which weight stage a barrier prefetches for (the next stage that streams weights).
+// Which matvec stage comes next (its weights are requested by mk_begin before the data it multiplies).
 enum MkNext { kNextNone, kNextQkv, kNextO, kNextGateUp, kNextDown, kNextHead };
 
-HE_INLINE void mk_prefetch(const MkParams& p, MkNext next, int layer, he_u32& sink) {
-  if (!p.prefetch || next == kNextNone) return;
-  const int unit = he_block_idx() * he_num_warps() + he_warp_id();  // the body's first work unit
-  const int qd = p.nh * p.hd, kvd = p.nkv * p.hd;
-  if (next == kNextHead) {
-    if (2 * unit >= p.vocab) return;
-    const int r1 = 2 * unit + 1 < p.vocab ? 2 * unit + 1 : 2 * unit;
-    mk_prefetch_rows(p.lm_head + (he_i64)(2 * unit) * p.d, p.lm_head + (he_i64)r1 * p.d, p.d, sink);
-    return;
-  }
+HE_INLINE void mk_begin(const MkParams& p, MkNext next, int layer, int pos, HeMvStream<2>& s) {
+  if (next == kNextHead) he_mv_begin(mk_head_op(p), s);
+  if (next == kNextNone || next == kNextHead) return;
   const MkLayer& L = p.layers[layer];
-  if (next == kNextQkv) {
-    const int half = p.hd / 2;
-    if (unit >= (qd + 2 * kvd) / 2) return;
-    const int ra = (unit / half) * p.hd + unit % half;
-    mk_prefetch_rows(L.wqkv + (he_i64)ra * p.d, L.wqkv + (he_i64)(ra + half) * p.d, p.d, sink);
-  } else if (next == kNextO) {
-    if (2 * unit >= p.d) return;
-    const int r1 = 2 * unit + 1 < p.d ? 2 * unit + 1 : 2 * unit;
-    mk_prefetch_rows(L.wo + (he_i64)(2 * unit) * qd, L.wo + (he_i64)r1 * qd, qd, sink);
-  } else if (next == kNextGateUp) {
-    if (unit >= p.ffn) return;
-    mk_prefetch_rows(L.w_gate + (he_i64)unit * p.d, L.w_up + (he_i64)unit * p.d, p.d, sink);
-  } else if (next == kNextDown) {
-    if (2 * unit >= p.d) return;
-    const int r1 = 2 * unit + 1 < p.d ? 2 * unit + 1 : 2 * unit;
-    mk_prefetch_rows(L.w_down + (he_i64)(2 * unit) * p.ffn, L.w_down + (he_i64)r1 * p.ffn, p.ffn, sink);
-  }
+  if (next == kNextQkv) he_mv_begin(mk_qkv_op(p, L, pos), s);
+  else if (next == kNextO) he_mv_begin(mk_o_op(p, L), s);
+  else if (next == kNextGateUp) he_mv_begin(mk_gate_up_op(p, L), s);
+  else he_mv_begin(mk_down_op(p, L), s);
 }
 
-// ---- one decode step's stages ----------------------------------------------------------------------------
-template <bool kF16>
-HE_INLINE void mk_qkv(const MkParams& p, const MkLayer& L, int pos, float* smem, float* scratch) {
-  // qk_norm models write raw q|k|v (rope = 0); the per-head norm stage rotates and appends.
-  he_matvec_qkv_body<kF16>(L.wqkv, p.x, L.attn_norm, p.eps, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
-                           p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd,
-                           p.hd, p.d, p.qk_norm ? 0 : 1, smem, scratch);
-}
-
-// Combine the split partials of head h into att (one block) and count it (heads-combined counter:
-// acq_rel RMW at device scope after he_sync_block, so every thread's att writes happen-before it).
-HE_INLINE void mk_combine_head(const MkParams& p, int h, float* smem, float* scratch) {
-  he_attention_combine_head(p.partial + (he_i64)h * p.nsplit * (p.hd + 2), p.nsplit, p.hd, p.att + (he_i64)h * p.hd,
-                            smem, scratch);  // smem: split weights [nsplit]
+// ---- attention --------------------------------------------------------------------------------------------
+// Combine heads [h0, h0 + n) into att, then count them on the heads-combined counter (acq_rel RMW at device
+// scope after he_sync_block, so every thread's att writes happen-before it; O-proj acquires the count).
+HE_INLINE void mk_combine(const MkParams& p, int h0, int n, float* smem) {
+  he_attention_combine(p.partial + (he_i64)h0 * p.nsplit * (p.hd + 2), n, p.nsplit, p.hd, p.att + (he_i64)h0 * p.hd,
+                       smem);
   he_sync_block();
-  if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(p.attn_count + p.nkv + 1, 1u);
+  if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(p.attn_count + p.nkv + 1, (he_u32)n);
 }
 
-HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, float* scratch) {
-  const int G = MK_ATTN_G, items = p.nkv * p.nsplit;
+HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem) {
+  const int items = p.nkv * p.nsplit;
   for (int it = he_block_idx(); it < items; it += he_grid_dim()) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
     he_attention_split_block<MK_ATTN_G>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
                                         p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem);
-    // fine < 2: finer than a grid barrier, the last of this KV head's nsplit blocks to arrive combines its
-    // G heads (acq_rel counter at device scope: it sees every split's partial). Measured on H200: the G
-    // combines run one after another in that block (~3 µs each at nsplit 32), so fine == 2 combines after a
-    // barrier instead, one head per block in parallel.
-    if (p.fine < 2 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit)) {
-      for (int g = 0; g < G; ++g) mk_combine_head(p, kvh * G + g, smem, scratch);
-    }
+    // fine == 3: the last of this KV head's nsplit blocks to arrive (acq_rel counter at device scope: it
+    // sees every split's partial) combines the whole group, one thread per (head, dim), no grid barrier.
+    if (p.fine == 3 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit))
+      mk_combine(p, kvh * MK_ATTN_G, MK_ATTN_G, smem);
     he_sync_block();  // shared memory is reused by the next item
   }
-}
-
-template <bool kF16>
-HE_INLINE void mk_o_proj(const MkParams& p, const MkLayer& L, float* smem, float* scratch) {
-  he_matvec_body<kF16>(L.wo, p.att, nullptr, 0.f, p.x, p.x, p.d, p.nh * p.hd, smem, scratch);
-}
-
-template <bool kF16>
-HE_INLINE void mk_gate_up(const MkParams& p, const MkLayer& L, float* smem, float* scratch) {
-  he_matvec_gate_up_body<kF16>(L.w_gate, L.w_up, p.x, L.ffn_norm, p.eps, p.h, p.ffn, p.d, smem, scratch);
-}
-
-template <bool kF16>
-HE_INLINE void mk_down(const MkParams& p, const MkLayer& L, float* smem, float* scratch) {
-  he_matvec_body<kF16>(L.w_down, p.h, nullptr, 0.f, p.x, p.x, p.d, p.ffn, smem, scratch);
-}
-
-HE_INLINE void mk_embed(const MkParams& p, int token) {
-  he_embedding_row<kMkF16>(p.embed, token, p.vocab, p.d, p.x);
 }
 
 // ---- greedy token selection spread over the grid ----------------------------------------------------------
@@ -466,14 +473,15 @@ HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok) {
 }
 
 // ---- the kernel ------------------------------------------------------------------------------------------
-// MK_MIN_BLOCKS resident blocks per SM (-D from the host): the first H200 run had one 256-thread block per
-// SM (249 registers) and ran at 0.7x the per-op path, whose matvecs keep 4 blocks per SM in flight; the
-// op bodies need warps in flight, so the register cap buys memory-level parallelism.
+// MK_MIN_BLOCKS resident blocks per SM (-D from the host, default 1). Memory-level parallelism comes from
+// the matvec stream's registers (2 batches x 2 rows x HE_MATVEC_UNROLL 16-byte loads per lane), not from
+// more warps: at 2 blocks per SM (128 registers) ptxas spilled the stream to local memory, and a spill
+// store of a just-loaded register waits for the load — the pipeline collapsed (see docs/perf-log.md).
 #ifndef MK_MIN_BLOCKS
-#define MK_MIN_BLOCKS 2
+#define MK_MIN_BLOCKS 1
 #endif
 extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monokernel_decode(const MkParams* __restrict__ P) {
-  extern __shared__ float he_mk_smem[];  // max(matvec x staging, attention, sampling bitmap), host-sized
+  extern __shared__ float he_mk_smem[];  // max(matvec x staging, attention, combine, sampling bitmap), host-sized
   __shared__ float scratch[kMaxWarpsPerBlock];
   __shared__ float slice_sums[kSampleThreads];
   __shared__ int mk_token;
@@ -481,18 +489,28 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   const HeWaitCtx w{p.bar, p.host + kMkHost_status, p.timeout_ns, p.poll_sleep_ns};
   const int nb = he_grid_dim();
   const bool lead = he_block_idx() == 0;
-  he_u32 epoch = 0, sink = 0, attn_done = 0;
+  he_u32 epoch = 0, attn_done = 0;
   MkState* st = p.state;
   int pos = st->pos, hist_len = st->hist_len, n_out = 0, steps = 0, finish = 0;
   bool sample_now = !(p.mode & kMkModeEmbedFirst);
+  HeMvStream<2> s;  // the next matvec stage's weight stream, begun before the barrier that precedes it
+  MkProf prof(p.prof);
 
-  auto barrier = [&](MkNext next, int layer) {
-    return he_grid_barrier(w, epoch, nb, [&]() { mk_prefetch(p, next, layer, sink); });
+  // Grid barrier whose wait overlaps the first weight requests of matvec stage `next` (p.preload), then the
+  // stage's begin if it was not preloaded. `stage` is the profile slot of the stage that just ended.
+  auto barrier = [&](int stage, MkNext next, int layer) {
+    prof.work(stage);
+    he_grid_arrive(w);
+    if (p.preload) mk_begin(p, next, layer, pos, s);
+    const bool ok = he_grid_wait(w, epoch, nb);
+    if (!p.preload) mk_begin(p, next, layer, pos, s);
+    prof.done(stage);
+    return ok;
   };
 
   if (!sample_now) {
-    if (lead) mk_embed(p, st->token);
-    if (!barrier(kNextQkv, 0)) return;
+    if (lead) he_embedding_row<kMkF16>(p.embed, st->token, p.vocab, p.d, p.x);
+    if (!barrier(kProfSelect, kNextQkv, 0)) return;
   }
   for (;;) {
     if (sample_now) {
@@ -522,9 +540,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
           mk_token = tok;
         }
         he_sync_block();
-        mk_embed(p, mk_token);  // harmless when stopping: x is not read again
+        he_embedding_row<kMkF16>(p.embed, mk_token, p.vocab, p.d, p.x);  // harmless when stopping
       }
-      if (!barrier(kNextQkv, 0)) return;
+      if (!barrier(kProfSelect, kNextQkv, 0)) return;
       n_out += 1;
       hist_len = hist_len < p.max_ctx ? hist_len + 1 : hist_len;
       finish = st->stop;  // plain load after the barrier's acquire; rewritten only after every block's next barrier
@@ -533,45 +551,45 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     // ---- one decode step at `pos` ----
     for (int l = 0; l < p.n_layers; ++l) {
       const MkLayer& L = p.layers[l];
-      mk_qkv<kMkF16>(p, L, pos, he_mk_smem, scratch);
+      he_mv_finish<kMkF16>(mk_qkv_op(p, L, pos), s, he_mk_smem, scratch);
       if (p.qk_norm) {
-        if (!barrier(kNextO, l)) return;
+        if (!barrier(kProfQkv, kNextNone, l)) return;
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
           he_qk_norm_rope_head(p.qkv, L.q_norm, L.k_norm, p.eps, p.cos_t, p.sin_t, pos, p.q, L.k_cache, L.v_cache,
                                p.max_ctx, p.nh, p.nkv, p.hd, head, scratch);
       }
-      if (!barrier(kNextO, l)) return;
-      mk_attention(p, L, pos, he_mk_smem, scratch);
+      if (!barrier(kProfQkv, kNextNone, l)) return;
+      mk_attention(p, L, pos, he_mk_smem);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
-        if (!barrier(kNextO, l)) return;
-        for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine_head(p, h, he_mk_smem, scratch);
+        if (!barrier(kProfAttn, kNextNone, l)) return;
+        for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, he_mk_smem);
       }
-      if (p.fine) {
-        // O-proj needs every head of att and nothing else of this stage, so wait for the heads-combined
-        // counter (nkv more per layer) instead of a grid barrier: no 132-way arrival, and blocks with no
-        // attention work start the O-proj as soon as the last combine lands. Safe without a barrier: the
-        // stages until the next grid barrier (O-proj: reads att, writes x) touch nothing attention uses.
-        attn_done += (he_u32)p.nh;  // one count per combined head
-        mk_prefetch(p, kNextO, l, sink);
-        if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
-      } else if (!barrier(kNextO, l)) {
-        return;
-      }
-      mk_o_proj<kMkF16>(p, L, he_mk_smem, scratch);
-      if (!barrier(kNextGateUp, l)) return;
-      mk_gate_up<kMkF16>(p, L, he_mk_smem, scratch);
-      if (!barrier(kNextDown, l)) return;
-      mk_down<kMkF16>(p, L, he_mk_smem, scratch);
-      if (!barrier(l + 1 < p.n_layers ? kNextQkv : kNextHead, l + 1)) return;
+      // O-proj needs every head of att and nothing else of this stage, so it waits for the heads-combined
+      // counter (nh more per layer) instead of a grid barrier: no 264-way arrival, and blocks with no
+      // combine work start as soon as the last combine lands. Safe without a barrier: until the next grid
+      // barrier the O-proj reads att and x and writes x, which attention and the combine never touch.
+      // The O-proj weights are requested before the wait (p.preload).
+      attn_done += (he_u32)p.nh;
+      prof.work(p.fine == 2 ? kProfCombine : kProfAttn);
+      if (p.preload) mk_begin(p, kNextO, l, pos, s);
+      if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
+      if (!p.preload) mk_begin(p, kNextO, l, pos, s);
+      prof.done(p.fine == 2 ? kProfCombine : kProfAttn);
+      he_mv_finish<kMkF16>(mk_o_op(p, L), s, he_mk_smem, scratch);
+      if (!barrier(kProfO, kNextGateUp, l)) return;
+      he_mv_finish<kMkF16>(mk_gate_up_op(p, L), s, he_mk_smem, scratch);
+      if (!barrier(kProfGateUp, kNextDown, l)) return;
+      he_mv_finish<kMkF16>(mk_down_op(p, L), s, he_mk_smem, scratch);
+      if (!barrier(kProfDown, l + 1 < p.n_layers ? kNextQkv : kNextHead, l + 1)) return;
     }
-    he_matvec_body<kMkF16>(p.lm_head, p.x, p.final_norm, p.eps, nullptr, p.logits, p.vocab, p.d, he_mk_smem,
-                           scratch);
-    if (!barrier(kNextNone, 0)) return;
+    he_mv_finish<kMkF16>(mk_head_op(p), s, he_mk_smem, scratch);
+    if (!barrier(kProfHead, kNextNone, 0)) return;
     pos += 1;
     steps += 1;
     if (p.mode & kMkModeOneStep) break;
     sample_now = true;
   }
+  prof.finish(steps);
   // ---- exit: block 0 publishes the final state; status last (system-scope release) ----
   if (lead && he_thread_idx() == 0) {
     st->pos = pos;
@@ -584,6 +602,4 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     if (he_load_relaxed_system(p.host + kMkHost_status) == kStatusRunning)
       he_store_release_system(p.host + kMkHost_status, kStatusDone);
   }
-  // Consume the prefetch sink (never true: mode is a small bit set) so the loads cannot be removed.
-  if (sink == 0x9e3779b9u && p.mode < 0) st->pad0 = (int)sink;
 }

@@ -50,8 +50,10 @@ HE_INLINE void he_softmax_merge(float& m, float& l, float (&o)[8], float m2, flo
 // kG = num_heads / num_kv_heads as a template parameter: the per-lane state is kG·10 registers, and a
 // runtime bound of kAttnMaxGroup cost 155 registers (one block per SM) even for G = 4.
 template <int kG>
-HE_INLINE void he_attention_split_block(const float* __restrict__ q, const he_bf16* __restrict__ k_cache,
-                                        const he_bf16* __restrict__ v_cache, float* __restrict__ partial, int seq,
+// q, the caches and partial are rewritten inside the monokernel, so none is `const __restrict__` here (that
+// lets the compiler use the non-coherent read-only path) and cache rows use the coherent streaming load.
+HE_INLINE void he_attention_split_block(const float* q, const he_bf16* k_cache,
+                                        const he_bf16* v_cache, float* partial, int seq,
                                         int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
                                         int max_ctx, float* smem) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
@@ -89,8 +91,8 @@ HE_INLINE void he_attention_split_block(const float* __restrict__ q, const he_bf
   for (int j = 0; j < kAttnUnroll; ++j) {
     const int p = w0 + rw + j * rpw;
     const bool ok = p < w1 && dim_ok;
-    kb[j] = ok ? he_load16_stream(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
-    vb[j] = ok ? he_load16_stream(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+    kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+    vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
   }
   const float qscale = he_rsqrt((float)hd) * kLog2e;
   for (int i = t; i < G * hd; i += nt) qs[i] = q[(he_i64)(kvh * G) * hd + i] * qscale;
@@ -132,8 +134,8 @@ HE_INLINE void he_attention_split_block(const float* __restrict__ q, const he_bf
     for (int j = 0; j < kAttnUnroll; ++j) {
       const int p = p0 + kAttnUnroll * rpw + rw + j * rpw;
       const bool ok = p < w1 && dim_ok;
-      kb[j] = ok ? he_load16_stream(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
-      vb[j] = ok ? he_load16_stream(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+      kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+      vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
     }
   }
   // merge the lane groups of the warp (xor offsets ≥ lpr pair rows, keep the dim slot) ...
@@ -200,44 +202,49 @@ HE_ATTN_KERNEL(7)
 HE_ATTN_KERNEL(8)
 #undef HE_ATTN_KERNEL
 
-// out[h] = Σ_s 2^(m_s − M) o_s / Σ_s 2^(m_s − M) l_s  over non-empty splits.  grid = (num_heads, T).
-// The split weights are computed in parallel (one thread per split) into shared memory; a serial loop over
-// splits would chain nsplit dependent global loads (~0.5 µs each).
-HE_INLINE void he_attention_combine_head(const float* __restrict__ pr, int nsplit, int hd, float* __restrict__ out,
-                                         float* wsh, float* scratch) {
+// out[h] = Σ_s 2^(m_s − M) o_s / Σ_s 2^(m_s − M) l_s  over non-empty splits (l_s > 0).
+// One thread per output value (head g of a group, dim d). The splits' (m, l) are staged in shared memory in
+// one parallel load; then every thread scans them itself in split order (M, then L) and sums its o_s in
+// split order. No block reduction: the result depends only on (nsplit, the partials), never on the block
+// size or on how many heads one block combines, so the per-head kernel (attention_combine) and the
+// monokernel's whole-group combine produce the same bits. The o_s loads are independent of M and L, so the
+// unrolled loop keeps 16 L2 loads in flight.
+// pr: partials of the first head, heads `stride_h` floats apart; out: heads hd floats apart;
+// sh: shared memory of 2·nh_here·nsplit floats. Every thread of the block must call it (it syncs).
+HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, int hd, float* out, float* sh) {
   const int t = he_thread_idx(), nt = he_block_dim();
-  float m = he_neg_inf();
-  for (int s = t; s < nsplit; s += nt)
-    if (pr[s * (hd + 2) + hd + 1] > 0.f) m = he_fmax(m, pr[s * (hd + 2) + hd]);
-  const float M = he_block_max(m, scratch);
-  float l = 0.f;
-  for (int s = t; s < nsplit; s += nt) {
-    const float ls = pr[s * (hd + 2) + hd + 1];
-    const float w = ls > 0.f ? he_exp2(pr[s * (hd + 2) + hd] - M) : 0.f;
-    wsh[s] = w;
-    l += w * ls;
+  const int hs = nsplit * (hd + 2);  // floats per head of partials
+  for (int i = t; i < nh_here * nsplit; i += nt) {
+    const float* e = pr + (he_i64)(i / nsplit) * hs + (i % nsplit) * (hd + 2) + hd;
+    sh[2 * i] = e[0];      // m_s
+    sh[2 * i + 1] = e[1];  // l_s (0: empty split)
   }
-  const float inv = 1.f / he_block_sum(l, scratch);  // barriers inside also publish wsh
-  for (int d = t; d < hd; d += nt) {
-    // Loads are unconditional (empty splits hold stale values, masked by the select) so the unrolled loop
-    // issues 8 independent L2 loads before the first FMA needs one; a conditional load serialised them.
-    float o = 0.f;
-#pragma unroll 8
+  he_sync_block();
+  for (int i = t; i < nh_here * hd; i += nt) {
+    const int g = i / hd, d = i % hd;
+    const float* ml = sh + 2 * g * nsplit;
+    const float* po = pr + (he_i64)g * hs + d;
+    float M = he_neg_inf();
+    for (int s = 0; s < nsplit; ++s)
+      if (ml[2 * s + 1] > 0.f) M = he_fmax(M, ml[2 * s]);
+    float L = 0.f, o = 0.f;
+#pragma unroll 16
     for (int s = 0; s < nsplit; ++s) {
-      const float w = wsh[s];
-      const float v = pr[s * (hd + 2) + d];
-      o += (w > 0.f) ? v * w : 0.f;
+      const float v = po[s * (hd + 2)];  // unconditional: empty splits hold stale values, masked below
+      const float ls = ml[2 * s + 1];
+      const float w = ls > 0.f ? he_exp2(ml[2 * s] - M) : 0.f;
+      L += w * ls;
+      o += ls > 0.f ? v * w : 0.f;
     }
-    out[d] = o * inv;
+    out[(he_i64)g * hd + d] = o / L;
   }
 }
 
 HE_KERNEL(256) attention_combine(const float* __restrict__ partial, int nsplit, int nh, int hd,
                                  float* __restrict__ out) {
-  extern __shared__ float he_combine_w[];  // [nsplit]
-  __shared__ float scratch[kMaxWarpsPerBlock];
+  extern __shared__ float he_combine_sh[];  // [2 · nsplit]
   const int h = he_block_idx(), tq = he_block_idx_y();
-  he_attention_combine_head(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), nsplit, hd,
-                            out + ((he_i64)tq * nh + h) * hd, he_combine_w, scratch);
+  he_attention_combine(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), 1, nsplit, hd,
+                       out + ((he_i64)tq * nh + h) * hd, he_combine_sh);
 }
 #endif

@@ -64,69 +64,156 @@ HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0
     }
 }
 
-// One warp computes kRows dot products rows[r]·x over `in` elements; every lane returns all kRows sums.
-// `w` holds the first batch, already loaded (see he_matvec_load): the bodies issue it *before* the fused
-// prologue so HBM latency overlaps the normalisation of x (weights never depend on the activation).
-// Double-buffered: batch b+1 is issued before batch b is consumed, so a long row (down-proj, in = 8192)
-// keeps 2·kMatvecUnroll loads per row in flight instead of draining between batches.
-template <int kRows, bool kF16>
-HE_INLINE void he_matvec_warp(const he_u16* const (&rows)[kRows], int in, const float* xs,
-                              he_vec16 (&w)[kRows][kMatvecUnroll], float (&acc)[kRows]) {
+// ---- the row stream --------------------------------------------------------------------------------------
+// A warp's work in one matvec is its units u0, u0 + stride, ... (u0 = global warp index, stride = warps in
+// the grid); a unit is kRows rows of `in` weights, consumed in batches of kMatvecBatch columns. The batches
+// flow through a 2-deep register pipeline that does not drain at unit boundaries: while batch k is reduced
+// into the accumulators, batch k + 1 (of this unit or of the warp's next one) is already in flight, and the
+// unit's epilogue (warp reduction, RoPE, store) runs with the next unit's loads outstanding.
+//
+// Two phases, so weights (which never depend on the activation) can be requested before the activation
+// exists:  he_mv_begin()  issues the warp's first two batches;  he_mv_finish()  stages the activation in
+// shared memory (the fused RMSNorm prologue) and runs the stream. The per-op kernels call them back to
+// back; the monokernel calls he_mv_begin() while its block waits at the grid barrier that publishes x, so
+// HBM latency hides behind the barrier.
+//
+// An op is a small struct: the prologue input (x, gamma, eps, in), units(), rows(u, rp) (the kRows row
+// pointers of unit u) and epi(u, acc) (lane-0 stores of the unit's kRows sums, identical in every lane).
+template <int kRows>
+struct HeMvStream {
+  he_vec16 cur[kRows][kMatvecUnroll];  // batch at (u, c0): arrived or in flight
+  he_vec16 nxt[kRows][kMatvecUnroll];  // batch at (nu, nc0): in flight (none when nu >= units)
+  int u, c0, nu, nc0;
+};
+
+HE_INLINE int he_mv_stride() { return he_grid_dim() * he_num_warps(); }
+
+template <class Op, int kRows>
+HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
+  const he_u16* rp[kRows];
+  op.rows(u, rp);
+  he_matvec_load<kRows>(rp, op.in, c0, w);
+}
+
+template <int kRows>
+HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int k = 0; k < kMatvecUnroll; ++k) w[r][k] = he_vec16{0u, 0u, 0u, 0u};
+}
+
+// (u, c0) -> the position of the warp's next batch.
+HE_INLINE void he_mv_step(int& u, int& c0, int in) {
+  c0 += kMatvecBatch;
+  if (c0 >= in) { c0 = 0; u += he_mv_stride(); }
+}
+
+template <class Op, int kRows>
+HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s) {
+  const int units = op.units();
+  s.u = he_block_idx() * he_num_warps() + he_warp_id();
+  s.c0 = 0;
+  s.nu = s.u;
+  s.nc0 = 0;
+  he_mv_step(s.nu, s.nc0, op.in);
+  // Both buffers are always written (zeros past the end) so no value of a previous stage stays live: the
+  // monokernel keeps `s` across attention, and stale contents would have to be kept in registers.
+  if (s.u < units) he_mv_load(op, s.u, 0, s.cur);
+  else he_mv_zero(s.cur);
+  if (s.nu < units) he_mv_load(op, s.nu, s.nc0, s.nxt);
+  else he_mv_zero(s.nxt);
+}
+
+// acc[r] += this lane's part of batch w (columns c0 + k·sweep + lane·8) of the unit's rows.
+template <bool kF16, int kRows>
+HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, int in, const float* xs,
+                             float (&acc)[kRows]) {
   const int lane = he_lane_id();
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-  he_vec16 nxt[kRows][kMatvecUnroll];
-  for (int c0 = 0;;) {
-    const bool more = c0 + kMatvecBatch < in;
-    if (more) he_matvec_load<kRows>(rows, in, c0 + kMatvecBatch, nxt);
+  for (int k = 0; k < kMatvecUnroll; ++k) {
+    const int c = c0 + k * kMatvecSweep + lane * 8;
+    if (c < in) {
 #pragma unroll
-    for (int u = 0; u < kMatvecUnroll; ++u) {
-      const int c = c0 + u * kMatvecSweep + lane * 8;
-      if (c < in) {
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) acc[r] += he_wdot8<kF16>(w[r][u], xs + c);
-      }
+      for (int r = 0; r < kRows; ++r) acc[r] += he_wdot8<kF16>(w[r][k], xs + c);
     }
-    if (!more) break;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int u = 0; u < kMatvecUnroll; ++u) w[r][u] = nxt[r][u];
-    c0 += kMatvecBatch;
   }
+}
+
+// The unit ends with this batch: reduce over the warp, store, restart the accumulators.
+template <class Op, int kRows>
+HE_INLINE void he_mv_unit_end(const Op& op, int u, float (&acc)[kRows]) {
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = he_warp_sum(acc[r]);
+  op.epi(u, acc);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+}
+
+// The stream's two buffers alternate roles (ping-pong, no register copies): consume A, refill A with the
+// batch after B's, consume B, refill B with the batch after A's new one. Batches are consumed in order, so
+// every lane's columns are summed in the same order as a plain loop (results do not depend on the pipeline).
+template <bool kF16, class Op, int kRows>
+HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch) {
+  he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
+  const int units = op.units(), in = op.in;
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+  int ua = s.u, ca = s.c0, ub = s.nu, cb = s.nc0;  // positions of the batches in A (s.cur) and B (s.nxt)
+  while (ua < units) {
+    he_mv_consume<kF16>(s.cur, ca, in, xs, acc);
+    if (ub != ua) he_mv_unit_end(op, ua, acc);
+    ua = ub;
+    ca = cb;
+    he_mv_step(ua, ca, in);
+    if (ua < units) he_mv_load(op, ua, ca, s.cur);
+    if (ub >= units) break;
+    he_mv_consume<kF16>(s.nxt, cb, in, xs, acc);
+    if (ua != ub) he_mv_unit_end(op, ub, acc);
+    ub = ua;
+    cb = ca;
+    he_mv_step(ub, cb, in);
+    if (ub < units) he_mv_load(op, ub, cb, s.nxt);
+  }
 }
 
 HE_INLINE float he_silu(float g) { return g / (1.f + he_exp(-g)); }
 
 // ---- y = W·x (+ residual) ------------------------------------------------------------------------------
-// Two rows per warp (more loads in flight). residual may alias y: each y[r] is read then written by the
-// same lane. gamma != nullptr fuses RMSNorm(x; gamma, eps) as the prologue.
+// Two rows per unit (more loads in flight per warp). residual may alias y: each y[r] is read then written by
+// the same lane. gamma != nullptr fuses RMSNorm(x; gamma, eps) as the prologue. Odd `rows`: the last unit
+// computes the last row twice and writes it once.
+struct HeMvPlain {
+  const float* x;
+  const float* gamma;
+  float eps;
+  int in;
+  const he_u16* W;
+  const float* residual;
+  float* y;
+  int n_rows;
+  HE_INLINE int units() const { return (n_rows + 1) / 2; }
+  HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
+    const int r0 = 2 * u, r1 = r0 + 1 < n_rows ? r0 + 1 : r0;
+    rp[0] = W + (he_i64)r0 * in;
+    rp[1] = W + (he_i64)r1 * in;
+  }
+  HE_INLINE void epi(int u, const float (&acc)[2]) const {
+    if (he_lane_id() != 0) return;
+    const int r0 = 2 * u, r1 = r0 + 1;
+    y[r0] = acc[0] + (residual ? residual[r0] : 0.f);
+    if (r1 < n_rows) y[r1] = acc[1] + (residual ? residual[r1] : 0.f);
+  }
+};
+
 template <bool kF16>
-HE_INLINE void he_matvec_body(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma,
-                              float eps, const float* residual, float* y, int rows, int in, float* xs,
-                              float* scratch) {
-  const int units = (rows + 1) / 2;
-  const int u0 = he_block_idx() * he_num_warps() + he_warp_id(), ustride = he_grid_dim() * he_num_warps();
-  he_vec16 w[2][kMatvecUnroll];
-  if (u0 < units) {  // first batch in flight before the prologue
-    const int r0 = 2 * u0, r1 = (r0 + 1 < rows) ? r0 + 1 : r0;
-    const he_u16* const rp[2] = {W + (he_i64)r0 * in, W + (he_i64)r1 * in};
-    he_matvec_load<2>(rp, in, 0, w);
-  }
-  he_rmsnorm_stage(x, gamma, eps, in, xs, scratch);
-  for (int u = u0; u < units; u += ustride) {
-    const int r0 = 2 * u, r1 = (r0 + 1 < rows) ? r0 + 1 : r0;  // odd tail: recompute r0, write once
-    const he_u16* const rp[2] = {W + (he_i64)r0 * in, W + (he_i64)r1 * in};
-    if (u != u0) he_matvec_load<2>(rp, in, 0, w);
-    float acc[2];
-    he_matvec_warp<2, kF16>(rp, in, xs, w, acc);
-    if (he_lane_id() == 0) {
-      y[r0] = acc[0] + (residual ? residual[r0] : 0.f);
-      if (r1 != r0) y[r1] = acc[1] + (residual ? residual[r1] : 0.f);
-    }
-  }
+HE_INLINE void he_matvec_body(const he_u16* W, const float* x, const float* gamma, float eps,
+                              const float* residual, float* y, int rows, int in, float* xs, float* scratch) {
+  const HeMvPlain op{x, gamma, eps, in, W, residual, y, rows};
+  HeMvStream<2> s;
+  he_mv_begin(op, s);
+  he_mv_finish<kF16>(op, s, xs, scratch);
 }
 
 HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
@@ -138,24 +225,33 @@ HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x
 }
 
 // ---- y = silu(Wg·x) * (Wu·x) ------------------------------------------------------------------------------
+// Unit u = gate row u and up row u.
+struct HeMvGateUp {
+  const float* x;
+  const float* gamma;
+  float eps;
+  int in;
+  const he_u16* Wg;
+  const he_u16* Wu;
+  float* y;
+  int n_rows;
+  HE_INLINE int units() const { return n_rows; }
+  HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
+    rp[0] = Wg + (he_i64)u * in;
+    rp[1] = Wu + (he_i64)u * in;
+  }
+  HE_INLINE void epi(int u, const float (&acc)[2]) const {
+    if (he_lane_id() == 0) y[u] = he_silu(acc[0]) * acc[1];
+  }
+};
+
 template <bool kF16>
-HE_INLINE void he_matvec_gate_up_body(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
-                                      const float* __restrict__ gamma, float eps, float* y, int rows, int in,
-                                      float* xs, float* scratch) {
-  const int r_first = he_block_idx() * he_num_warps() + he_warp_id(), rstride = he_grid_dim() * he_num_warps();
-  he_vec16 w[2][kMatvecUnroll];
-  if (r_first < rows) {
-    const he_u16* const rp[2] = {Wg + (he_i64)r_first * in, Wu + (he_i64)r_first * in};
-    he_matvec_load<2>(rp, in, 0, w);
-  }
-  he_rmsnorm_stage(x, gamma, eps, in, xs, scratch);
-  for (int r = r_first; r < rows; r += rstride) {
-    const he_u16* const rp[2] = {Wg + (he_i64)r * in, Wu + (he_i64)r * in};
-    if (r != r_first) he_matvec_load<2>(rp, in, 0, w);
-    float acc[2];
-    he_matvec_warp<2, kF16>(rp, in, xs, w, acc);
-    if (he_lane_id() == 0) y[r] = he_silu(acc[0]) * acc[1];
-  }
+HE_INLINE void he_matvec_gate_up_body(const he_u16* Wg, const he_u16* Wu, const float* x, const float* gamma,
+                                      float eps, float* y, int rows, int in, float* xs, float* scratch) {
+  const HeMvGateUp op{x, gamma, eps, in, Wg, Wu, y, rows};
+  HeMvStream<2> s;
+  he_mv_begin(op, s);
+  he_mv_finish<kF16>(op, s, xs, scratch);
 }
 
 HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
@@ -168,55 +264,61 @@ HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const
 
 // ---- QKV + bias + RoPE + KV append -------------------------------------------------------------------------
 // Wqkv is wq, wk, wv stacked: [q_dim + 2·kv_dim, in]. RoPE is in rotate-half form, pairing element i of a
-// head with element i + hd/2, so one warp computes exactly that pair of rows and rotates it in registers:
+// head with element i + hd/2, so one unit is exactly that pair of rows and rotates it in registers:
 //   out[i]        = a·cos − b·sin
 //   out[i + hd/2] = b·cos + a·sin        (a = row i, b = row i + hd/2; cos/sin at [pos][i])
 // cos/sin tables [max_ctx][hd/2] fp32 come from the host (ModelConfig.rope_inv_freq(), float64) so the
-// device never recomputes frequencies. The position is read from device memory (*pos) so a captured
+// device never recomputes frequencies. The position is read from device memory (*pos_p) so a captured
 // graph / the monokernel advances it without relaunch arguments changing.
 // KV cache (per layer): k_cache, v_cache bf16 [num_kv_heads][max_ctx][hd].
 // rope == 0 (Qwen3 qk_norm path): no RoPE/append here; raw q|k|v (+bias) go to q_out [q_dim + 2·kv_dim]
 // and qk_norm_rope finishes the job after the per-head norm.
-template <bool kF16>
-HE_INLINE void he_matvec_qkv_body(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma,
-                                  float eps, const float* __restrict__ bias, const float* __restrict__ cos_t,
-                                  const float* __restrict__ sin_t, const int* __restrict__ pos_p,
-                                  float* __restrict__ q_out, he_bf16* __restrict__ k_cache,
-                                  he_bf16* __restrict__ v_cache, int max_ctx, int q_dim, int kv_dim, int hd,
-                                  int in, int rope, float* xs, float* scratch) {
-  const int half = hd / 2;
-  const int pairs = (q_dim + 2 * kv_dim) / 2;
-  const int p_first = he_block_idx() * he_num_warps() + he_warp_id(), pstride = he_grid_dim() * he_num_warps();
-  he_vec16 w[2][kMatvecUnroll];
-  if (p_first < pairs) {
-    const int ra = (p_first / half) * hd + p_first % half;
-    const he_u16* const rp[2] = {W + (he_i64)ra * in, W + (he_i64)(ra + half) * in};
-    he_matvec_load<2>(rp, in, 0, w);
+struct HeMvQkv {
+  const float* x;
+  const float* gamma;
+  float eps;
+  int in;
+  const he_u16* W;
+  const float* bias;
+  const float* cos_t;
+  const float* sin_t;
+  const int* pos_p;
+  float* q_out;
+  he_bf16* k_cache;
+  he_bf16* v_cache;
+  int max_ctx, q_dim, kv_dim, hd, rope;
+  HE_INLINE int units() const { return (q_dim + 2 * kv_dim) / 2; }
+  HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
+    const int half = hd / 2, ra = (u / half) * hd + u % half;
+    rp[0] = W + (he_i64)ra * in;
+    rp[1] = W + (he_i64)(ra + half) * in;
   }
-  he_rmsnorm_stage(x, gamma, eps, in, xs, scratch);
-  const int pos = *pos_p;
-  for (int p = p_first; p < pairs; p += pstride) {
-    const int head = p / half, i = p % half;
-    const int ra = head * hd + i, rb = ra + half;  // rows in the stacked matrix
-    const he_u16* const rp[2] = {W + (he_i64)ra * in, W + (he_i64)rb * in};
-    if (p != p_first) he_matvec_load<2>(rp, in, 0, w);
-    float acc[2];
-    he_matvec_warp<2, kF16>(rp, in, xs, w, acc);
-    if (he_lane_id() != 0) continue;
+  HE_INLINE void epi(int u, const float (&acc)[2]) const {
+    if (he_lane_id() != 0) return;
+    const int half = hd / 2, i = u % half;
+    const int ra = (u / half) * hd + i, rb = ra + half;  // rows in the stacked matrix
     float a = acc[0] + (bias ? bias[ra] : 0.f), b = acc[1] + (bias ? bias[rb] : 0.f);
-    if (!rope) { q_out[ra] = a; q_out[rb] = b; continue; }
+    if (!rope) { q_out[ra] = a; q_out[rb] = b; return; }
+    const int pos = *pos_p;
     if (ra < q_dim + kv_dim) {  // q or k: rotate
       const float c = cos_t[(he_i64)pos * half + i], s = sin_t[(he_i64)pos * half + i];
       const float ra_v = a * c - b * s, rb_v = b * c + a * s;
       a = ra_v; b = rb_v;
     }
-    if (ra < q_dim) { q_out[ra] = a; q_out[rb] = b; continue; }
+    if (ra < q_dim) { q_out[ra] = a; q_out[rb] = b; return; }
     const bool is_k = ra < q_dim + kv_dim;
     const int kvh = (ra - q_dim - (is_k ? 0 : kv_dim)) / hd;
     he_bf16* dst = (is_k ? k_cache : v_cache) + ((he_i64)kvh * max_ctx + pos) * hd;
     dst[i] = he_f32_to_bf16(a);
     dst[i + half] = he_f32_to_bf16(b);
   }
+};
+
+template <bool kF16>
+HE_INLINE void he_matvec_qkv_body(const HeMvQkv& op, float* xs, float* scratch) {
+  HeMvStream<2> s;
+  he_mv_begin(op, s);
+  he_mv_finish<kF16>(op, s, xs, scratch);
 }
 
 HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
@@ -226,12 +328,10 @@ HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const floa
                            int kv_dim, int hd, int in, int rope, int w_f16) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
-  if (w_f16)
-    he_matvec_qkv_body<true>(W, x, gamma, eps, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache, max_ctx, q_dim,
-                             kv_dim, hd, in, rope, he_xs, scratch);
-  else
-    he_matvec_qkv_body<false>(W, x, gamma, eps, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache, max_ctx, q_dim,
-                              kv_dim, hd, in, rope, he_xs, scratch);
+  const HeMvQkv op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
+                   max_ctx, q_dim, kv_dim, hd, rope};
+  if (w_f16) he_matvec_qkv_body<true>(op, he_xs, scratch);
+  else he_matvec_qkv_body<false>(op, he_xs, scratch);
 }
 
 #endif

@@ -12,7 +12,8 @@
 #define HE_OPS_QK_NORM_HIP
 #include "port.h"
 
-HE_INLINE void he_qk_norm_rope_head(const float* __restrict__ qkv, const float* __restrict__ q_norm,
+// qkv is rewritten every layer inside the monokernel: a plain pointer (no non-coherent read-only path).
+HE_INLINE void he_qk_norm_rope_head(const float* qkv, const float* __restrict__ q_norm,
                                     const float* __restrict__ k_norm, float eps, const float* __restrict__ cos_t,
                                     const float* __restrict__ sin_t, int pos, float* __restrict__ q_out,
                                     he_bf16* __restrict__ k_cache, he_bf16* __restrict__ v_cache, int max_ctx,

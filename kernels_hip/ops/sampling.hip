@@ -49,7 +49,8 @@ HE_INLINE void he_kept_stats(const float* z, int n, float m, float thr, float& c
 
 // Shared memory: kMaxWarpsPerBlock floats of scratch + kSampleThreads floats of slice sums + the history
 // bitmap (ceil(n/32) words) as dynamic shared memory.
-HE_INLINE int he_sample_block(const float* __restrict__ logits, int n, const int* __restrict__ history,
+// logits and history are rewritten inside the monokernel: plain pointers (no non-coherent read-only path).
+HE_INLINE int he_sample_block(const float* logits, int n, const int* history,
                               int hist_len, float temperature, int top_k, float top_p, float min_p, float rep_pen,
                               he_u32 seed_lo, he_u32 seed_hi, he_u32 step, float* z, float* scratch,
                               float* slice_sums, he_u32* bitmap) {

@@ -1,0 +1,38 @@
+"""Fill ./.mkcache (or $HIPENGINE_CACHE) with sm_90 builds of the per-op kernels and of the monokernel
+variants a device session uses, on this CPU machine (NVRTC only), so device time is not spent compiling.
+Usage: HIPENGINE_CACHE=$PWD/.mkcache python scripts/precompile_mk.py [variant ...]
+Variants: default (groups 1-4, bf16 + fp16), profile, unroll4, 2blk (llama-3.2-1b: bf16, group 4)."""
+from __future__ import annotations
+
+import os
+import sys
+
+VARIANTS = {
+    "default": ({}, (False, True), (1, 2, 3, 4)),
+    "profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False, True), (3, 4)),
+    "unroll4": ({"HIPENGINE_MK_UNROLL": "4"}, (False,), (4,)),
+    "2blk": ({"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2"}, (False,), (4,)),
+}
+
+
+def main() -> int:
+    from hipengine.gpu.monokernel import precompile
+
+    for name in sys.argv[1:] or list(VARIANTS):
+        env, f16s, groups = VARIANTS[name]
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            done = precompile("sm_90", f16_variants=f16s, groups=groups)
+            print(f"{name}: {len(done)} units cached", flush=True)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
