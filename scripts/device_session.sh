@@ -27,7 +27,7 @@ run() {  # run NAME SECONDS CMD... : log to $OUT/NAME.log, time-boxed, failures 
 }
 case "$MODE" in
   iter)
-    run profile1k 100 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
+    run profile1k 130 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile \
         --json "$OUT/profile_1k.json"
     run sweep 150 $PY scripts/mk_sweep.py --json "$OUT/sweep_1k.json"
     run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs

@@ -17,10 +17,9 @@ from hipengine.bench.decode import measure
 from hipengine.presets import preset_model
 
 VARIANTS = [  # name, build env, runtime attrs
-    ("default (1 blk/SM, unroll 8, fine 3, preload)", {}, {}),
+    ("default (1 blk/SM, unroll 4, fine 3)", {}, {}),
     ("fine 2 (barrier + one head per block)", {}, {"fine": 2}),
-    ("no preload (weights requested after the barrier)", {}, {"preload": 0}),
-    ("unroll 4", {"HIPENGINE_MK_UNROLL": "4"}, {}),
+    ("unroll 8", {"HIPENGINE_MK_UNROLL": "8"}, {}),
     ("2 blk/SM, unroll 2", {"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2"}, {}),
 ]
 
@@ -47,7 +46,7 @@ def main() -> int:
             os.environ.update(env)
             t0 = time.perf_counter()
             be, be_env = MonokernelBackend(model, max_context=args.context), env
-            base = {"fine": be.fine, "preload": be.preload}
+            base = {"fine": be.fine}
             print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
         for k, v in {**base, **attrs}.items():
             setattr(be, k, v)

@@ -111,7 +111,7 @@ def profile_table(prof: dict, n_layers: int) -> str:
     out = [f"  stage profile, block 0, {prof['steps']} steps, {prof['us_per_step']:.1f} us/step "
            f"(SM clock {prof['ghz']:.2f} GHz): stage, work us, work+wait us per step, per layer"]
     for k, tot in prof["total_us"].items():
-        per = n_layers if k not in ("select", "lm_head") else 1
+        per = n_layers if k not in ("select", "lm_head") else 1  # attn_split: work only (part of attention)
         out.append(f"    {k:10s} {prof['work_us'][k]:8.1f} {tot:8.1f} {tot / per:8.2f}")
     return "\n".join(out)
 

@@ -15,7 +15,7 @@ error code into the mapped status word; the host raises it as ``DeviceError``.
 
 Knobs (environment; defaults from the H200 sweep in docs/perf-log.md): HIPENGINE_MK_MIN_BLOCKS (resident
 blocks per SM the kernel is compiled for, 2), HIPENGINE_MK_BLOCKS_PER_SM (grid, default = min blocks),
-HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation, 3), HIPENGINE_MK_PRELOAD (1),
+HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation, 3), HIPENGINE_MK_UNROLL (4),
 HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
 builds the stage-profiling variant, read with read_profile()).
 """
@@ -110,13 +110,10 @@ PARAM_FIELDS = [
     ("rep_pen", "float"),
     ("seed_lo", "he_u32"),
     ("seed_hi", "he_u32"),
-    ("preload", "he_i32"),          # 1: a matvec stage's first weight batches are requested while the
-                                    # block waits at the barrier before it (he_mv_begin); 0: after it
     ("fine", "he_i32"),             # attention -> O-proj: 2: barrier, heads combined one per block;
                                     # 3: the last split block of each KV head combines its group. O-proj
                                     # then waits on the heads-combined counter (no grid barrier)
     ("poll_sleep_ns", "he_u32"),    # back-off between polls of a barrier/counter (0: spin)
-    ("pad_end", "he_i32"),
     ("prof", "he_u64*"),            # [MK_PROF_WORDS] stage profile (MK_PROFILE builds only), else null
 ]
 
@@ -127,7 +124,7 @@ STATE_FIELDS = [
     ("n_out", "he_i32"),     # tokens emitted by this launch
     ("stop", "he_i32"),      # MK_FINISH_* decided by block 0 after sampling (0 = continue)
     ("steps", "he_i32"),     # decode steps run by this launch
-    ("pad0", "he_i32"),
+    ("cancel", "he_i32"),    # the host's cancel word as block 0 read it this token (handed to the leader)
     ("pad1", "he_i32"),
 ]
 
@@ -258,8 +255,9 @@ def min_blocks() -> int:
 
 def matvec_unroll() -> int:
     """16-byte weight loads per lane per row per batch in the monokernel's matvec stream
-    (HIPENGINE_MK_UNROLL, default 8; the per-op kernels use 4). Summation order does not depend on it."""
-    return int(os.environ.get("HIPENGINE_MK_UNROLL", "8"))
+    (HIPENGINE_MK_UNROLL, default 4, as the per-op kernels: the H200 sweep measured 848 tok/s against 799 for 8,
+    and 4 lets the stream stay in registers through attention). Summation order does not depend on it."""
+    return int(os.environ.get("HIPENGINE_MK_UNROLL", "4"))
 
 
 def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4)) -> list[str]:
@@ -298,9 +296,7 @@ class MonokernelBackend(GpuBackend):
         self.fn = self.module.function(KERNEL)
         self._check_layout()
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
-        # Defaults from the H200 sweeps (docs/perf-log.md): weights requested before each barrier wait, the
-        # last split block of each KV head combines its group.
-        self.preload = int(os.environ.get("HIPENGINE_MK_PRELOAD", "1"))
+        # Default from the H200 sweep (docs/perf-log.md): the last split block of each KV head combines its group.
         self.fine = int(os.environ.get("HIPENGINE_MK_FINE", "3"))
         if self.fine not in (2, 3):
             raise UnsupportedError(f"HIPENGINE_MK_FINE={self.fine}: 2 (barrier, one head per block) or 3 "
@@ -385,7 +381,7 @@ class MonokernelBackend(GpuBackend):
             ring_cap=self.ring_cap, top_k=int(sp.top_k), eps=float(cfg.rms_norm_eps),
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
             rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
-            preload=self.preload, fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
+            fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
             prof=self.prof_buf.ptr if self.prof_buf is not None else 0)
 
     def _launch(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
@@ -520,7 +516,7 @@ class MonokernelBackend(GpuBackend):
 
 def grid_info(backend: MonokernelBackend) -> dict:
     return {"grid": backend.grid, "blocks_per_sm": backend.blocks_per_sm, "occupancy": backend.occupancy,
-            "preload": backend.preload, "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns,
+            "unroll": matvec_unroll(), "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns,
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine)}
@@ -534,7 +530,7 @@ def barriers_per_token(cfg, fine: int = 3) -> int:
 
 
 # ---- stage profile (HIPENGINE_MK_PROFILE=1: a separate build with -DMK_PROFILE=1) --------------------------
-PROF_STAGES = ["select", "qkv", "attention", "combine", "o_proj", "gate_up", "down", "lm_head"]
+PROF_STAGES = ["select", "qkv", "attention", "combine", "o_proj", "gate_up", "down", "lm_head", "attn_split"]
 MK_PROF_WORDS = 2 * len(PROF_STAGES) + 3
 
 

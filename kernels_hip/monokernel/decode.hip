@@ -25,10 +25,10 @@
 // is bit-identical to the per-op path. The bodies stride over the grid (he_block_idx / he_grid_dim), so they
 // need no change to run on the persistent grid.
 //
-// Weights before activations (p.preload): a matvec stage's weights never depend on the step's activations,
-// so each warp requests its first two weight batches of the next stage (he_mv_begin, ops/matvec.hip)
-// after its block arrives at the barrier that publishes the stage's input and before it waits; the
-// barrier's latency then overlaps HBM's. The O-proj's batches are requested before the heads-combined wait.
+// Weights before activations: a matvec stage's weights never depend on the step's activations, so each
+// warp's weight stream (ops/matvec.hip) runs on from one matvec stage into the next: when a warp finishes
+// its part of a stage it already holds (or has in flight) the first two batches of its part of the next,
+// and the barrier, attention or token selection in between only delay their use.
 //
 // Coherence of data rewritten inside the kernel (activations, partials, logits, KV rows): read with plain
 // loads after a grid barrier / counter acquire (sync.h). Pointers come from the parameter block, and the op
@@ -40,9 +40,9 @@
 #include "port.h"
 #include "sync.h"
 // 16-byte loads per lane per row per batch of the matvec stream (the host passes HIPENGINE_MK_UNROLL; the
-// per-op kernels default to 4). 8 keeps 16 KiB per warp in flight at one block per SM, spill-free.
+// per-op kernels default to 4 too). The stream stays in registers through attention at 4.
 #ifndef HE_MATVEC_UNROLL
-#define HE_MATVEC_UNROLL 8
+#define HE_MATVEC_UNROLL 4
 #endif
 #include "ops/embedding.hip"
 #include "ops/matvec.hip"
@@ -100,7 +100,7 @@ struct MkState {
   he_i32 n_out;
   he_i32 stop;
   he_i32 steps;
-  he_i32 pad0;
+  he_i32 cancel;
   he_i32 pad1;
 };
 static_assert(sizeof(MkState) == 32, "MkState size (Python table)");
@@ -110,7 +110,7 @@ MK_OFFSET_CHECK(MkState, hist_len, 8)
 MK_OFFSET_CHECK(MkState, n_out, 12)
 MK_OFFSET_CHECK(MkState, stop, 16)
 MK_OFFSET_CHECK(MkState, steps, 20)
-MK_OFFSET_CHECK(MkState, pad0, 24)
+MK_OFFSET_CHECK(MkState, cancel, 24)
 MK_OFFSET_CHECK(MkState, pad1, 28)
 struct MkParams {
   const MkLayer* layers;
@@ -162,13 +162,11 @@ struct MkParams {
   float rep_pen;
   he_u32 seed_lo;
   he_u32 seed_hi;
-  he_i32 preload;
   he_i32 fine;
   he_u32 poll_sleep_ns;
-  he_i32 pad_end;
   he_u64* prof;
 };
-static_assert(sizeof(MkParams) == 320, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 312, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -218,11 +216,9 @@ MK_OFFSET_CHECK(MkParams, min_p, 276)
 MK_OFFSET_CHECK(MkParams, rep_pen, 280)
 MK_OFFSET_CHECK(MkParams, seed_lo, 284)
 MK_OFFSET_CHECK(MkParams, seed_hi, 288)
-MK_OFFSET_CHECK(MkParams, preload, 292)
-MK_OFFSET_CHECK(MkParams, fine, 296)
-MK_OFFSET_CHECK(MkParams, poll_sleep_ns, 300)
-MK_OFFSET_CHECK(MkParams, pad_end, 304)
-MK_OFFSET_CHECK(MkParams, prof, 312)
+MK_OFFSET_CHECK(MkParams, fine, 292)
+MK_OFFSET_CHECK(MkParams, poll_sleep_ns, 296)
+MK_OFFSET_CHECK(MkParams, prof, 304)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -253,7 +249,7 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[19] = (he_u64)((const char*)&vMkState.n_out - (const char*)&vMkState);
   out[20] = (he_u64)((const char*)&vMkState.stop - (const char*)&vMkState);
   out[21] = (he_u64)((const char*)&vMkState.steps - (const char*)&vMkState);
-  out[22] = (he_u64)((const char*)&vMkState.pad0 - (const char*)&vMkState);
+  out[22] = (he_u64)((const char*)&vMkState.cancel - (const char*)&vMkState);
   out[23] = (he_u64)((const char*)&vMkState.pad1 - (const char*)&vMkState);
   MkParams vMkParams{};
   out[24] = sizeof(MkParams);
@@ -306,11 +302,9 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[71] = (he_u64)((const char*)&vMkParams.rep_pen - (const char*)&vMkParams);
   out[72] = (he_u64)((const char*)&vMkParams.seed_lo - (const char*)&vMkParams);
   out[73] = (he_u64)((const char*)&vMkParams.seed_hi - (const char*)&vMkParams);
-  out[74] = (he_u64)((const char*)&vMkParams.preload - (const char*)&vMkParams);
-  out[75] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
-  out[76] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
-  out[77] = (he_u64)((const char*)&vMkParams.pad_end - (const char*)&vMkParams);
-  out[78] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
+  out[74] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
+  out[75] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
+  out[76] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -334,7 +328,7 @@ constexpr bool kMkF16 = MK_WEIGHT_F16 != 0;
 // launch; then the wall time and cycles of the whole loop so the host can convert cycles to ns.
 // prof[k] work, prof[kMkProfN + k] total, prof[2N] ns, prof[2N + 1] cycles, prof[2N + 2] steps.
 enum MkProfStage { kProfSelect, kProfQkv, kProfAttn, kProfCombine, kProfO, kProfGateUp, kProfDown, kProfHead,
-                   kMkProfN };
+                   kProfAttnSplit, kMkProfN };
 #ifndef MK_PROFILE
 #define MK_PROFILE 0
 #endif
@@ -388,19 +382,6 @@ HE_INLINE HeMvPlain mk_head_op(const MkParams& p) {
   return HeMvPlain{p.x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab};
 }
 
-// Which matvec stage comes next (its weights are requested by mk_begin before the data it multiplies).
-enum MkNext { kNextNone, kNextQkv, kNextO, kNextGateUp, kNextDown, kNextHead };
-
-HE_INLINE void mk_begin(const MkParams& p, MkNext next, int layer, int pos, HeMvStream<2>& s) {
-  if (next == kNextHead) he_mv_begin(mk_head_op(p), s);
-  if (next == kNextNone || next == kNextHead) return;
-  const MkLayer& L = p.layers[layer];
-  if (next == kNextQkv) he_mv_begin(mk_qkv_op(p, L, pos), s);
-  else if (next == kNextO) he_mv_begin(mk_o_op(p, L), s);
-  else if (next == kNextGateUp) he_mv_begin(mk_gate_up_op(p, L), s);
-  else he_mv_begin(mk_down_op(p, L), s);
-}
-
 // ---- attention --------------------------------------------------------------------------------------------
 // Combine heads [h0, h0 + n) into att, then count them on the heads-combined counter (acq_rel RMW at device
 // scope after he_sync_block, so every thread's att writes happen-before it; O-proj acquires the count).
@@ -411,12 +392,13 @@ HE_INLINE void mk_combine(const MkParams& p, int h0, int n, float* smem) {
   if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(p.attn_count + p.nkv + 1, (he_u32)n);
 }
 
-HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem) {
+HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof) {
   const int items = p.nkv * p.nsplit;
   for (int it = he_block_idx(); it < items; it += he_grid_dim()) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
     he_attention_split_block<MK_ATTN_G>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
                                         p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem);
+    if (it == he_block_idx()) prof.work(kProfAttnSplit);  // block 0: stage start -> end of its first split
     // fine == 3: the last of this KV head's nsplit blocks to arrive (acq_rel counter at device scope: it
     // sees every split's partial) combines the whole group, one thread per (head, dim), no grid barrier.
     if (p.fine == 3 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit))
@@ -442,7 +424,9 @@ HE_INLINE void mk_block_argmax(float& best, int& bi, float* wv, int* wi) {
   he_sync_block();
 }
 
-HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok) {
+// `cancel` (block 0's thread 0 only): the host's cancel word as block 0 read it at the start of the selection;
+// published in state.cancel before block 0's arrival, so the leader (the last arriver, acq_rel) sees it.
+HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok, he_u32 cancel) {
   __shared__ float wv[kMaxWarpsPerBlock];
   __shared__ int wi[kMaxWarpsPerBlock];
   const int nb = he_grid_dim(), t = he_thread_idx(), nt = he_block_dim();
@@ -456,6 +440,7 @@ HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok) {
   }
   mk_block_argmax(best, bi, wv, wi);
   if (t == 0) {
+    if (he_block_idx() == 0) p.state->cancel = (int)cancel;
     p.cand[2 * he_block_idx()] = best;
     p.cand[2 * he_block_idx() + 1] = he_u32_as_f32((he_u32)bi);
   }
@@ -493,56 +478,66 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   MkState* st = p.state;
   int pos = st->pos, hist_len = st->hist_len, n_out = 0, steps = 0, finish = 0;
   bool sample_now = !(p.mode & kMkModeEmbedFirst);
-  HeMvStream<2> s;  // the next matvec stage's weight stream, begun before the barrier that precedes it
+  // The weight stream (ops/matvec.hip): one per warp for the whole launch. Each matvec stage consumes its
+  // part and refills from the next stage's descriptor, so the next stage's first weights are in flight
+  // before the barrier that publishes its input (the issue's "weights before the activation").
+  HeMvStream<2> s;
+  he_mv_begin(mk_qkv_op(p, p.layers[0], pos), s, mk_o_op(p, p.layers[0]));
   MkProf prof(p.prof);
 
-  // Grid barrier whose wait overlaps the first weight requests of matvec stage `next` (p.preload), then the
-  // stage's begin if it was not preloaded. `stage` is the profile slot of the stage that just ended.
-  auto barrier = [&](int stage, MkNext next, int layer) {
+  auto barrier = [&](int stage) {  // `stage`: profile slot of the stage that just ended
     prof.work(stage);
-    he_grid_arrive(w);
-    if (p.preload) mk_begin(p, next, layer, pos, s);
-    const bool ok = he_grid_wait(w, epoch, nb);
-    if (!p.preload) mk_begin(p, next, layer, pos, s);
+    const bool ok = he_grid_barrier(w, epoch, nb);
     prof.done(stage);
     return ok;
   };
 
   if (!sample_now) {
     if (lead) he_embedding_row<kMkF16>(p.embed, st->token, p.vocab, p.d, p.x);
-    if (!barrier(kProfSelect, kNextQkv, 0)) return;
+    if (!barrier(kProfSelect)) return;
   }
   for (;;) {
     if (sample_now) {
       // ---- token selection, emission and stop checks by one block (the others go on to the barrier) ----
       // Plain greedy: spread over the grid, led by the last block to finish its slice. Anything else
       // (temperature, penalties): he_sample_block on block 0.
+      // Block 0 reads the host's cancel word first (relaxed at system scope: it publishes no data) and
+      // uses it only after its arg-max slice, so the PCIe round trip overlaps the slice.
+      const he_u32 cancel = (lead && he_thread_idx() == 0) ? he_load_relaxed_system(p.host + kMkHost_cancel) : 0u;
       int tok = 0;
       bool leads = lead;
-      if (!(p.temperature > 0.f) && p.rep_pen == 1.f) leads = mk_argmax_grid(p, tok);
-      else if (lead)
+      if (!(p.temperature > 0.f) && p.rep_pen == 1.f) {
+        leads = mk_argmax_grid(p, tok, cancel);
+      } else if (lead) {
         tok = he_sample_block(p.logits, p.vocab, p.history, hist_len, p.temperature, p.top_k, p.top_p, p.min_p,
                               p.rep_pen, p.seed_lo, p.seed_hi, (he_u32)pos, p.z, scratch, slice_sums,
                               (he_u32*)he_mk_smem);
+        if (he_thread_idx() == 0) st->cancel = (int)cancel;
+      }
       if (leads) {
         if (he_thread_idx() == 0) {
-          if (n_out < p.ring_cap) p.ring[n_out] = tok;
-          // Release at system scope: the ring entry is visible to the host before the index that covers it.
-          he_store_release_system(p.host + kMkHost_write_idx, (he_u32)(n_out + 1));
           if (hist_len < p.max_ctx) p.history[hist_len] = tok;
           int stop = 0;
           for (int e = 0; e < p.n_eos; ++e) stop = p.eos[e] == tok ? kMkFinish_stop : stop;
           if (!stop && n_out + 1 >= p.max_tokens) stop = kMkFinish_length;
           if (!stop && pos >= p.max_ctx) stop = kMkFinish_context;
-          // Acquire at system scope: pairs with the host's store of the cancel word (checked once a token).
-          if (!stop && he_load_acquire_system(p.host + kMkHost_cancel) != 0u) stop = kMkFinish_cancelled;
+          if (!stop && st->cancel != 0) stop = kMkFinish_cancelled;
           st->stop = stop;
           mk_token = tok;
         }
         he_sync_block();
         he_embedding_row<kMkF16>(p.embed, mk_token, p.vocab, p.d, p.x);  // harmless when stopping
       }
-      if (!barrier(kProfSelect, kNextQkv, 0)) return;
+      prof.work(kProfSelect);
+      he_grid_arrive(w);
+      // Emission after the arrival, by the leader's last warp: its system-scope release (the ring entry is
+      // visible to the host before the index that covers it) waits for the PCIe write, off the barrier's path.
+      if (leads && he_thread_idx() == he_block_dim() - kWarpSize) {
+        if (n_out < p.ring_cap) p.ring[n_out] = mk_token;
+        he_store_release_system(p.host + kMkHost_write_idx, (he_u32)(n_out + 1));
+      }
+      if (!he_grid_wait(w, epoch, nb)) return;
+      prof.done(kProfSelect);
       n_out += 1;
       hist_len = hist_len < p.max_ctx ? hist_len + 1 : hist_len;
       finish = st->stop;  // plain load after the barrier's acquire; rewritten only after every block's next barrier
@@ -551,39 +546,41 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     // ---- one decode step at `pos` ----
     for (int l = 0; l < p.n_layers; ++l) {
       const MkLayer& L = p.layers[l];
-      he_mv_finish<kMkF16>(mk_qkv_op(p, L, pos), s, he_mk_smem, scratch);
+      // QKV refills with the O-proj's first weights, held in registers through attention.
+      he_mv_finish<kMkF16>(mk_qkv_op(p, L, pos), s, he_mk_smem, scratch, mk_o_op(p, L));
       if (p.qk_norm) {
-        if (!barrier(kProfQkv, kNextNone, l)) return;
+        if (!barrier(kProfQkv)) return;
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
           he_qk_norm_rope_head(p.qkv, L.q_norm, L.k_norm, p.eps, p.cos_t, p.sin_t, pos, p.q, L.k_cache, L.v_cache,
                                p.max_ctx, p.nh, p.nkv, p.hd, head, scratch);
       }
-      if (!barrier(kProfQkv, kNextNone, l)) return;
-      mk_attention(p, L, pos, he_mk_smem);
+      if (!barrier(kProfQkv)) return;
+      mk_attention(p, L, pos, he_mk_smem, prof);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
-        if (!barrier(kProfAttn, kNextNone, l)) return;
+        if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, he_mk_smem);
       }
       // O-proj needs every head of att and nothing else of this stage, so it waits for the heads-combined
       // counter (nh more per layer) instead of a grid barrier: no 264-way arrival, and blocks with no
       // combine work start as soon as the last combine lands. Safe without a barrier: until the next grid
       // barrier the O-proj reads att and x and writes x, which attention and the combine never touch.
-      // The O-proj weights are requested before the wait (p.preload).
       attn_done += (he_u32)p.nh;
       prof.work(p.fine == 2 ? kProfCombine : kProfAttn);
-      if (p.preload) mk_begin(p, kNextO, l, pos, s);
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
-      if (!p.preload) mk_begin(p, kNextO, l, pos, s);
       prof.done(p.fine == 2 ? kProfCombine : kProfAttn);
-      he_mv_finish<kMkF16>(mk_o_op(p, L), s, he_mk_smem, scratch);
-      if (!barrier(kProfO, kNextGateUp, l)) return;
-      he_mv_finish<kMkF16>(mk_gate_up_op(p, L), s, he_mk_smem, scratch);
-      if (!barrier(kProfGateUp, kNextDown, l)) return;
-      he_mv_finish<kMkF16>(mk_down_op(p, L), s, he_mk_smem, scratch);
-      if (!barrier(kProfDown, l + 1 < p.n_layers ? kNextQkv : kNextHead, l + 1)) return;
+      he_mv_finish<kMkF16>(mk_o_op(p, L), s, he_mk_smem, scratch, mk_gate_up_op(p, L));
+      if (!barrier(kProfO)) return;
+      he_mv_finish<kMkF16>(mk_gate_up_op(p, L), s, he_mk_smem, scratch, mk_down_op(p, L));
+      if (!barrier(kProfGateUp)) return;
+      if (l + 1 < p.n_layers)
+        he_mv_finish<kMkF16>(mk_down_op(p, L), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos));
+      else
+        he_mv_finish<kMkF16>(mk_down_op(p, L), s, he_mk_smem, scratch, mk_head_op(p));
+      if (!barrier(kProfDown)) return;
     }
-    he_mv_finish<kMkF16>(mk_head_op(p), s, he_mk_smem, scratch);
-    if (!barrier(kProfHead, kNextNone, 0)) return;
+    // The LM head refills with the next step's first QKV weights (held through token selection).
+    he_mv_finish<kMkF16>(mk_head_op(p), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1));
+    if (!barrier(kProfHead)) return;
     pos += 1;
     steps += 1;
     if (p.mode & kMkModeOneStep) break;

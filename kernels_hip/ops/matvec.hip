@@ -66,34 +66,47 @@ HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0
 
 // ---- the row stream --------------------------------------------------------------------------------------
 // A warp's work in one matvec is its units u0, u0 + stride, ... (u0 = global warp index, stride = warps in
-// the grid); a unit is kRows rows of `in` weights, consumed in batches of kMatvecBatch columns. The batches
-// flow through a 2-deep register pipeline that does not drain at unit boundaries: while batch k is reduced
-// into the accumulators, batch k + 1 (of this unit or of the warp's next one) is already in flight, and the
-// unit's epilogue (warp reduction, RoPE, store) runs with the next unit's loads outstanding.
+// the grid); a unit is kRows rows of `in` weights, read in batches of kMatvecBatch columns, two batches at a
+// time: register buffer `a` holds columns [c0, c0 + B) of the unit's rows and `b` holds [c0 + B, c0 + 2B)
+// (B = kMatvecBatch; a unit's columns are padded to a multiple of 2B, the padding loads nothing). After `a`
+// is consumed it is refilled with the next pair's first batch, after `b` with its second, so two batches are
+// in flight while one is reduced, and the stream does not drain between units.
 //
-// Two phases, so weights (which never depend on the activation) can be requested before the activation
-// exists:  he_mv_begin()  issues the warp's first two batches;  he_mv_finish()  stages the activation in
-// shared memory (the fused RMSNorm prologue) and runs the stream. The per-op kernels call them back to
-// back; the monokernel calls he_mv_begin() while its block waits at the grid barrier that publishes x, so
-// HBM latency hides behind the barrier.
+// Nor between ops: the pair after a warp's last one belongs to the NEXT matvec (the `nxt` descriptor), so
+// when a stage ends every warp already holds — or has in flight — the first two batches of its part of the
+// next stage. Weights never depend on activations, so the monokernel keeps one stream running through the
+// whole step: a grid barrier, attention or token selection only delay the consumption, never the requests.
+// The per-op kernels use the same code with HeMvNone as the next op.
+//
+//   he_mv_begin(op, s, nxt)   first two batches of this warp's part of op (or of nxt if op has none for it)
+//   he_mv_finish(op, s, ..., nxt)   fused RMSNorm prologue, then consume op's batches, refilling from nxt
 //
 // An op is a small struct: the prologue input (x, gamma, eps, in), units(), rows(u, rp) (the kRows row
 // pointers of unit u) and epi(u, acc) (lane-0 stores of the unit's kRows sums, identical in every lane).
+struct HeMvPos {
+  int u, c0;  // unit and first column of the pair held in (a, b)
+  bool nx;    // the pair belongs to the next op
+};
+
 template <int kRows>
 struct HeMvStream {
-  he_vec16 cur[kRows][kMatvecUnroll];  // batch at (u, c0): arrived or in flight
-  he_vec16 nxt[kRows][kMatvecUnroll];  // batch at (nu, nc0): in flight (none when nu >= units)
-  int u, c0, nu, nc0;
+  he_vec16 a[kRows][kMatvecUnroll];  // columns [c0, c0 + B) of unit u's rows: arrived or in flight
+  he_vec16 b[kRows][kMatvecUnroll];  // columns [c0 + B, c0 + 2B)
+  HeMvPos p;
+};
+
+// The op after the last one (per-op kernels, or a chain's end): no units.
+struct HeMvNone {
+  int in;
+  HE_INLINE int units() const { return 0; }
+  template <int kRows>
+  HE_INLINE void rows(int, const he_u16* (&rp)[kRows]) const {
+    for (int r = 0; r < kRows; ++r) rp[r] = nullptr;
+  }
 };
 
 HE_INLINE int he_mv_stride() { return he_grid_dim() * he_num_warps(); }
-
-template <class Op, int kRows>
-HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
-  const he_u16* rp[kRows];
-  op.rows(u, rp);
-  he_matvec_load<kRows>(rp, op.in, c0, w);
-}
+HE_INLINE int he_mv_first() { return he_block_idx() * he_num_warps() + he_warp_id(); }
 
 template <int kRows>
 HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
@@ -103,26 +116,47 @@ HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
     for (int k = 0; k < kMatvecUnroll; ++k) w[r][k] = he_vec16{0u, 0u, 0u, 0u};
 }
 
-// (u, c0) -> the position of the warp's next batch.
-HE_INLINE void he_mv_step(int& u, int& c0, int in) {
-  c0 += kMatvecBatch;
-  if (c0 >= in) { c0 = 0; u += he_mv_stride(); }
+// Load batch columns [c0, c0 + B) of unit u of `op` (zeros past the rows' end or when there is no unit).
+template <class Op, int kRows>
+HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
+  if (u >= op.units()) { he_mv_zero(w); return; }
+  const he_u16* rp[kRows];
+  op.rows(u, rp);
+  he_matvec_load<kRows>(rp, op.in, c0, w);
 }
 
-template <class Op, int kRows>
-HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s) {
-  const int units = op.units();
-  s.u = he_block_idx() * he_num_warps() + he_warp_id();
-  s.c0 = 0;
-  s.nu = s.u;
-  s.nc0 = 0;
-  he_mv_step(s.nu, s.nc0, op.in);
-  // Both buffers are always written (zeros past the end) so no value of a previous stage stays live: the
-  // monokernel keeps `s` across attention, and stale contents would have to be kept in registers.
-  if (s.u < units) he_mv_load(op, s.u, 0, s.cur);
-  else he_mv_zero(s.cur);
-  if (s.nu < units) he_mv_load(op, s.nu, s.nc0, s.nxt);
-  else he_mv_zero(s.nxt);
+// Load both batches of pair p (from op, or from nxt once the pair belongs to it).
+template <class Op, class Next, int kRows>
+HE_INLINE void he_mv_fill_a(const Op& op, const Next& nxt, const HeMvPos& p, HeMvStream<kRows>& s) {
+  if (!p.nx) he_mv_load(op, p.u, p.c0, s.a);
+  else he_mv_load(nxt, p.u, p.c0, s.a);
+}
+template <class Op, class Next, int kRows>
+HE_INLINE void he_mv_fill_b(const Op& op, const Next& nxt, const HeMvPos& p, HeMvStream<kRows>& s) {
+  if (!p.nx) he_mv_load(op, p.u, p.c0 + kMatvecBatch, s.b);
+  else he_mv_load(nxt, p.u, p.c0 + kMatvecBatch, s.b);
+}
+
+// p past op's last unit -> the first pair of nxt.
+template <class Op>
+HE_INLINE void he_mv_norm(HeMvPos& p, const Op& op) {
+  if (!p.nx && p.u >= op.units()) { p.u = he_mv_first(); p.c0 = 0; p.nx = true; }
+}
+
+// The pair after p: next 2B columns, then the warp's next unit, then nxt's first pair.
+template <class Op, class Next>
+HE_INLINE void he_mv_advance(HeMvPos& p, const Op& op, const Next& nxt) {
+  p.c0 += 2 * kMatvecBatch;
+  if (p.c0 >= (p.nx ? nxt.in : op.in)) { p.c0 = 0; p.u += he_mv_stride(); }
+  he_mv_norm(p, op);
+}
+
+template <class Op, class Next, int kRows>
+HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) {
+  s.p = HeMvPos{he_mv_first(), 0, false};
+  he_mv_norm(s.p, op);
+  he_mv_fill_a(op, nxt, s.p, s);
+  he_mv_fill_b(op, nxt, s.p, s);
 }
 
 // acc[r] += this lane's part of batch w (columns c0 + k·sweep + lane·8) of the unit's rows.
@@ -140,42 +174,41 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
   }
 }
 
-// The unit ends with this batch: reduce over the warp, store, restart the accumulators.
-template <class Op, int kRows>
-HE_INLINE void he_mv_unit_end(const Op& op, int u, float (&acc)[kRows]) {
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = he_warp_sum(acc[r]);
-  op.epi(u, acc);
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-}
-
-// The stream's two buffers alternate roles (ping-pong, no register copies): consume A, refill A with the
-// batch after B's, consume B, refill B with the batch after A's new one. Batches are consumed in order, so
-// every lane's columns are summed in the same order as a plain loop (results do not depend on the pipeline).
-template <bool kF16, class Op, int kRows>
-HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch) {
+// Stage the activation (RMSNorm prologue), then consume this warp's pairs of op; each buffer is refilled as
+// soon as it is consumed, from op or — past op's end — from nxt. On return s holds nxt's first pair (as
+// "current": the caller's next he_mv_finish is for nxt). Batches are consumed in column order, so a lane's
+// partial sums are added in the same order as a plain loop: results do not depend on the pipelining, the
+// unroll depth, or which op came before.
+template <bool kF16, class Op, class Next, int kRows>
+HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt) {
+  if (!s.p.nx && s.p.u >= op.units()) {  // no unit of op for this warp (only possible at a chain's start)
+    s.p.u = he_mv_first();
+    s.p.c0 = 0;
+    s.p.nx = true;
+    he_mv_fill_a(op, nxt, s.p, s);
+    he_mv_fill_b(op, nxt, s.p, s);
+  }
   he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
-  const int units = op.units(), in = op.in;
   float acc[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-  int ua = s.u, ca = s.c0, ub = s.nu, cb = s.nc0;  // positions of the batches in A (s.cur) and B (s.nxt)
-  while (ua < units) {
-    he_mv_consume<kF16>(s.cur, ca, in, xs, acc);
-    if (ub != ua) he_mv_unit_end(op, ua, acc);
-    ua = ub;
-    ca = cb;
-    he_mv_step(ua, ca, in);
-    if (ua < units) he_mv_load(op, ua, ca, s.cur);
-    if (ub >= units) break;
-    he_mv_consume<kF16>(s.nxt, cb, in, xs, acc);
-    if (ua != ub) he_mv_unit_end(op, ub, acc);
-    ub = ua;
-    cb = ca;
-    he_mv_step(ub, cb, in);
-    if (ub < units) he_mv_load(op, ub, cb, s.nxt);
+  while (!s.p.nx) {
+    HeMvPos n = s.p;
+    he_mv_advance(n, op, nxt);
+    he_mv_consume<kF16>(s.a, s.p.c0, op.in, xs, acc);
+    he_mv_fill_a(op, nxt, n, s);
+    he_mv_consume<kF16>(s.b, s.p.c0 + kMatvecBatch, op.in, xs, acc);
+    he_mv_fill_b(op, nxt, n, s);
+    if (n.nx || n.u != s.p.u) {  // the unit's last pair: reduce over the warp, store, restart
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] = he_warp_sum(acc[r]);
+      op.epi(s.p.u, acc);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
+    }
+    s.p = n;
   }
+  s.p.nx = false;
 }
 
 HE_INLINE float he_silu(float g) { return g / (1.f + he_exp(-g)); }
@@ -212,8 +245,9 @@ HE_INLINE void he_matvec_body(const he_u16* W, const float* x, const float* gamm
                               const float* residual, float* y, int rows, int in, float* xs, float* scratch) {
   const HeMvPlain op{x, gamma, eps, in, W, residual, y, rows};
   HeMvStream<2> s;
-  he_mv_begin(op, s);
-  he_mv_finish<kF16>(op, s, xs, scratch);
+  const HeMvNone none{0};
+  he_mv_begin(op, s, none);
+  he_mv_finish<kF16>(op, s, xs, scratch, none);
 }
 
 HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
@@ -250,8 +284,9 @@ HE_INLINE void he_matvec_gate_up_body(const he_u16* Wg, const he_u16* Wu, const 
                                       float eps, float* y, int rows, int in, float* xs, float* scratch) {
   const HeMvGateUp op{x, gamma, eps, in, Wg, Wu, y, rows};
   HeMvStream<2> s;
-  he_mv_begin(op, s);
-  he_mv_finish<kF16>(op, s, xs, scratch);
+  const HeMvNone none{0};
+  he_mv_begin(op, s, none);
+  he_mv_finish<kF16>(op, s, xs, scratch, none);
 }
 
 HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
@@ -317,8 +352,9 @@ struct HeMvQkv {
 template <bool kF16>
 HE_INLINE void he_matvec_qkv_body(const HeMvQkv& op, float* xs, float* scratch) {
   HeMvStream<2> s;
-  he_mv_begin(op, s);
-  he_mv_finish<kF16>(op, s, xs, scratch);
+  const HeMvNone none{0};
+  he_mv_begin(op, s, none);
+  he_mv_finish<kF16>(op, s, xs, scratch, none);
 }
 
 HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
