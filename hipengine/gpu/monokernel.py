@@ -314,7 +314,6 @@ class MonokernelBackend(GpuBackend):
         nw = THREADS // rt.warp_size
         self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),  # matvec x staging
                         (G * cfg.head_dim + nw * G * (cfg.head_dim + 2)) * 4,       # attention (ops.attention)
-                        O.combine_shared_bytes(self.nsplit, G),                     # group combine
                         4 * ((cfg.vocab_size + 31) // 32))                           # sampling history bitmap
         if self.smem > rt.max_shared_per_block:
             raise DeviceError(f"monokernel needs {self.smem} B of shared memory per block; the device allows "

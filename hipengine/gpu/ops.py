@@ -79,11 +79,6 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int,
     return math.ceil(max_ctx / chunk), chunk
 
 
-def combine_shared_bytes(nsplit: int, heads: int = 1) -> int:
-    """Shared memory of he_attention_combine for `heads` heads: every split's (m, l), fp32."""
-    return 8 * nsplit * heads
-
-
 class Ops:
     """Compiled op modules for one device, with one launcher per kernel."""
 
@@ -119,6 +114,8 @@ class Ops:
                        stream=stream)
 
     def rmsnorm(self, x, gamma, eps: float, n: int, y, rows: int = 1, stream=None):
+        if n % 4:
+            raise UnsupportedError(f"rmsnorm length {n} is not a multiple of 4 (16-byte loads)")
         self.rt.launch(self.fn("rmsnorm", "rmsnorm"), rows, 256,
                        [_p(x), _p(gamma), c_float(eps), c_int32(n), _p(y)], stream=stream)
 
@@ -182,7 +179,6 @@ class Ops:
                         c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream)
         self.rt.launch(self.fn("attention_decode", "attention_combine"), (nh, T), 128,
                        [_p(partial), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)],
-                       shared=combine_shared_bytes(nsplit),
                        stream=stream)
 
     @staticmethod

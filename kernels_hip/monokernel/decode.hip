@@ -385,9 +385,8 @@ HE_INLINE HeMvPlain mk_head_op(const MkParams& p) {
 // ---- attention --------------------------------------------------------------------------------------------
 // Combine heads [h0, h0 + n) into att, then count them on the heads-combined counter (acq_rel RMW at device
 // scope after he_sync_block, so every thread's att writes happen-before it; O-proj acquires the count).
-HE_INLINE void mk_combine(const MkParams& p, int h0, int n, float* smem) {
-  he_attention_combine(p.partial + (he_i64)h0 * p.nsplit * (p.hd + 2), n, p.nsplit, p.hd, p.att + (he_i64)h0 * p.hd,
-                       smem);
+HE_INLINE void mk_combine(const MkParams& p, int h0, int n) {
+  he_attention_combine(p.partial + (he_i64)h0 * p.nsplit * (p.hd + 2), n, p.nsplit, p.hd, p.att + (he_i64)h0 * p.hd);
   he_sync_block();
   if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(p.attn_count + p.nkv + 1, (he_u32)n);
 }
@@ -402,7 +401,7 @@ HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
     // fine == 3: the last of this KV head's nsplit blocks to arrive (acq_rel counter at device scope: it
     // sees every split's partial) combines the whole group, one thread per (head, dim), no grid barrier.
     if (p.fine == 3 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit))
-      mk_combine(p, kvh * MK_ATTN_G, MK_ATTN_G, smem);
+      mk_combine(p, kvh * MK_ATTN_G, MK_ATTN_G);
     he_sync_block();  // shared memory is reused by the next item
   }
 }
@@ -466,7 +465,7 @@ HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok, he_u32 cancel) {
 #define MK_MIN_BLOCKS 1
 #endif
 extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monokernel_decode(const MkParams* __restrict__ P) {
-  extern __shared__ float he_mk_smem[];  // max(matvec x staging, attention, combine, sampling bitmap), host-sized
+  extern __shared__ float he_mk_smem[];  // max(matvec x staging, attention, sampling bitmap), host-sized
   __shared__ float scratch[kMaxWarpsPerBlock];
   __shared__ float slice_sums[kSampleThreads];
   __shared__ int mk_token;
@@ -558,7 +557,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       mk_attention(p, L, pos, he_mk_smem, prof);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
-        for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, he_mk_smem);
+        for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1);
       }
       // O-proj needs every head of att and nothing else of this stage, so it waits for the heads-combined
       // counter (nh more per layer) instead of a grid barrier: no 264-way arrival, and blocks with no

@@ -203,38 +203,31 @@ HE_ATTN_KERNEL(8)
 #undef HE_ATTN_KERNEL
 
 // out[h] = Σ_s 2^(m_s − M) o_s / Σ_s 2^(m_s − M) l_s  over non-empty splits (l_s > 0).
-// One thread per output value (head g of a group, dim d). The splits' (m, l) are staged in shared memory in
-// one parallel load; then every thread scans them itself in split order (M, then L) and sums its o_s in
-// split order. No block reduction: the result depends only on (nsplit, the partials), never on the block
-// size or on how many heads one block combines, so the per-head kernel (attention_combine) and the
-// monokernel's whole-group combine produce the same bits. The o_s loads are independent of M and L, so the
-// unrolled loop keeps 16 L2 loads in flight.
-// pr: partials of the first head, heads `stride_h` floats apart; out: heads hd floats apart;
-// sh: shared memory of 2·nh_here·nsplit floats. Every thread of the block must call it (it syncs).
-HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, int hd, float* out, float* sh) {
+// One thread per output value (head g of the heads combined here, dim d), one pass over the splits in split
+// order with a running maximum (the online-softmax merge, as inside a split): the loads of every split are
+// independent of the running state, so the unrolled loop keeps 3 × 16 L2 loads in flight and the whole
+// combine is about one L2 round trip. No shared memory and no block reduction: the result depends only on
+// (nsplit, the partials), never on the block size or on how many heads one block combines, so the per-head
+// kernel (attention_combine) and the monokernel's whole-group combine produce the same bits.
+// pr: partials of the first head (heads nsplit·(hd + 2) floats apart); out: heads hd floats apart.
+HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, int hd, float* out) {
   const int t = he_thread_idx(), nt = he_block_dim();
   const int hs = nsplit * (hd + 2);  // floats per head of partials
-  for (int i = t; i < nh_here * nsplit; i += nt) {
-    const float* e = pr + (he_i64)(i / nsplit) * hs + (i % nsplit) * (hd + 2) + hd;
-    sh[2 * i] = e[0];      // m_s
-    sh[2 * i + 1] = e[1];  // l_s (0: empty split)
-  }
-  he_sync_block();
   for (int i = t; i < nh_here * hd; i += nt) {
     const int g = i / hd, d = i % hd;
-    const float* ml = sh + 2 * g * nsplit;
-    const float* po = pr + (he_i64)g * hs + d;
-    float M = he_neg_inf();
-    for (int s = 0; s < nsplit; ++s)
-      if (ml[2 * s + 1] > 0.f) M = he_fmax(M, ml[2 * s]);
-    float L = 0.f, o = 0.f;
+    const float* ph = pr + (he_i64)g * hs;
+    float M = he_neg_inf(), L = 0.f, o = 0.f;
 #pragma unroll 16
     for (int s = 0; s < nsplit; ++s) {
-      const float v = po[s * (hd + 2)];  // unconditional: empty splits hold stale values, masked below
-      const float ls = ml[2 * s + 1];
-      const float w = ls > 0.f ? he_exp2(ml[2 * s] - M) : 0.f;
-      L += w * ls;
-      o += ls > 0.f ? v * w : 0.f;
+      const float* e = ph + s * (hd + 2);
+      const float v = e[d], ms = e[hd], ls = e[hd + 1];  // empty splits (ls = 0) hold stale values: skipped
+      if (ls > 0.f) {
+        const float Mn = he_fmax(M, ms);
+        const float a = (M == he_neg_inf()) ? 0.f : he_exp2(M - Mn), w = he_exp2(ms - Mn);
+        L = L * a + ls * w;
+        o = o * a + v * w;
+        M = Mn;
+      }
     }
     out[(he_i64)g * hd + d] = o / L;
   }
@@ -242,9 +235,8 @@ HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, in
 
 HE_KERNEL(256) attention_combine(const float* __restrict__ partial, int nsplit, int nh, int hd,
                                  float* __restrict__ out) {
-  extern __shared__ float he_combine_sh[];  // [2 · nsplit]
   const int h = he_block_idx(), tq = he_block_idx_y();
   he_attention_combine(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), 1, nsplit, hd,
-                       out + ((he_i64)tq * nh + h) * hd, he_combine_sh);
+                       out + ((he_i64)tq * nh + h) * hd);
 }
 #endif
