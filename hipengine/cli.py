@@ -33,11 +33,11 @@ def _add_model_args(p: argparse.ArgumentParser, shape: bool = True) -> None:
         p.add_argument("--shape", help="random-weight preset instead of a model (e.g. llama-3.2-1b)")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel GPUs")
-    # The per-op path is the default until the monokernel beats it and passes the default-model greedy check
-    # (docs/perf-log.md, issue 4); --no-monokernel is kept as the explicit spelling of the default.
-    p.add_argument("--monokernel", dest="monokernel", action="store_true", default=False,
-                   help="GPU: decode in the resident monokernel (experimental)")
-    p.add_argument("--no-monokernel", dest="monokernel", action="store_false", help="GPU: per-op decode (default)")
+    # GPU decode runs in the monokernel by default (falling back to the per-op path, with a note, for a model
+    # it cannot run); --monokernel insists on it, --no-monokernel selects the per-op path (comparisons).
+    p.add_argument("--monokernel", dest="monokernel", action="store_true", default=None,
+                   help="GPU: decode in the resident monokernel (the default; an error if it cannot run)")
+    p.add_argument("--no-monokernel", dest="monokernel", action="store_false", help="GPU: per-op decode")
     p.add_argument("--allreduce", choices=("custom", "nccl"), default="custom")
     p.add_argument("--max-context", type=_positive_int, default=None, help="KV cache length in tokens")
 

@@ -11,6 +11,7 @@ them the same way.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import numpy as np
 
 from .backend import Backend, SamplingParams
 from .config import ModelConfig
-from .errors import DeviceError, ModelError, RequestError
+from .errors import DeviceError, ModelError, RequestError, UnsupportedError
 from .sampling import make_params
 from .tokenizer import Tokenizer, ids_from
 
@@ -88,7 +89,7 @@ class Engine:
     # ---- construction -------------------------------------------------------
     @classmethod
     def load(cls, model: str | Path | None = None, device: str = "auto", tp: int = 1, shape: str | None = None,
-             max_context: int | None = None, monokernel: bool = False, allreduce: str = "custom",
+             max_context: int | None = None, monokernel: bool | None = None, allreduce: str = "custom",
              seed: int = 0, progress: bool = True) -> "Engine":
         if device not in ("auto", "cpu", "gpu"):
             raise RequestError(f"device must be auto, cpu or gpu, got {device!r}")
@@ -131,6 +132,12 @@ class Engine:
 
                 backend = TpGpuBackend(loaded, max_context=max_context, tp=tp, monokernel=monokernel,
                                        allreduce=allreduce)
+            elif monokernel is None:  # default: the monokernel, or the per-op path where it cannot run
+                try:
+                    backend = GpuBackend(loaded, max_context=max_context, monokernel=True, allreduce=allreduce)
+                except UnsupportedError as e:
+                    print(f"note: per-op decode ({e})", file=sys.stderr)
+                    backend = GpuBackend(loaded, max_context=max_context, monokernel=False, allreduce=allreduce)
             else:
                 backend = GpuBackend(loaded, max_context=max_context, tp=tp, monokernel=monokernel,
                                      allreduce=allreduce)

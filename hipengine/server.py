@@ -805,7 +805,7 @@ def run(args) -> int:
 
     try:
         load_kw = {"device": getattr(args, "device", None) or "auto", "tp": int(getattr(args, "tp", None) or 1),
-                   "monokernel": bool(getattr(args, "monokernel", False)),
+                   "monokernel": getattr(args, "monokernel", None),
                    "allreduce": getattr(args, "allreduce", None) or "custom"}
         for name in ("shape", "max_context", "seed"):
             if getattr(args, name, None) is not None:

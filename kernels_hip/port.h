@@ -174,6 +174,17 @@ HE_INLINE he_f16 he_f32_to_f16(float f) { he_u16 h; asm("cvt.rn.f16.f32 %0, %1;"
 HE_INLINE float he_f16lo_to_f32(he_u32 w) { return he_f16_to_f32((he_f16)(w & 0xffffu)); }
 HE_INLINE float he_f16hi_to_f32(he_u32 w) { return he_f16_to_f32((he_f16)(w >> 16)); }
 
+// KV-cache element: bf16 by default, fp16 when built with -DHE_KV_F16=1 (the host picks it per model: fp16
+// for models whose weights are fp16, e.g. GGUF — on the default model a bf16 cache alone moves the logits
+// 2.7e-2 from the fp32 reference, an fp16 one 2.7e-3). Storage is 16 bits either way.
+#ifndef HE_KV_F16
+#define HE_KV_F16 0
+#endif
+typedef he_u16 he_kv;
+HE_INLINE he_kv he_f32_to_kv(float f) { return HE_KV_F16 ? he_f32_to_f16(f) : he_f32_to_bf16(f); }
+HE_INLINE float he_kvlo_to_f32(he_u32 w) { return HE_KV_F16 ? he_f16lo_to_f32(w) : he_bf16lo_to_f32(w); }
+HE_INLINE float he_kvhi_to_f32(he_u32 w) { return HE_KV_F16 ? he_f16hi_to_f32(w) : he_bf16hi_to_f32(w); }
+
 // ------------------------------------------------------------------------------------------------------
 // 16-byte vectors: the unit of every weight load (8 bf16/fp16). Pointers must be 16-byte aligned.
 // ------------------------------------------------------------------------------------------------------

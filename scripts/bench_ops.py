@@ -241,7 +241,7 @@ def bench_decode(rt, hbm) -> dict:
 
     model, src = llama_1b_model()
     t0 = time.perf_counter()
-    be = GpuBackend(model, max_context=1024)
+    be = GpuBackend(model, max_context=1024, monokernel=False)
     load_s = time.perf_counter() - t0
     try:
         be.reset()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# scripts/device_session.sh [iter|final] — one device call that builds, checks and times the monokernel work
+# scripts/device_session.sh [iter|quick|final] — one device call that builds, checks and times the monokernel work
 # (issue 4) and the per-op kernels (issue 3), every step time-boxed so the call ends inside the 600 s limit.
 #   iter  : stage profile + bench at 1K, launch-configuration sweep, GPU op + monokernel tests, bench_ops
-#   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), GPU op + engine + monokernel tests
+#   quick : op tests, stage profile + bench at 1K/8K, monokernel tests, bench_ops
+#   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
 # Logs and JSON land in $OUT; kernels come from $HIPENGINE_CACHE (precompiled here with
 # `python scripts/precompile_mk.py`, carried as .mkcache) so little device time goes to NVRTC.
 set -uo pipefail
@@ -34,13 +35,19 @@ case "$MODE" in
     run ops_tests 90 $PY -m pytest tests/test_ops_gpu.py -q -x -rs
     run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"
     ;;
+  quick)  # correctness of a change + where the time goes, no sweep
+    run ops_tests 90 $PY -m pytest tests/test_ops_gpu.py -q -x -rs
+    run profile1k 130 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile \
+        --json "$OUT/profile_1k.json"
+    run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
+    run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"
+    ;;
   final)
     run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
         --context 32768 --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
     run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -rs
-    run gpu_tests 200 $PY -m pytest -m gpu tests/test_ops_gpu.py tests/test_gpu_engine.py tests/test_runtime_gpu.py -q -rs
     ;;
-  *) echo "unknown mode $MODE (iter|final)"; exit 2 ;;
+  *) echo "unknown mode $MODE (iter|quick|final)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -n 30 "$f"; done

@@ -1,7 +1,7 @@
 """Fill ./.mkcache (or $HIPENGINE_CACHE) with sm_90 builds of the per-op kernels and of the monokernel
 variants a device session uses, on this CPU machine (NVRTC only), so device time is not spent compiling.
 Usage: HIPENGINE_CACHE=$PWD/.mkcache python scripts/precompile_mk.py [variant ...]
-Variants: default (groups 1-4, bf16 + fp16), profile, unroll8, 2blk (llama-3.2-1b: bf16, group 4)."""
+Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unroll8, 2blk (llama-3.2-1b: bf16, group 4)."""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,7 @@ import sys
 
 VARIANTS = {
     "default": ({}, (False, True), (1, 2, 3, 4)),
+    "session": ({}, (False, True), (2, 3, 4)),  # what device_session.sh + device_default_model.sh build
     "profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False, True), (3, 4)),
     "unroll8": ({"HIPENGINE_MK_UNROLL": "8"}, (False,), (4,)),
     "2blk": ({"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2"}, (False,), (4,)),

@@ -122,7 +122,7 @@ def test_tiny_teacher_forced(kind, tmp_path_factory):
     ids = np.random.default_rng(0).integers(3, tiny.config.vocab_size, 512)
     ref = ReferenceBackend(tiny, max_context=1024)
     want = ref.prefill(ids, all_logits=True)
-    gpu = GpuBackend(tiny, max_context=1024)
+    gpu = GpuBackend(tiny, max_context=1024, monokernel=False)
     try:
         got = gpu.prefill(ids, all_logits=True)  # prefill path (small-M matmuls, 8-token chunks)
         agree, n = _agreement(got, want)
@@ -147,7 +147,7 @@ def test_tiny_greedy_matches_cpu(tiny):
     prompt = np.array([5, 17, 99, 42, 7, 250, 31], np.int64)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     cpu = list(ReferenceBackend(tiny, max_context=1024).generate_ids(prompt, params, lambda: False))
-    gpu = GpuBackend(tiny, max_context=1024)
+    gpu = GpuBackend(tiny, max_context=1024, monokernel=False)
     try:
         got = list(gpu.generate_ids(prompt, params, lambda: False))
         sampled = list(gpu.generate_ids(prompt, SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7,
@@ -169,7 +169,7 @@ def test_llama_1b_preset():
     model = presets.preset_model("llama-3.2-1b", 0)
     n = 64  # the float32 CPU reference is slow at 1B; 64 positions (stated in the report)
     ids = np.random.default_rng(1).integers(0, model.config.vocab_size, n)
-    gpu = GpuBackend(model, max_context=256)
+    gpu = GpuBackend(model, max_context=256, monokernel=False)
     try:
         got = gpu.prefill(ids, all_logits=True)
     finally:
@@ -232,6 +232,7 @@ class EmulatedRuntime:
         self.mem = np.zeros(nbytes, np.uint8)
         self.top = 0
         self.capturing = None
+        self.kv_f16 = False
 
     # memory ---------------------------------------------------------------------------------------------
     def malloc(self, n):
@@ -276,7 +277,15 @@ class EmulatedRuntime:
 
     # code / execution -----------------------------------------------------------------------------------
     def compile(self, source, **kw):
+        self.kv_f16 = bool((kw.get("defines") or {}).get("HE_KV_F16", 0))  # port.h's he_kv element type
         return _Mod()
+
+    def _kv_enc(self, a):
+        return np.asarray(a, np.float32).astype(np.float16).view(np.uint16) if self.kv_f16 else O.to_bf16(
+            np.asarray(a, np.float32))
+
+    def _kv_dec(self, bits):
+        return bits.view(np.float16).astype(np.float32) if self.kv_f16 else O.from_bf16(bits)
 
     def stream(self):
         return _Stream()
@@ -379,14 +388,14 @@ class EmulatedRuntime:
                 k = O.ref_rmsnorm(k, self._f32(kn, hd), eps)
             c, s = cs[p].astype(np.float64), sn[p].astype(np.float64)
             self._f32(q_out + t * nh * hd * 4, nh * hd)[:] = O.ref_rope(q, c, s).reshape(-1)
-            K[:, p] = O.to_bf16(O.ref_rope(k, c, s).astype(np.float32))
-            V[:, p] = O.to_bf16(v.astype(np.float32))
+            K[:, p] = self._kv_enc(O.ref_rope(k, c, s))
+            V[:, p] = self._kv_enc(v)
 
     def _k_attention_split(self, grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx):
         T, G = grid[1], nh // nkv
         p0 = int(self.view(pos, np.int32, 1)[0])
-        K = O.from_bf16(self.view(kc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd).astype(np.float64)
-        V = O.from_bf16(self.view(vc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd).astype(np.float64)
+        K = self._kv_dec(self.view(kc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd).astype(np.float64)
+        V = self._kv_dec(self.view(vc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd).astype(np.float64)
         Q = self._f32(q, T * nh * hd).reshape(T, nh, hd).astype(np.float64)
         P = self._f32(partial, T * nh * nsplit * (hd + 2)).reshape(T, nh, nsplit, hd + 2)
         for t in range(T):

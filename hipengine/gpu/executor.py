@@ -4,7 +4,8 @@ Device state
   weights   per layer: wqkv [q+2kv, d] (wq|wk|wv stacked, so one launch fuses QKV + bias + RoPE + KV append),
             wo, w_gate, w_up, w_down in bf16 (fp16 when the loader hands fp16 arrays or the model is a GGUF,
             whose weights come from fp16 scales); norms and biases fp32.
-  kv cache  bf16 [layers][kv_heads][max_context][head_dim] (K and V separate), see attention_decode.hip.
+  kv cache  bf16, or fp16 for fp16-weight (GGUF) models [layers][kv_heads][max_context][head_dim] (K and V
+            separate), see attention_decode.hip and port.h's he_kv.
   state     pos (int32, the position the next token is written at), token, history (prompt + generated
             ids, for the repetition penalty), all in device memory so the captured decode graph has
             constant arguments.
@@ -26,10 +27,15 @@ from . import ops as O
 from .runtime import get_runtime
 
 
+def kv_defines(kv_f16: bool) -> dict | None:
+    """Compile-time defines of every kernel that touches the KV cache (port.h's he_kv element type)."""
+    return {"HE_KV_F16": 1} if kv_f16 else None
+
+
 class GpuBackend(Backend):
     def __new__(cls, *args, **kwargs):  # monokernel=True on a GPU with cooperative launch: decode and
         # generate_ids run in the monokernel (hipengine/gpu/monokernel.py, a subclass); prefill stays per-op.
-        # Opt-in until the monokernel beats the per-op path (docs/perf-log.md).
+        # Engine.load asks for it by default (per-op where it cannot run); this class defaults to per-op.
         if cls is GpuBackend and kwargs.get("monokernel", args[3] if len(args) > 3 else False):
             try:
                 coop = getattr(get_runtime(kwargs.get("device", 0)), "cooperative_launch", False)
@@ -58,15 +64,19 @@ class GpuBackend(Backend):
             raise UnsupportedError("sliding-window attention is not implemented on the GPU; use "
                                    f"--max-context {cfg.sliding_window} or the CPU backend")
         self.rt = rt = get_runtime(device)
-        self.ops = O.Ops(rt)
-        self._check_fits(loaded)
-        self.stream = rt.stream()
-        self._bufs = []
         # GGUF weights were dequantized from fp16 scales (Q4_1, Q8_0, K-quants): fp16 keeps 3 more mantissa bits
         # than bf16, which the default model needed to stay within 2e-2 of the fp32 reference (bf16: 4e-2).
         # Only when every matrix fits fp16's range (checked once; GGUF weights are already materialised).
         self.prefer_f16 = getattr(loaded, "source", None) == "gguf" and all(
             float(np.max(np.abs(w))) < 65000.0 for w in loaded.weights.values() if getattr(w, "ndim", 0) == 2)
+        # Those models keep the KV cache in fp16 too (kernels built with HE_KV_F16=1): on the default model a
+        # bf16 cache alone puts the logits 2.7e-2 from the fp32 reference, an fp16 one 2.7e-3 (measured on the
+        # CPU by rounding the reference's cache, docs/perf-log.md). bf16 elsewhere: its range is fp32's.
+        self.kv_f16 = self.prefer_f16
+        self.ops = O.Ops(rt, defines=kv_defines(self.kv_f16))
+        self._check_fits(loaded)
+        self.stream = rt.stream()
+        self._bufs = []
         self._upload_weights(loaded.weights)
         self._alloc_state()
         self._graph = None

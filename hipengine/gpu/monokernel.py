@@ -54,8 +54,8 @@ LAYER_FIELDS = [
     ("bqkv", "const float*"),       # [q_dim + 2 kv_dim] or null
     ("q_norm", "const float*"),     # [hd] or null (Qwen3)
     ("k_norm", "const float*"),     # [hd] or null
-    ("k_cache", "he_bf16*"),        # [nkv, max_ctx, hd]
-    ("v_cache", "he_bf16*"),        # [nkv, max_ctx, hd]
+    ("k_cache", "he_kv*"),          # [nkv, max_ctx, hd] bf16 or fp16 (port.h he_kv)
+    ("v_cache", "he_kv*"),          # [nkv, max_ctx, hd]
     ("w_f16", "he_i32"),            # weights are fp16 (else bf16)
     ("pad0", "he_i32"),
 ]
@@ -231,7 +231,7 @@ def write_layout(path=None) -> None:
     path.write_text(text.replace(source_layout_block(text), c_layout_text()))
 
 
-def compile_args(vendor: str, f16: bool, group: int) -> dict:
+def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False) -> dict:
     """rt.compile() keyword arguments for decode.hip. HIPENGINE_MK_MAXRREG caps registers on NVIDIA so two
     blocks fit per SM (the default lets the compiler use up to 255: one block of 256 threads per SM)."""
     opts = []
@@ -242,6 +242,8 @@ def compile_args(vendor: str, f16: bool, group: int) -> dict:
                "HE_MATVEC_UNROLL": matvec_unroll()}
     if profiling():
         defines["MK_PROFILE"] = 1
+    if kv_f16:
+        defines["HE_KV_F16"] = 1
     return {"defines": defines, "options": opts or None}
 
 
@@ -264,10 +266,13 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4)) -> lis
     """Fill the compile cache for an NVIDIA arch without a GPU (NVRTC only): the per-op modules and the
     monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling."""
     from . import backend_cuda as bc, compiler
+    from .executor import kv_defines
     from .runtime import KERNELS_DIR
 
-    jobs = [(f"ops/{p.name}", {}) for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]
-    jobs += [(SOURCE, compile_args("nvidia", f16, g)) for f16 in f16_variants for g in groups]
+    # fp16-weight models (GGUF) also keep an fp16 KV cache (GpuBackend.kv_f16): their op modules differ
+    ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]
+    jobs = [(f"ops/{n}", {"defines": kv_defines(f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
+    jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16)) for f16 in f16_variants for g in groups]
     done = []
     for src, kw in jobs:
         path, text = compiler.resolve_source(src)
@@ -292,7 +297,8 @@ class MonokernelBackend(GpuBackend):
         if len(f16) != 1:
             raise UnsupportedError("the monokernel needs one weight dtype (all bf16 or all fp16); "
                                    "use --no-monokernel for mixed-dtype models")
-        self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads))
+        self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads,
+                                                        self.kv_f16))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)

@@ -114,8 +114,6 @@ class Ops:
                        stream=stream)
 
     def rmsnorm(self, x, gamma, eps: float, n: int, y, rows: int = 1, stream=None):
-        if n % 4:
-            raise UnsupportedError(f"rmsnorm length {n} is not a multiple of 4 (16-byte loads)")
         self.rt.launch(self.fn("rmsnorm", "rmsnorm"), rows, 256,
                        [_p(x), _p(gamma), c_float(eps), c_int32(n), _p(y)], stream=stream)
 

@@ -73,8 +73,8 @@ struct MkLayer {
   const float* bqkv;
   const float* q_norm;
   const float* k_norm;
-  he_bf16* k_cache;
-  he_bf16* v_cache;
+  he_kv* k_cache;
+  he_kv* v_cache;
   he_i32 w_f16;
   he_i32 pad0;
 };

@@ -305,7 +305,7 @@ HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const
 // cos/sin tables [max_ctx][hd/2] fp32 come from the host (ModelConfig.rope_inv_freq(), float64) so the
 // device never recomputes frequencies. The position is read from device memory (*pos_p) so a captured
 // graph / the monokernel advances it without relaunch arguments changing.
-// KV cache (per layer): k_cache, v_cache bf16 [num_kv_heads][max_ctx][hd].
+// KV cache (per layer): k_cache, v_cache he_kv (bf16 or fp16, port.h) [num_kv_heads][max_ctx][hd].
 // rope == 0 (Qwen3 qk_norm path): no RoPE/append here; raw q|k|v (+bias) go to q_out [q_dim + 2·kv_dim]
 // and qk_norm_rope finishes the job after the per-head norm.
 struct HeMvQkv {
@@ -319,8 +319,8 @@ struct HeMvQkv {
   const float* sin_t;
   const int* pos_p;
   float* q_out;
-  he_bf16* k_cache;
-  he_bf16* v_cache;
+  he_kv* k_cache;
+  he_kv* v_cache;
   int max_ctx, q_dim, kv_dim, hd, rope;
   HE_INLINE int units() const { return (q_dim + 2 * kv_dim) / 2; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
@@ -343,9 +343,9 @@ struct HeMvQkv {
     if (ra < q_dim) { q_out[ra] = a; q_out[rb] = b; return; }
     const bool is_k = ra < q_dim + kv_dim;
     const int kvh = (ra - q_dim - (is_k ? 0 : kv_dim)) / hd;
-    he_bf16* dst = (is_k ? k_cache : v_cache) + ((he_i64)kvh * max_ctx + pos) * hd;
-    dst[i] = he_f32_to_bf16(a);
-    dst[i + half] = he_f32_to_bf16(b);
+    he_kv* dst = (is_k ? k_cache : v_cache) + ((he_i64)kvh * max_ctx + pos) * hd;
+    dst[i] = he_f32_to_kv(a);
+    dst[i + half] = he_f32_to_kv(b);
   }
 };
 
@@ -360,7 +360,7 @@ HE_INLINE void he_matvec_qkv_body(const HeMvQkv& op, float* xs, float* scratch) 
 HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
                            const float* __restrict__ bias, const float* __restrict__ cos_t,
                            const float* __restrict__ sin_t, const int* __restrict__ pos_p, float* __restrict__ q_out,
-                           he_bf16* __restrict__ k_cache, he_bf16* __restrict__ v_cache, int max_ctx, int q_dim,
+                           he_kv* __restrict__ k_cache, he_kv* __restrict__ v_cache, int max_ctx, int q_dim,
                            int kv_dim, int hd, int in, int rope, int w_f16) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];

@@ -5,7 +5,7 @@
 // just RoPE + append.
 //   qkv     fp32 [T][q_dim + 2·kv_dim]   (q heads, then k heads, then v heads; head-major, hd each)
 //   q_out   fp32 [T][q_dim]
-//   caches  bf16 [num_kv_heads][max_ctx][hd] (one layer); token t lands at position *pos + t.
+//   caches  he_kv (bf16 or fp16, port.h) [num_kv_heads][max_ctx][hd] (one layer); token t lands at position *pos + t.
 //   cos/sin fp32 [max_ctx][hd/2] from the host (float64 frequencies, see matvec.hip).
 // grid = (num_heads + 2·num_kv_heads, T), block = any multiple of kWarpSize; one block per (head, token).
 #ifndef HE_OPS_QK_NORM_HIP
@@ -16,7 +16,7 @@
 HE_INLINE void he_qk_norm_rope_head(const float* qkv, const float* __restrict__ q_norm,
                                     const float* __restrict__ k_norm, float eps, const float* __restrict__ cos_t,
                                     const float* __restrict__ sin_t, int pos, float* __restrict__ q_out,
-                                    he_bf16* __restrict__ k_cache, he_bf16* __restrict__ v_cache, int max_ctx,
+                                    he_kv* __restrict__ k_cache, he_kv* __restrict__ v_cache, int max_ctx,
                                     int nh, int nkv, int hd, int head, float* scratch) {
   const int half = hd / 2;
   const float* src = qkv + (he_i64)head * hd;  // heads are consecutive in the stacked vector
@@ -29,8 +29,8 @@ HE_INLINE void he_qk_norm_rope_head(const float* qkv, const float* __restrict__ 
     scale = he_rsqrt(he_block_sum(ss, scratch) / (float)hd + eps);
   }
   if (!is_q && !is_k) {  // v: straight into the cache
-    he_bf16* dst = v_cache + ((he_i64)(head - nh - nkv) * max_ctx + pos) * hd;
-    for (int i = he_thread_idx(); i < hd; i += he_block_dim()) dst[i] = he_f32_to_bf16(src[i]);
+    he_kv* dst = v_cache + ((he_i64)(head - nh - nkv) * max_ctx + pos) * hd;
+    for (int i = he_thread_idx(); i < hd; i += he_block_dim()) dst[i] = he_f32_to_kv(src[i]);
     return;
   }
   for (int i = he_thread_idx(); i < half; i += he_block_dim()) {
@@ -42,9 +42,9 @@ HE_INLINE void he_qk_norm_rope_head(const float* qkv, const float* __restrict__ 
       q_out[head * hd + i] = ra;
       q_out[head * hd + i + half] = rb;
     } else {
-      he_bf16* dst = k_cache + ((he_i64)(head - nh) * max_ctx + pos) * hd;
-      dst[i] = he_f32_to_bf16(ra);
-      dst[i + half] = he_f32_to_bf16(rb);
+      he_kv* dst = k_cache + ((he_i64)(head - nh) * max_ctx + pos) * hd;
+      dst[i] = he_f32_to_kv(ra);
+      dst[i + half] = he_f32_to_kv(rb);
     }
   }
 }
@@ -52,7 +52,7 @@ HE_INLINE void he_qk_norm_rope_head(const float* qkv, const float* __restrict__ 
 HE_KERNEL(1024) qk_norm_rope(const float* __restrict__ qkv, const float* __restrict__ q_norm,
                              const float* __restrict__ k_norm, float eps, const float* __restrict__ cos_t,
                              const float* __restrict__ sin_t, const int* __restrict__ pos_p, float* __restrict__ q_out,
-                             he_bf16* __restrict__ k_cache, he_bf16* __restrict__ v_cache, int max_ctx, int nh,
+                             he_kv* __restrict__ k_cache, he_kv* __restrict__ v_cache, int max_ctx, int nh,
                              int nkv, int hd) {
   __shared__ float scratch[kMaxWarpsPerBlock];
   const int t = he_block_idx_y();

@@ -12,7 +12,8 @@
 // Copies x[0:n] into dst (optionally normalised by gamma). All threads of the block must call it; on
 // return dst is visible to the whole block. `scratch` is __shared__ float[kMaxWarpsPerBlock].
 // gamma == nullptr: plain copy (the matvec's input is already normalised, e.g. attention output).
-// Requirements: n % 4 == 0; x, gamma and dst 16-byte aligned.
+// n % 4 == 0 (the decode step's case) takes the batched 16-byte path (x, gamma, dst 16-byte aligned);
+// other lengths the scalar one.
 //
 // Latency, not bandwidth, is what this costs inside a decode step (x is 2-32 KB in L2): every 16-byte load
 // of a pass is issued before the first is used (batches of kNormBatch per thread), so a pass is one L2
@@ -55,8 +56,26 @@ HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, in
   }
 }
 
+// Rows whose length is not a multiple of 4 (not 16-byte aligned): one element per thread per iteration.
+HE_INLINE void he_rmsnorm_scalar(const float* x, const float* __restrict__ gamma, float eps, int n, float* dst,
+                                 float* scratch) {
+  const int t = he_thread_idx(), nt = he_block_dim();
+  float scale = 1.f;
+  if (gamma) {
+    float ss = 0.f;
+    for (int i = t; i < n; i += nt) ss += x[i] * x[i];
+    scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
+  }
+  for (int i = t; i < n; i += nt) dst[i] = gamma ? x[i] * scale * gamma[i] : x[i];
+  he_sync_block();
+}
+
 HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma, float eps, int n,
                                 float* dst, float* scratch) {
+  if (n % 4) {
+    he_rmsnorm_scalar(x, gamma, eps, n, dst, scratch);
+    return;
+  }
   const int t = he_thread_idx(), nt = he_block_dim(), n4 = n / 4;
   if (!gamma) {
     he_norm_store<kNormBatch, false>(x, nullptr, 1.f, n4, dst);
