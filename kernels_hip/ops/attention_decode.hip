@@ -242,7 +242,7 @@ HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, in
       for (int b = 0; b < kCombineBatch; ++b) {
         const float w = ls[b] > 0.f ? he_exp2(ms[b] - Mb) : 0.f;
         L += w * ls[b];
-        o += w * v[b];
+        o += ls[b] > 0.f ? w * v[b] : 0.f;  // not w · v: an empty split's stale o may be NaN/inf
       }
       M = Mb;
     }
