@@ -3,8 +3,8 @@ a numpy-emulated device (end of file).
 
 * tiny Llama made with transformers: teacher-forced top-1 agreement >= 99% over 512 positions (prefill and
   decode paths), logits relative error <= 2e-2, greedy 32 tokens identical to the CPU path;
-* random llama-3.2-1b preset (real dimensions): 64 positions only (the CPU reference needs ~5 GB and minutes
-  for more), agreement counted where the reference's top1-top2 gap exceeds the bf16 error bound.
+* random llama-3.2-1b preset (real dimensions): 512 teacher-forced positions, agreement counted where the
+  reference's top1-top2 gap exceeds the bf16 error bound, logits relative error <= 2e-2.
 """
 import numpy as np
 import pytest
@@ -167,15 +167,16 @@ def test_llama_1b_preset():
     from hipengine.reference import ReferenceBackend
 
     model = presets.preset_model("llama-3.2-1b", 0)
-    n = 64  # the float32 CPU reference is slow at 1B; 64 positions (stated in the report)
+    n = 512  # issue 3's bar; the float32 CPU reference needs ~6 GB and a few seconds on the GPU machine
     ids = np.random.default_rng(1).integers(0, model.config.vocab_size, n)
-    gpu = GpuBackend(model, max_context=256, monokernel=False)
+    gpu = GpuBackend(model, max_context=1024, monokernel=False)
     try:
         got = gpu.prefill(ids, all_logits=True)
     finally:
         gpu.close()
-    ref = ReferenceBackend(model, max_context=256)
+    ref = ReferenceBackend(model, max_context=1024)
     want = ref.prefill(ids, all_logits=True)
+    print(f"1B preset: {n} teacher-forced positions")
     # bf16 weights: relative error per dot product ~ 2^-8/sqrt-ish; bound the logit error by 2^-7 of the range
     bound = 2 ** -7 * float(np.abs(want).max())
     agree, m = _agreement(got, want, bound)
