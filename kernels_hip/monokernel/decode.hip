@@ -44,10 +44,6 @@
 #ifndef HE_MATVEC_UNROLL
 #define HE_MATVEC_UNROLL 4
 #endif
-// Three batches per warp in flight (the per-op kernels keep two): at one block per SM the registers allow it.
-#ifndef HE_MATVEC_RING
-#define HE_MATVEC_RING 3
-#endif
 #include "ops/embedding.hip"
 #include "ops/matvec.hip"
 #include "ops/attention_decode.hip"
@@ -549,9 +545,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     // ---- one decode step at `pos` ----
     for (int l = 0; l < p.n_layers; ++l) {
       const MkLayer& L = p.layers[l];
-      // QKV ends the stream (attention needs the registers); the O-proj's weights are requested as soon as
-      // this block's attention work is done, before it waits for the other heads.
-      he_mv_finish<kMkF16>(mk_qkv_op(p, L, pos), s, he_mk_smem, scratch, HeMvNone{0});
+      // QKV refills with the O-proj's first weights, held in registers through attention.
+      he_mv_finish<kMkF16>(mk_qkv_op(p, L, pos), s, he_mk_smem, scratch, mk_o_op(p, L));
       if (p.qk_norm) {
         if (!barrier(kProfQkv)) return;
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
@@ -569,7 +564,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // combine work start as soon as the last combine lands. Safe without a barrier: until the next grid
       // barrier the O-proj reads att and x and writes x, which attention and the combine never touch.
       attn_done += (he_u32)p.nh;
-      he_mv_begin(mk_o_op(p, L), s, mk_gate_up_op(p, L));
       prof.work(p.fine == 2 ? kProfCombine : kProfAttn);
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(p.fine == 2 ? kProfCombine : kProfAttn);

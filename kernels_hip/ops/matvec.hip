@@ -51,11 +51,6 @@ constexpr int kMatvecSweep = kWarpSize * 8;
 // (measured on H200: the LM head fell from 96% to 56% of HBM bandwidth).
 constexpr int kMatvecMaxThreads = 512;
 constexpr int kMatvecBatch = kMatvecUnroll * kMatvecSweep;
-#ifndef HE_MATVEC_RING
-#define HE_MATVEC_RING 2
-#endif
-constexpr int kMatvecRing = HE_MATVEC_RING;
-static_assert(kMatvecRing == 2 || kMatvecRing == 3, "matvec ring depth is 2 or 3");
 
 template <int kRows>
 HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
@@ -71,33 +66,33 @@ HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0
 
 // ---- the row stream --------------------------------------------------------------------------------------
 // A warp's work in one matvec is its units u0, u0 + stride, ... (u0 = global warp index, stride = warps in
-// the grid); a unit is kRows rows of `in` weights, read in batches of kMatvecBatch columns. kMatvecRing
-// register buffers (2 or 3) form a ring: each holds one batch (arrived or in flight) and is refilled with the
-// batch after the newest one as soon as it has been consumed, so that many batches are in flight while one
-// is reduced, and the ring does not drain between units. The per-op kernels (2 blocks of 256 threads per SM,
-// 128 registers) use 2; the monokernel (1 block per SM, 255 registers) builds with HE_MATVEC_RING=3:
-// 12 KiB per warp in flight at kRows 2, unroll 4.
+// the grid); a unit is kRows rows of `in` weights, read in batches of kMatvecBatch columns, two batches at a
+// time: register buffer `a` holds columns [c0, c0 + B) of the unit's rows and `b` holds [c0 + B, c0 + 2B)
+// (B = kMatvecBatch; a unit's columns are padded to a multiple of 2B, the padding loads nothing). After `a`
+// is consumed it is refilled with the next pair's first batch, after `b` with its second, so two batches are
+// in flight while one is reduced, and the stream does not drain between units.
 //
-// Nor between ops: the batch after a warp's last one belongs to the NEXT matvec (the `nxt` descriptor), so
-// when a stage ends every warp already holds — or has in flight — the first batches of its part of the next
-// stage. Weights never depend on activations, so a grid barrier or token selection between two matvecs only
-// delays the consumption, never the requests. The per-op kernels use the same code with HeMvNone as next.
+// Nor between ops: the pair after a warp's last one belongs to the NEXT matvec (the `nxt` descriptor), so
+// when a stage ends every warp already holds — or has in flight — the first two batches of its part of the
+// next stage. Weights never depend on activations, so the monokernel keeps one stream running through the
+// whole step: a grid barrier, attention or token selection only delay the consumption, never the requests.
+// The per-op kernels use the same code with HeMvNone as the next op.
 //
-//   he_mv_begin(op, s, nxt)          first three batches of this warp's part of op (then of nxt)
-//   he_mv_finish(op, s, ..., nxt)    fused RMSNorm prologue, then consume op's batches, refilling from nxt
+//   he_mv_begin(op, s, nxt)   first two batches of this warp's part of op (or of nxt if op has none for it)
+//   he_mv_finish(op, s, ..., nxt)   fused RMSNorm prologue, then consume op's batches, refilling from nxt
 //
 // An op is a small struct: the prologue input (x, gamma, eps, in), units(), rows(u, rp) (the kRows row
 // pointers of unit u) and epi(u, acc) (lane-0 stores of the unit's kRows sums, identical in every lane).
 struct HeMvPos {
-  int u, c0;  // unit and first column of the batch
-  bool nx;    // the batch belongs to the next op
+  int u, c0;  // unit and first column of the pair held in (a, b)
+  bool nx;    // the pair belongs to the next op
 };
 
 template <int kRows>
 struct HeMvStream {
-  he_vec16 w0[kRows][kMatvecUnroll], w1[kRows][kMatvecUnroll], w2[kRows][kMatvecUnroll];
-  HeMvPos p0, p1, p2;  // what each buffer holds
-  int ph;              // the buffer holding the oldest unconsumed batch
+  he_vec16 a[kRows][kMatvecUnroll];  // columns [c0, c0 + B) of unit u's rows: arrived or in flight
+  he_vec16 b[kRows][kMatvecUnroll];  // columns [c0 + B, c0 + 2B)
+  HeMvPos p;
 };
 
 // The op after the last one (per-op kernels, or a chain's end): no units.
@@ -130,39 +125,38 @@ HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMat
   he_matvec_load<kRows>(rp, op.in, c0, w);
 }
 
+// Load both batches of pair p (from op, or from nxt once the pair belongs to it).
 template <class Op, class Next, int kRows>
-HE_INLINE void he_mv_fill(const Op& op, const Next& nxt, const HeMvPos& p, he_vec16 (&w)[kRows][kMatvecUnroll]) {
-  if (!p.nx) he_mv_load(op, p.u, p.c0, w);
-  else he_mv_load(nxt, p.u, p.c0, w);
+HE_INLINE void he_mv_fill_a(const Op& op, const Next& nxt, const HeMvPos& p, HeMvStream<kRows>& s) {
+  if (!p.nx) he_mv_load(op, p.u, p.c0, s.a);
+  else he_mv_load(nxt, p.u, p.c0, s.a);
+}
+template <class Op, class Next, int kRows>
+HE_INLINE void he_mv_fill_b(const Op& op, const Next& nxt, const HeMvPos& p, HeMvStream<kRows>& s) {
+  if (!p.nx) he_mv_load(op, p.u, p.c0 + kMatvecBatch, s.b);
+  else he_mv_load(nxt, p.u, p.c0 + kMatvecBatch, s.b);
 }
 
-// p past op's last unit -> the first batch of nxt.
+// p past op's last unit -> the first pair of nxt.
 template <class Op>
 HE_INLINE void he_mv_norm(HeMvPos& p, const Op& op) {
   if (!p.nx && p.u >= op.units()) { p.u = he_mv_first(); p.c0 = 0; p.nx = true; }
 }
 
-// The batch after p: next columns, then the warp's next unit, then nxt's first batch.
+// The pair after p: next 2B columns, then the warp's next unit, then nxt's first pair.
 template <class Op, class Next>
-HE_INLINE HeMvPos he_mv_after(HeMvPos p, const Op& op, const Next& nxt) {
-  p.c0 += kMatvecBatch;
+HE_INLINE void he_mv_advance(HeMvPos& p, const Op& op, const Next& nxt) {
+  p.c0 += 2 * kMatvecBatch;
   if (p.c0 >= (p.nx ? nxt.in : op.in)) { p.c0 = 0; p.u += he_mv_stride(); }
   he_mv_norm(p, op);
-  return p;
 }
 
 template <class Op, class Next, int kRows>
 HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) {
-  s.p0 = HeMvPos{he_mv_first(), 0, false};
-  he_mv_norm(s.p0, op);
-  s.p1 = he_mv_after(s.p0, op, nxt);
-  he_mv_fill(op, nxt, s.p0, s.w0);
-  he_mv_fill(op, nxt, s.p1, s.w1);
-  if (kMatvecRing == 3) {
-    s.p2 = he_mv_after(s.p1, op, nxt);
-    he_mv_fill(op, nxt, s.p2, s.w2);
-  }
-  s.ph = 0;
+  s.p = HeMvPos{he_mv_first(), 0, false};
+  he_mv_norm(s.p, op);
+  he_mv_fill_a(op, nxt, s.p, s);
+  he_mv_fill_b(op, nxt, s.p, s);
 }
 
 // acc[r] += this lane's part of batch w (columns c0 + k·sweep + lane·8) of the unit's rows.
@@ -180,56 +174,41 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
   }
 }
 
-// One ring step: consume buffer w (batch p), close the unit if the next batch pn starts another, refill w
-// with the batch after the newest one (pl).
-template <bool kF16, class Op, class Next, int kRows>
-HE_INLINE void he_mv_step(const Op& op, const Next& nxt, he_vec16 (&w)[kRows][kMatvecUnroll], HeMvPos& p,
-                          const HeMvPos& pn, const HeMvPos& pl, const float* xs, float (&acc)[kRows]) {
-  he_mv_consume<kF16>(w, p.c0, op.in, xs, acc);
-  if (pn.nx || pn.u != p.u) {  // the unit's last batch: reduce over the warp, store, restart
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r] = he_warp_sum(acc[r]);
-    op.epi(p.u, acc);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-  }
-  p = he_mv_after(pl, op, nxt);
-  he_mv_fill(op, nxt, p, w);
-}
-
-// Stage the activation (RMSNorm prologue), then consume this warp's batches of op in order around the ring,
-// refilling from op or — past its end — from nxt. On return s holds nxt's first batches (as "current": the
-// caller's next he_mv_finish is for nxt). A lane's partial sums are added in column order whatever the ring
-// depth, the unroll or the op before, so results match a plain loop bit for bit.
+// Stage the activation (RMSNorm prologue), then consume this warp's pairs of op; each buffer is refilled as
+// soon as it is consumed, from op or — past op's end — from nxt. On return s holds nxt's first pair (as
+// "current": the caller's next he_mv_finish is for nxt). Batches are consumed in column order, so a lane's
+// partial sums are added in the same order as a plain loop: results do not depend on the pipelining, the
+// unroll depth, or which op came before.
 template <bool kF16, class Op, class Next, int kRows>
 HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt) {
-  const HeMvPos first = s.ph == 0 ? s.p0 : (s.ph == 1 ? s.p1 : s.p2);  // by value: no address taken
-  if (!first.nx && first.u >= op.units()) he_mv_begin(op, s, nxt);  // no unit of op for this warp
+  if (!s.p.nx && s.p.u >= op.units()) {  // no unit of op for this warp (only possible at a chain's start)
+    s.p.u = he_mv_first();
+    s.p.c0 = 0;
+    s.p.nx = true;
+    he_mv_fill_a(op, nxt, s.p, s);
+    he_mv_fill_b(op, nxt, s.p, s);
+  }
   he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
   float acc[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
-  int ph = s.ph;
-  // Ring order w0 -> w1 (-> w2) -> w0: after buffer i, the next batch is in i + 1 and the newest in i - 1.
-  for (;;) {
-    if (ph == 0) {
-      if (s.p0.nx) break;
-      he_mv_step<kF16>(op, nxt, s.w0, s.p0, s.p1, kMatvecRing == 3 ? s.p2 : s.p1, xs, acc);
-      ph = 1;
+  while (!s.p.nx) {
+    HeMvPos n = s.p;
+    he_mv_advance(n, op, nxt);
+    he_mv_consume<kF16>(s.a, s.p.c0, op.in, xs, acc);
+    he_mv_fill_a(op, nxt, n, s);
+    he_mv_consume<kF16>(s.b, s.p.c0 + kMatvecBatch, op.in, xs, acc);
+    he_mv_fill_b(op, nxt, n, s);
+    if (n.nx || n.u != s.p.u) {  // the unit's last pair: reduce over the warp, store, restart
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] = he_warp_sum(acc[r]);
+      op.epi(s.p.u, acc);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
     }
-    if (ph == 1) {
-      if (s.p1.nx) break;
-      he_mv_step<kF16>(op, nxt, s.w1, s.p1, kMatvecRing == 3 ? s.p2 : s.p0, s.p0, xs, acc);
-      ph = kMatvecRing == 3 ? 2 : 0;
-    }
-    if (kMatvecRing == 3) {
-      if (s.p2.nx) break;
-      he_mv_step<kF16>(op, nxt, s.w2, s.p2, s.p0, s.p1, xs, acc);
-      ph = 0;
-    }
+    s.p = n;
   }
-  s.ph = ph;
-  s.p0.nx = s.p1.nx = s.p2.nx = false;
+  s.p.nx = false;
 }
 
 HE_INLINE float he_silu(float g) { return g / (1.f + he_exp(-g)); }
