@@ -85,23 +85,15 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   const he_kv* kbase = k_cache + ((he_i64)kvh * max_ctx + start) * hd + sub * 8;
   const he_kv* vbase = v_cache + ((he_i64)kvh * max_ctx + start) * hd + sub * 8;
 
-  // K/V rows flow through two register batches (A, B) used in turn: while one is scored, the other and the
-  // refill of the first are in flight, so a long slice (8K-32K context) is not one dependent HBM round trip
-  // per batch. Both are issued before q is staged: cache rows do not depend on it. Rows are scored in the
-  // same order as a single-buffer loop, so results do not depend on the buffering.
-  const int step = kAttnUnroll * rpw;  // rows per batch per warp
-  auto load = [&](int p0, he_vec16 (&kb)[kAttnUnroll], he_vec16 (&vb)[kAttnUnroll]) {
+  // Issue the first K/V batch before staging q: cache rows do not depend on it.
+  he_vec16 kb[kAttnUnroll], vb[kAttnUnroll];
 #pragma unroll
-    for (int j = 0; j < kAttnUnroll; ++j) {
-      const int p = p0 + rw + j * rpw;
-      const bool ok = p < w1 && dim_ok;
-      kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
-      vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
-    }
-  };
-  he_vec16 ka[kAttnUnroll], va[kAttnUnroll], kb2[kAttnUnroll], vb2[kAttnUnroll];
-  load(w0, ka, va);
-  load(w0 + step, kb2, vb2);
+  for (int j = 0; j < kAttnUnroll; ++j) {
+    const int p = w0 + rw + j * rpw;
+    const bool ok = p < w1 && dim_ok;
+    kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+    vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+  }
   const float qscale = he_rsqrt((float)hd) * kLog2e;
   for (int i = t; i < G * hd; i += nt) qs[i] = q[(he_i64)(kvh * G) * hd + i] * qscale;
   he_sync_block();
@@ -114,8 +106,7 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[g][j] = 0.f;
   }
-  // Score the batch of rows starting at p0 (online softmax, one row at a time per lane group).
-  auto score = [&](int p0, const he_vec16 (&kb)[kAttnUnroll], const he_vec16 (&vb)[kAttnUnroll]) {
+  for (int p0 = w0; p0 < w1; p0 += kAttnUnroll * rpw) {
 #pragma unroll
     for (int j = 0; j < kAttnUnroll; ++j) {
       const int p = p0 + rw + j * rpw;
@@ -138,13 +129,14 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
         }
       }
     }
-  };
-  for (int p0 = w0; p0 < w1; p0 += 2 * step) {
-    score(p0, ka, va);
-    if (p0 + 2 * step < w1) load(p0 + 2 * step, ka, va);
-    if (p0 + step >= w1) break;
-    score(p0 + step, kb2, vb2);
-    if (p0 + 3 * step < w1) load(p0 + 3 * step, kb2, vb2);
+    // next batch (its loads overlap nothing here, but are issued together: kAttnUnroll rows in flight)
+#pragma unroll
+    for (int j = 0; j < kAttnUnroll; ++j) {
+      const int p = p0 + kAttnUnroll * rpw + rw + j * rpw;
+      const bool ok = p < w1 && dim_ok;
+      kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+      vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+    }
   }
   // merge the lane groups of the warp (xor offsets ≥ lpr pair rows, keep the dim slot) ...
 #pragma unroll
