@@ -560,7 +560,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1);
       }
       // O-proj needs every head of att and nothing else of this stage, so it waits for the heads-combined
-      // counter (nh more per layer) instead of a grid barrier: no 264-way arrival, and blocks with no
+      // counter (nh more per layer) instead of a grid barrier: no grid-wide arrival, and blocks with no
       // combine work start as soon as the last combine lands. Safe without a barrier: until the next grid
       // barrier the O-proj reads att and x and writes x, which attention and the combine never touch.
       attn_done += (he_u32)p.nh;
