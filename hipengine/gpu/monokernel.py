@@ -14,7 +14,7 @@ reads once per token with a system-scope acquire. Every spin-wait in the kernel 
 error code into the mapped status word; the host raises it as ``DeviceError``.
 
 Knobs (environment; defaults from the H200 sweep in docs/perf-log.md): HIPENGINE_MK_MIN_BLOCKS (resident
-blocks per SM the kernel is compiled for, 2), HIPENGINE_MK_BLOCKS_PER_SM (grid, default = min blocks),
+blocks per SM the kernel is compiled for, 1), HIPENGINE_MK_BLOCKS_PER_SM (grid, default = min blocks),
 HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation, 3), HIPENGINE_MK_UNROLL (4),
 HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
 builds the stage-profiling variant, read with read_profile()).
@@ -232,8 +232,9 @@ def write_layout(path=None) -> None:
 
 
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False) -> dict:
-    """rt.compile() keyword arguments for decode.hip. HIPENGINE_MK_MAXRREG caps registers on NVIDIA so two
-    blocks fit per SM (the default lets the compiler use up to 255: one block of 256 threads per SM)."""
+    """rt.compile() keyword arguments for decode.hip (weight dtype, group size, blocks per SM, unroll, profile
+    build, fp16 KV cache). HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments only: the launch
+    bound from MK_MIN_BLOCKS already sets 255 at one block per SM)."""
     opts = []
     cap = os.environ.get("HIPENGINE_MK_MAXRREG")
     if cap and vendor == "nvidia":
@@ -249,9 +250,9 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False) -> di
 
 def min_blocks() -> int:
     """Resident blocks per SM the kernel is compiled for (HIPENGINE_MK_MIN_BLOCKS, default 1). One 256-thread
-    block per SM leaves the compiler 255 registers: the matvec stream keeps 2 x 2 rows x 8 16-byte loads per
-    lane (16 KiB per warp) in registers without spilling. Two blocks cap it at 128 registers, where the
-    stream spilled to local memory (each spill store waits for its load: no overlap left)."""
+    block per SM leaves the compiler 255 registers: the matvec stream (2 batches x 2 rows x 4 16-byte loads
+    per lane) stays in registers through attention without spilling. Two blocks cap it at 128 registers,
+    where the stream spilled to local memory (each spill store waits for its load: no overlap left)."""
     return int(os.environ.get("HIPENGINE_MK_MIN_BLOCKS", "1"))
 
 
