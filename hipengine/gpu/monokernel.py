@@ -293,6 +293,13 @@ class MonokernelBackend(GpuBackend):
                  allreduce: str = "custom", device: int = 0):
         super().__init__(loaded, max_context=max_context, tp=tp, monokernel=True, allreduce=allreduce,
                          device=device)
+        try:
+            self._init_monokernel()
+        except BaseException:
+            self.close()  # the weights are on the GPU already: free them before a caller falls back to per-op
+            raise
+
+    def _init_monokernel(self) -> None:
         rt, cfg = self.rt, self.config
         f16 = {bool(L["f16"]) for L in self.layers} | {bool(self.embed_f16), bool(self.head_f16)}
         if len(f16) != 1:
@@ -323,11 +330,12 @@ class MonokernelBackend(GpuBackend):
                         (G * cfg.head_dim + nw * G * (cfg.head_dim + 2)) * 4,       # attention (ops.attention)
                         4 * ((cfg.vocab_size + 31) // 32))                           # sampling history bitmap
         if self.smem > rt.max_shared_per_block:
-            raise DeviceError(f"monokernel needs {self.smem} B of shared memory per block; the device allows "
-                              f"{rt.max_shared_per_block}")
+            raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
+                                   f"allows {rt.max_shared_per_block}")
         occ = rt.max_active_blocks(self.fn, THREADS, self.smem)
         if occ < 1:
-            raise DeviceError(f"monokernel cannot be resident with {THREADS} threads and {self.smem} B shared memory")
+            raise UnsupportedError(f"monokernel cannot be resident with {THREADS} threads and {self.smem} B "
+                                   "shared memory")
         want = int(os.environ.get("HIPENGINE_MK_BLOCKS_PER_SM", "0")) or min_blocks()
         self.blocks_per_sm = min(occ, want)
         self.grid = rt.num_sms * self.blocks_per_sm
