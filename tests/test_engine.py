@@ -237,3 +237,32 @@ def test_preset_takes_token_ids():
     assert out.count("<") == 4
     with pytest.raises(RequestError, match="token ids"):
         eng.generate("text prompt")
+
+
+def test_gpu_default_is_the_monokernel_with_a_per_op_fallback(tiny_dir, monkeypatch, capsys):
+    """Engine.load(device="gpu") asks for the monokernel; a model it cannot run (UnsupportedError) gets the
+    per-op path with a one-line note, and an explicit monokernel=True/False is passed through unchanged."""
+    import hipengine.gpu.executor as ex
+    from hipengine.errors import UnsupportedError
+
+    calls = []
+
+    class FakeGpu:
+        def __init__(self, loaded, max_context=None, tp=1, monokernel=False, allreduce="custom", device=0):
+            calls.append(monokernel)
+            if monokernel:
+                raise UnsupportedError("the monokernel needs one weight dtype")
+            self.config = loaded.config
+
+    monkeypatch.setattr(ex, "GpuBackend", FakeGpu)
+    d, _ = tiny_dir
+    Engine.load(d, device="gpu")
+    assert calls == [True, False]
+    assert "note: per-op decode (the monokernel needs one weight dtype)" in capsys.readouterr().err
+    calls.clear()
+    Engine.load(d, device="gpu", monokernel=False)
+    assert calls == [False]
+    calls.clear()
+    with pytest.raises(UnsupportedError):
+        Engine.load(d, device="gpu", monokernel=True)
+    assert calls == [True]
