@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# scripts/device_session.sh [iter|quick|final] — one device call that builds, checks and times the monokernel work
+# scripts/device_session.sh [iter|quick|full|final] — one device call that builds, checks and times the monokernel work
 # (issue 4) and the per-op kernels (issue 3), every step time-boxed so the call ends inside the 600 s limit.
 #   iter  : stage profile + bench at 1K, launch-configuration sweep, GPU op + monokernel tests, bench_ops
 #   quick : op tests, stage profile + bench at 1K/8K, monokernel tests, bench_ops
+#   full  : quick's tests + profile, the 1B preset's 512-position check, the decode bench at 1K/8K/32K
 #   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
 # Logs and JSON land in $OUT; kernels come from $HIPENGINE_CACHE (precompiled here with
 # `python scripts/precompile_mk.py`, carried as .mkcache) so little device time goes to NVRTC.
@@ -27,37 +28,22 @@ run() {  # run NAME SECONDS CMD... : log to $OUT/NAME.log, time-boxed, failures 
   [ $r -ne 0 ] && rc=1
   return 0
 }
+# The steps, each time-boxed; the modes below are sequences of them.
+ops_tests() { run ops_tests 90 $PY -m pytest tests/test_ops_gpu.py -q -x -rs; }
+profile() { run profile1k 130 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
+              --profile --json "$OUT/profile_1k.json"; }
+sweep() { run sweep 150 $PY scripts/mk_sweep.py --json "$OUT/sweep_1k.json"; }
+mk_tests() { run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs; }
+preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"; }
+bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
+bench() { run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
+            --context 32768 --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"; }
 case "$MODE" in
-  iter)
-    run profile1k 130 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile \
-        --json "$OUT/profile_1k.json"
-    run sweep 150 $PY scripts/mk_sweep.py --json "$OUT/sweep_1k.json"
-    run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
-    run ops_tests 90 $PY -m pytest tests/test_ops_gpu.py -q -x -rs
-    run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"
-    ;;
-  quick)  # correctness of a change + where the time goes, no sweep
-    run ops_tests 90 $PY -m pytest tests/test_ops_gpu.py -q -x -rs
-    run profile1k 130 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile \
-        --json "$OUT/profile_1k.json"
-    run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
-    run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"
-    ;;
-  v8)  # quick + the 1B preset's 512-position check + the final decode bench, one call
-    run ops_tests 90 $PY -m pytest tests/test_ops_gpu.py -q -x -rs
-    run profile1k 130 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile \
-        --json "$OUT/profile_1k.json"
-    run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
-    run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"
-    run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
-        --context 32768 --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
-    ;;
-  final)
-    run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
-        --context 32768 --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
-    run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -rs
-    ;;
-  *) echo "unknown mode $MODE (iter|quick|final)"; exit 2 ;;
+  iter) profile; sweep; mk_tests; ops_tests; bench_ops ;;
+  quick) ops_tests; profile; mk_tests; bench_ops ;;        # a change's correctness + where the time goes
+  full) ops_tests; profile; mk_tests; preset1b; bench ;;   # + the 1B 512-position check + the decode bench
+  final) bench; mk_tests ;;
+  *) echo "unknown mode $MODE (iter|quick|full|final)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -n 30 "$f"; done
