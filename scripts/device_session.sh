@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# scripts/device_session.sh [iter|quick|full|final] — one device call that builds, checks and times the monokernel work
+# scripts/device_session.sh [iter|l2|quick|full|final] — one device call that builds, checks and times the monokernel work
 # (issue 4) and the per-op kernels (issue 3), every step time-boxed so the call ends inside the 600 s limit.
 #   iter  : stage profile + bench at 1K, launch-configuration sweep, GPU op + monokernel tests, bench_ops
+#   l2    : the sweep first; its fastest knobs for the profile (1K/8K), the monokernel and op tests
 #   quick : op tests, stage profile + bench at 1K/8K, monokernel tests, bench_ops
 #   full  : quick's tests + profile, the 1B preset's 512-position check, the decode bench at 1K/8K/32K
 #   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
@@ -33,6 +34,11 @@ ops_tests() { run ops_tests 90 $PY -m pytest tests/test_ops_gpu.py -q -x -rs; }
 profile() { run profile1k 130 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
               --profile --json "$OUT/profile_1k.json"; }
 sweep() { run sweep 150 $PY scripts/mk_sweep.py --json "$OUT/sweep_1k.json"; }
+# The sweep's fastest runtime knobs become the environment of every later step (written to $OUT/best.env).
+sweep_best() {
+  run sweep 200 $PY scripts/mk_sweep.py --json "$OUT/sweep_1k.json" --best-env "$OUT/best.env"
+  [ -f "$OUT/best.env" ] && { cat "$OUT/best.env"; . "$OUT/best.env"; }
+}
 mk_tests() { run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs; }
 preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"; }
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
@@ -40,10 +46,11 @@ bench() { run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b --con
             --context 32768 --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"; }
 case "$MODE" in
   iter) profile; sweep; mk_tests; ops_tests; bench_ops ;;
+  l2) sweep_best; profile; mk_tests; ops_tests ;;           # the L2 prefetch knobs, then profile + tests with the best
   quick) ops_tests; profile; mk_tests; bench_ops ;;        # a change's correctness + where the time goes
   full) ops_tests; profile; mk_tests; preset1b; bench ;;   # + the 1B 512-position check + the decode bench
   final) bench; mk_tests ;;
-  *) echo "unknown mode $MODE (iter|quick|full|final)"; exit 2 ;;
+  *) echo "unknown mode $MODE (iter|l2|quick|full|final)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -n 30 "$f"; done

@@ -16,11 +16,23 @@ from hipengine.bench import git_commit, utc_now
 from hipengine.bench.decode import measure
 from hipengine.presets import preset_model
 
-VARIANTS = [  # name, build env, runtime attrs
-    ("default (1 blk/SM, unroll 4, fine 3)", {}, {}),
-    ("fine 2 (barrier + one head per block)", {}, {"fine": 2}),
-    ("unroll 8", {"HIPENGINE_MK_UNROLL": "8"}, {}),
-    ("2 blk/SM, unroll 2", {"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2"}, {}),
+
+def _l2(ahead: int, idle: int, ef: int = 1) -> dict:
+    return {"l2_ahead": ahead, "l2_idle": idle, "l2_evict_first": ef}
+
+
+VARIANTS = [  # name, build env, runtime attrs (the L2 prefetch front, docs/perf-log.md v10)
+    ("no L2 prefetch, plain loads (v7 behaviour)", {}, _l2(0, 0, 0)),
+    ("no L2 prefetch, evict-first loads", {}, _l2(0, 0)),
+    ("L2 ahead 1", {}, _l2(1, 0)),
+    ("L2 ahead 2", {}, _l2(2, 0)),
+    ("L2 ahead 3", {}, _l2(3, 0)),
+    ("L2 ahead 4", {}, _l2(4, 0)),
+    ("L2 ahead 2, idle push 2", {}, _l2(2, 2)),
+    ("L2 ahead 2, idle push 4", {}, _l2(2, 4)),
+    ("L2 ahead 3, idle push 3", {}, _l2(3, 3)),
+    ("L2 ahead 2, idle push 2, plain loads", {}, _l2(2, 2, 0)),
+    ("fine 2 (barrier + one head per block), L2 ahead 2, idle 2", {}, {"fine": 2, **_l2(2, 2)}),
 ]
 
 
@@ -30,6 +42,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default=None, help="comma-separated variant indices")
+    ap.add_argument("--best-env", default=None, help="write the fastest variant's runtime knobs as shell exports")
     args = ap.parse_args()
     from hipengine.gpu.monokernel import MonokernelBackend, grid_info
 
@@ -46,7 +59,7 @@ def main() -> int:
             os.environ.update(env)
             t0 = time.perf_counter()
             be, be_env = MonokernelBackend(model, max_context=args.context), env
-            base = {"fine": be.fine}
+            base = {"fine": be.fine, **_l2(be.l2_ahead, be.l2_idle, be.l2_evict_first)}
             print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
         for k, v in {**base, **attrs}.items():
             setattr(be, k, v)
@@ -56,6 +69,14 @@ def main() -> int:
         print(f"{name:55s} {r['tok_s']:8.1f} tok/s  runs {[round(x, 1) for x in r['tok_s_runs']]}", flush=True)
     if be is not None:
         be.close()
+    if args.best_env and rows:
+        best = max(rows, key=lambda r: r["tok_s"])
+        names = {"l2_ahead": "HIPENGINE_MK_L2_AHEAD", "l2_idle": "HIPENGINE_MK_L2_IDLE",
+                 "l2_evict_first": "HIPENGINE_MK_L2_EVICT_FIRST", "fine": "HIPENGINE_MK_FINE"}
+        with open(args.best_env, "w") as f:
+            f.write(f"# fastest: {best['variant']} ({best['tok_s']:.1f} tok/s)\n")
+            for k, v in {**best["env"], **best["attrs"]}.items():
+                f.write(f"export {names.get(k, k)}={v}\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "monokernel sweep", "model": "llama-3.2-1b preset (bf16)", "context": args.context,

@@ -16,7 +16,8 @@ error code into the mapped status word; the host raises it as ``DeviceError``.
 Knobs (environment; defaults from the H200 sweep in docs/perf-log.md): HIPENGINE_MK_MIN_BLOCKS (resident
 blocks per SM the kernel is compiled for, 1), HIPENGINE_MK_BLOCKS_PER_SM (grid, default = min blocks),
 HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation, 3), HIPENGINE_MK_UNROLL (4),
-HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
+HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_L2_AHEAD / HIPENGINE_MK_L2_IDLE / HIPENGINE_MK_L2_EVICT_FIRST
+(the weight stream's L2 prefetch front), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
 builds the stage-profiling variant, read with read_profile()).
 """
 from __future__ import annotations
@@ -114,6 +115,10 @@ PARAM_FIELDS = [
                                     # 3: the last split block of each KV head combines its group. O-proj
                                     # then waits on the heads-combined counter (no grid barrier)
     ("poll_sleep_ns", "he_u32"),    # back-off between polls of a barrier/counter (0: spin)
+    ("l2_ahead", "he_i32"),         # L2 prefetch lead of every warp's weight stream, in 8 KiB pairs (0: off)
+    ("l2_idle", "he_i32"),          # extra pairs prefetched before attention and before token selection
+    ("l2_evict_first", "he_i32"),   # weight loads mark their lines evict-first in L2 (1) or not (0)
+    ("pad2", "he_i32"),
     ("prof", "he_u64*"),            # [MK_PROF_WORDS] stage profile (MK_PROFILE builds only), else null
 ]
 
@@ -316,6 +321,11 @@ class MonokernelBackend(GpuBackend):
             raise UnsupportedError(f"HIPENGINE_MK_FINE={self.fine}: 2 (barrier, one head per block) or 3 "
                                    "(last split block combines its group)")
         self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
+        # L2 prefetch front of the weight stream (docs/perf-log.md v10): lead and idle-time push in 8 KiB
+        # pairs per warp, and evict-first weight loads.
+        self.l2_ahead = int(os.environ.get("HIPENGINE_MK_L2_AHEAD", "2"))
+        self.l2_idle = int(os.environ.get("HIPENGINE_MK_L2_IDLE", "2"))
+        self.l2_evict_first = int(os.environ.get("HIPENGINE_MK_L2_EVICT_FIRST", "1"))
         self.prof_buf = self._buf(8 * MK_PROF_WORDS) if profiling() else None
         self._size_launch()
         self._setup_buffers()
@@ -395,7 +405,8 @@ class MonokernelBackend(GpuBackend):
             ring_cap=self.ring_cap, top_k=int(sp.top_k), eps=float(cfg.rms_norm_eps),
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
             rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
-            fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
+            fine=self.fine, poll_sleep_ns=self.poll_sleep_ns, l2_ahead=self.l2_ahead, l2_idle=self.l2_idle,
+            l2_evict_first=self.l2_evict_first,
             prof=self.prof_buf.ptr if self.prof_buf is not None else 0)
 
     def _launch(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
@@ -531,6 +542,7 @@ class MonokernelBackend(GpuBackend):
 def grid_info(backend: MonokernelBackend) -> dict:
     return {"grid": backend.grid, "blocks_per_sm": backend.blocks_per_sm, "occupancy": backend.occupancy,
             "unroll": matvec_unroll(), "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns,
+            "l2_ahead": backend.l2_ahead, "l2_idle": backend.l2_idle, "l2_evict_first": backend.l2_evict_first,
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine)}
