@@ -239,23 +239,28 @@ HE_INLINE he_vec16 he_load16_stream_rw(const void* p) {
 #endif
 
 // ---- L2 residency of the weight stream ---------------------------------------------------------------
-// The matvec stream reads every weight once per step, and runs an L2 prefetch cursor ahead of its register
-// loads (ops/matvec.hip). Two pieces:
+// The matvec stream reads every weight once per step and can run an L2 prefetch cursor ahead of its
+// register loads (ops/matvec.hip). Two pieces:
 //   he_l2_policy(evict_first)       a cache-policy word for he_load16_stream_pol: evict-first marks a line as
 //                                   the first to leave L2 once read, so rows already consumed go before rows
 //                                   prefetched but not yet read (plain LRU with hit promotion would evict the
 //                                   prefetched window first); otherwise evict-normal (a plain load).
-//   he_prefetch_l2(p, bytes)        asynchronous, fire-and-forget fetch of [p, p + bytes) into L2 (16-byte
-//                                   aligned, bytes a multiple of 16). One thread issues it; no register or
-//                                   completion is involved, so the fetch may run arbitrarily far ahead.
-// NVIDIA: sm_90's bulk prefetch (one instruction per range; older parts: one prefetch per 128-byte line);
-// createpolicy/L2::cache_hint (sm_80+). AMD gfx942 has neither an L2 prefetch instruction nor cache-policy
-// operands on loads: the policy is 0 and the load a plain streaming one, the prefetch issues nothing (on
-// MI300X the 256 MB Infinity Cache calls for its own scheme, to be measured on the hardware).
+//   he_prefetch_l2_warp(p, bytes)   asynchronous, fire-and-forget fetch of [p, p + bytes) into L2 (16-byte
+//                                   aligned, bytes a multiple of 16), called by every lane of a warp with the
+//                                   same arguments. No register or completion is involved, so the fetch may
+//                                   run arbitrarily far ahead of the loads that use it.
+// NVIDIA: sm_90's bulk prefetch, one instruction per range from lane 0 (with HE_L2_PREFETCH_LINES=1, and on
+// parts before sm_90: one prefetch.global.L2 per 128-byte line, spread over the lanes); createpolicy and
+// L2::cache_hint need sm_80. AMD gfx942 has neither an L2 prefetch instruction nor cache-policy operands on
+// loads: the policy is 0 and the load a plain streaming one, the prefetch issues nothing (on MI300X the
+// 256 MB Infinity Cache calls for its own scheme, to be measured on the hardware).
+#ifndef HE_L2_PREFETCH_LINES
+#define HE_L2_PREFETCH_LINES 0
+#endif
 #if HE_AMD
 HE_INLINE he_u64 he_l2_policy(bool) { return 0ull; }
 HE_INLINE he_vec16 he_load16_stream_pol(const void* p, he_u64) { return he_load16_stream(p); }
-HE_INLINE void he_prefetch_l2(const void*, he_u32) {}
+HE_INLINE void he_prefetch_l2_warp(const void*, he_u32) {}
 #else
 HE_INLINE he_u64 he_l2_policy(bool evict_first) {
   he_u64 pol;
@@ -271,11 +276,12 @@ HE_INLINE he_vec16 he_load16_stream_pol(const void* p, he_u64 pol) {
                : "l"(p), "l"(pol));
   return v;
 }
-HE_INLINE void he_prefetch_l2(const void* p, he_u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
+HE_INLINE void he_prefetch_l2_warp(const void* p, he_u32 bytes) {
+#if __CUDA_ARCH__ >= 900 && !HE_L2_PREFETCH_LINES
+  if (he_lane_id() == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
 #else
-  for (he_u32 o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)p + o));
+  for (he_u32 o = (he_u32)he_lane_id() * 128u; o < bytes; o += 128u * kWarpSize)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)p + o));
 #endif
 }
 #endif

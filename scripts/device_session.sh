@@ -31,7 +31,7 @@ run() {  # run NAME SECONDS CMD... : log to $OUT/NAME.log, time-boxed, failures 
 }
 # The steps, each time-boxed; the modes below are sequences of them.
 ops_tests() { run ops_tests 90 $PY -m pytest tests/test_ops_gpu.py -q -x -rs; }
-profile() { run profile1k 130 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
+profile() { run profile1k 200 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
               --profile --json "$OUT/profile_1k.json"; }
 sweep() { run sweep 150 $PY scripts/mk_sweep.py --json "$OUT/sweep_1k.json"; }
 # The sweep's fastest runtime knobs become the environment of every later step (written to $OUT/best.env).
@@ -47,6 +47,7 @@ bench() { run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b --con
 case "$MODE" in
   iter) profile; sweep; mk_tests; ops_tests; bench_ops ;;
   l2) sweep_best; profile; mk_tests; ops_tests ;;           # the L2 prefetch knobs, then profile + tests with the best
+  l2b) sweep_best; profile ;;
   quick) ops_tests; profile; mk_tests; bench_ops ;;        # a change's correctness + where the time goes
   full) ops_tests; profile; mk_tests; preset1b; bench ;;   # + the 1B 512-position check + the decode bench
   final) bench; mk_tests ;;

@@ -21,18 +21,21 @@ def _l2(ahead: int, idle: int, ef: int = 1) -> dict:
     return {"l2_ahead": ahead, "l2_idle": idle, "l2_evict_first": ef}
 
 
+LINES = {"HIPENGINE_MK_L2_LINES": "1"}  # build: per-line prefetch.global.L2 instead of the bulk prefetch
 VARIANTS = [  # name, build env, runtime attrs (the L2 prefetch front, docs/perf-log.md v10)
+    ("warm-up: no L2 prefetch, evict-first loads", {}, _l2(0, 0)),
     ("no L2 prefetch, plain loads (v7 behaviour)", {}, _l2(0, 0, 0)),
     ("no L2 prefetch, evict-first loads", {}, _l2(0, 0)),
-    ("L2 ahead 1", {}, _l2(1, 0)),
-    ("L2 ahead 2", {}, _l2(2, 0)),
-    ("L2 ahead 3", {}, _l2(3, 0)),
-    ("L2 ahead 4", {}, _l2(4, 0)),
-    ("L2 ahead 2, idle push 2", {}, _l2(2, 2)),
+    ("idle push 2 only", {}, _l2(0, 2)),
+    ("idle push 4 only", {}, _l2(0, 4)),
+    ("idle push 6 only", {}, _l2(0, 6)),
     ("L2 ahead 2, idle push 4", {}, _l2(2, 4)),
-    ("L2 ahead 3, idle push 3", {}, _l2(3, 3)),
-    ("L2 ahead 2, idle push 2, plain loads", {}, _l2(2, 2, 0)),
-    ("fine 2 (barrier + one head per block), L2 ahead 2, idle 2", {}, {"fine": 2, **_l2(2, 2)}),
+    ("L2 ahead 6", {}, _l2(6, 0)),
+    ("L2 ahead 8", {}, _l2(8, 0)),
+    ("lines: L2 ahead 2", LINES, _l2(2, 0)),
+    ("lines: L2 ahead 4", LINES, _l2(4, 0)),
+    ("lines: idle push 4 only", LINES, _l2(0, 4)),
+    ("lines: L2 ahead 2, idle push 4", LINES, _l2(2, 4)),
 ]
 
 
@@ -54,7 +57,7 @@ def main() -> int:
         if be is None or env != be_env:
             if be is not None:
                 be.close()
-            for k in ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS"):
+            for k in ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_L2_LINES"):
                 os.environ.pop(k, None)
             os.environ.update(env)
             t0 = time.perf_counter()

@@ -250,6 +250,8 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False) -> di
         defines["MK_PROFILE"] = 1
     if kv_f16:
         defines["HE_KV_F16"] = 1
+    if os.environ.get("HIPENGINE_MK_L2_LINES", "0") not in ("", "0"):
+        defines["HE_L2_PREFETCH_LINES"] = 1  # per-line L2 prefetch instead of sm_90's bulk one (experiments)
     return {"defines": defines, "options": opts or None}
 
 
@@ -556,7 +558,8 @@ def barriers_per_token(cfg, fine: int = 3) -> int:
 
 
 # ---- stage profile (HIPENGINE_MK_PROFILE=1: a separate build with -DMK_PROFILE=1) --------------------------
-PROF_STAGES = ["select", "qkv", "attention", "combine", "o_proj", "gate_up", "down", "lm_head", "attn_split"]
+PROF_STAGES = ["select", "qkv", "attention", "combine", "o_proj", "gate_up", "down", "lm_head", "attn_split",
+               "attn_q", "attn_loop", "attn_merge"]  # attn_*: block 0's attention items, stage start -> that point
 MK_PROF_WORDS = 2 * len(PROF_STAGES) + 3
 
 

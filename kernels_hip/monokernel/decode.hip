@@ -46,6 +46,16 @@
 #endif
 #include "ops/embedding.hip"
 #include "ops/matvec.hip"
+#ifndef MK_PROFILE
+#define MK_PROFILE 0
+#endif
+#if MK_PROFILE
+// Attention sub-stage marks (profile builds): block 0's thread 0 adds the cycles since the stage started.
+__device__ he_u64* mk_prof_out;
+__device__ he_u64 mk_prof_t;
+__device__ inline void mk_attn_mark(int k);
+#define HE_ATTN_MARK(k) mk_attn_mark(k)
+#endif
 #include "ops/attention_decode.hip"
 #include "ops/qk_norm.hip"
 #include "ops/sampling.hip"
@@ -339,10 +349,15 @@ constexpr bool kMkF16 = MK_WEIGHT_F16 != 0;
 // next barrier ("work") and to that barrier's exit ("total" = work + wait), over every decode step of the
 // launch; then the wall time and cycles of the whole loop so the host can convert cycles to ns.
 // prof[k] work, prof[kMkProfN + k] total, prof[2N] ns, prof[2N + 1] cycles, prof[2N + 2] steps.
+// kProfAttnQ/Loop/Merge: block 0's attention items, from the stage start to the HE_ATTN_MARK points (q staged,
+// rows scored, warp states in shared memory); kProfAttnSplit to the item's partial written.
 enum MkProfStage { kProfSelect, kProfQkv, kProfAttn, kProfCombine, kProfO, kProfGateUp, kProfDown, kProfHead,
-                   kProfAttnSplit, kMkProfN };
-#ifndef MK_PROFILE
-#define MK_PROFILE 0
+                   kProfAttnSplit, kProfAttnQ, kProfAttnLoop, kProfAttnMerge, kMkProfN };
+#if MK_PROFILE
+__device__ inline void mk_attn_mark(int k) {
+  if (mk_prof_out != nullptr && he_block_idx() == 0 && he_thread_idx() == 0)
+    mk_prof_out[kProfAttnQ + k] += he_cycles() - mk_prof_t;
+}
 #endif
 struct MkProf {
 #if MK_PROFILE
@@ -351,7 +366,7 @@ struct MkProf {
   bool on;
   HE_INLINE explicit MkProf(he_u64* o) : out(o), t(0), t0(0), ns0(0) {
     on = o != nullptr && he_block_idx() == 0 && he_thread_idx() == 0;
-    if (on) { t = t0 = he_cycles(); ns0 = he_clock_ns(); }
+    if (on) { t = t0 = he_cycles(); ns0 = he_clock_ns(); mk_prof_out = o; mk_prof_t = t; }
   }
   HE_INLINE void work(int k) { if (on) out[k] += he_cycles() - t; }
   HE_INLINE void done(int k) {
@@ -359,6 +374,7 @@ struct MkProf {
     const he_u64 now = he_cycles();
     out[kMkProfN + k] += now - t;
     t = now;
+    mk_prof_t = now;
   }
   HE_INLINE void finish(int steps) {
     if (!on) return;

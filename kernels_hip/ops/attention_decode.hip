@@ -25,6 +25,11 @@
 #define HE_OPS_ATTENTION_DECODE_HIP
 #include "port.h"
 
+// Sub-stage marks for the monokernel's stage profile (its MK_PROFILE build defines the hook); nothing here.
+#ifndef HE_ATTN_MARK
+#define HE_ATTN_MARK(k) ((void)0)
+#endif
+
 constexpr int kAttnMaxGroup = 8;
 constexpr int kAttnUnroll = 4;  // rows of K and of V loaded per lane group before use
 
@@ -97,6 +102,7 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   const float qscale = he_rsqrt((float)hd) * kLog2e;
   for (int i = t; i < G * hd; i += nt) qs[i] = q[(he_i64)(kvh * G) * hd + i] * qscale;
   he_sync_block();
+  HE_ATTN_MARK(0);  // q staged
 
   float m[kG], l[kG], o[kG][8];
 #pragma unroll
@@ -138,6 +144,7 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
       vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
     }
   }
+  HE_ATTN_MARK(1);  // this warp's rows scored and accumulated
   // merge the lane groups of the warp (xor offsets ≥ lpr pair rows, keep the dim slot) ...
 #pragma unroll
   for (int g = 0; g < kG; ++g) {
@@ -160,6 +167,7 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
     }
   }
   he_sync_block();
+  HE_ATTN_MARK(2);  // warps' states in shared memory
   for (int i = t; i < G * hd; i += nt) {
     const int g = i / hd, d = i % hd;
     float M = he_neg_inf();

@@ -174,17 +174,15 @@ HE_INLINE void he_mv_advance(HeMvPos& p, const Op& op, const Next& nxt) {
   he_mv_norm(p, op);
 }
 
-// Prefetch into L2 the pair of unit u of op starting at column c0 (lanes 0..kRows-1, one row each).
+// Prefetch into L2 the pair of unit u of op starting at column c0 (warp-collective).
 template <int kRows, class Op>
 HE_INLINE void he_mv_pf_pair(const Op& op, int u, int c0) {
   if (u >= op.units()) return;
   const he_u16* rp[kRows];
   op.rows(u, rp);
   const int n = op.in - c0 < 2 * kMatvecBatch ? op.in - c0 : 2 * kMatvecBatch;
-  const int lane = he_lane_id();
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
-    if (lane == r) he_prefetch_l2(rp[r] + c0, (he_u32)n * 2u);
+  for (int r = 0; r < kRows; ++r) he_prefetch_l2_warp(rp[r] + c0, (he_u32)n * 2u);
 }
 
 // Move the prefetch cursor until it leads the stream by `want` pairs or reaches nxt's end.
