@@ -226,63 +226,11 @@ HE_INLINE he_vec16 he_load16_stream(const void* p) {
 HE_INLINE he_vec16 he_load16_stream_rw(const void* p) { return he_load16_stream(p); }
 #else
 HE_INLINE he_vec16 he_load16_stream_rw(const void* p) {
-  // Evict-first in L2 (see he_l2_policy below): a KV row is read once per step, and at long context the
-  // rows would otherwise push the weight stream's prefetched window out of L2.
   he_vec16 v;
-  he_u64 pol;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(pol));
+               : "l"(p));
   return v;
-}
-#endif
-
-// ---- L2 residency of the weight stream ---------------------------------------------------------------
-// The matvec stream reads every weight once per step and can run an L2 prefetch cursor ahead of its
-// register loads (ops/matvec.hip). Two pieces:
-//   he_l2_policy(evict_first)       a cache-policy word for he_load16_stream_pol: evict-first marks a line as
-//                                   the first to leave L2 once read, so rows already consumed go before rows
-//                                   prefetched but not yet read (plain LRU with hit promotion would evict the
-//                                   prefetched window first); otherwise evict-normal (a plain load).
-//   he_prefetch_l2_warp(p, bytes)   asynchronous, fire-and-forget fetch of [p, p + bytes) into L2 (16-byte
-//                                   aligned, bytes a multiple of 16), called by every lane of a warp with the
-//                                   same arguments. No register or completion is involved, so the fetch may
-//                                   run arbitrarily far ahead of the loads that use it.
-// NVIDIA: sm_90's bulk prefetch, one instruction per range from lane 0 (with HE_L2_PREFETCH_LINES=1, and on
-// parts before sm_90: one prefetch.global.L2 per 128-byte line, spread over the lanes); createpolicy and
-// L2::cache_hint need sm_80. AMD gfx942 has neither an L2 prefetch instruction nor cache-policy operands on
-// loads: the policy is 0 and the load a plain streaming one, the prefetch issues nothing (on MI300X the
-// 256 MB Infinity Cache calls for its own scheme, to be measured on the hardware).
-#ifndef HE_L2_PREFETCH_LINES
-#define HE_L2_PREFETCH_LINES 0
-#endif
-#if HE_AMD
-HE_INLINE he_u64 he_l2_policy(bool) { return 0ull; }
-HE_INLINE he_vec16 he_load16_stream_pol(const void* p, he_u64) { return he_load16_stream(p); }
-HE_INLINE void he_prefetch_l2_warp(const void*, he_u32) {}
-#else
-HE_INLINE he_u64 he_l2_policy(bool evict_first) {
-  he_u64 pol;
-  // Not volatile: a pure value the compiler may hoist or recompute instead of keeping it live.
-  if (evict_first) asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  else asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-HE_INLINE he_vec16 he_load16_stream_pol(const void* p, he_u64 pol) {
-  he_vec16 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(pol));
-  return v;
-}
-HE_INLINE void he_prefetch_l2_warp(const void* p, he_u32 bytes) {
-#if __CUDA_ARCH__ >= 900 && !HE_L2_PREFETCH_LINES
-  if (he_lane_id() == 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
-#else
-  for (he_u32 o = (he_u32)he_lane_id() * 128u; o < bytes; o += 128u * kWarpSize)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)p + o));
-#endif
 }
 #endif
 

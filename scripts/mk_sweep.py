@@ -17,25 +17,11 @@ from hipengine.bench.decode import measure
 from hipengine.presets import preset_model
 
 
-def _l2(ahead: int, idle: int, ef: int = 1) -> dict:
-    return {"l2_ahead": ahead, "l2_idle": idle, "l2_evict_first": ef}
-
-
-LINES = {"HIPENGINE_MK_L2_LINES": "1"}  # build: per-line prefetch.global.L2 instead of the bulk prefetch
-VARIANTS = [  # name, build env, runtime attrs (the L2 prefetch front, docs/perf-log.md v10)
-    ("warm-up: no L2 prefetch, evict-first loads", {}, _l2(0, 0)),
-    ("no L2 prefetch, plain loads (v7 behaviour)", {}, _l2(0, 0, 0)),
-    ("no L2 prefetch, evict-first loads", {}, _l2(0, 0)),
-    ("idle push 2 only", {}, _l2(0, 2)),
-    ("idle push 4 only", {}, _l2(0, 4)),
-    ("idle push 6 only", {}, _l2(0, 6)),
-    ("L2 ahead 2, idle push 4", {}, _l2(2, 4)),
-    ("L2 ahead 6", {}, _l2(6, 0)),
-    ("L2 ahead 8", {}, _l2(8, 0)),
-    ("lines: L2 ahead 2", LINES, _l2(2, 0)),
-    ("lines: L2 ahead 4", LINES, _l2(4, 0)),
-    ("lines: idle push 4 only", LINES, _l2(0, 4)),
-    ("lines: L2 ahead 2, idle push 4", LINES, _l2(2, 4)),
+VARIANTS = [  # name, build env, runtime attrs
+    ("default (1 blk/SM, unroll 4, fine 3)", {}, {}),
+    ("fine 2 (barrier + one head per block)", {}, {"fine": 2}),
+    ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
+    ("unroll 8", {"HIPENGINE_MK_UNROLL": "8"}, {}),
 ]
 
 
@@ -57,12 +43,12 @@ def main() -> int:
         if be is None or env != be_env:
             if be is not None:
                 be.close()
-            for k in ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_L2_LINES"):
+            for k in ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS"):
                 os.environ.pop(k, None)
             os.environ.update(env)
             t0 = time.perf_counter()
             be, be_env = MonokernelBackend(model, max_context=args.context), env
-            base = {"fine": be.fine, **_l2(be.l2_ahead, be.l2_idle, be.l2_evict_first)}
+            base = {"fine": be.fine, "poll_sleep_ns": be.poll_sleep_ns}
             print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
         for k, v in {**base, **attrs}.items():
             setattr(be, k, v)
@@ -74,8 +60,7 @@ def main() -> int:
         be.close()
     if args.best_env and rows:
         best = max(rows, key=lambda r: r["tok_s"])
-        names = {"l2_ahead": "HIPENGINE_MK_L2_AHEAD", "l2_idle": "HIPENGINE_MK_L2_IDLE",
-                 "l2_evict_first": "HIPENGINE_MK_L2_EVICT_FIRST", "fine": "HIPENGINE_MK_FINE"}
+        names = {"fine": "HIPENGINE_MK_FINE", "poll_sleep_ns": "HIPENGINE_MK_POLL_SLEEP_NS"}
         with open(args.best_env, "w") as f:
             f.write(f"# fastest: {best['variant']} ({best['tok_s']:.1f} tok/s)\n")
             for k, v in {**best["env"], **best["attrs"]}.items():

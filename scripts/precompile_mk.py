@@ -1,8 +1,8 @@
 """Fill ./.mkcache (or $HIPENGINE_CACHE) with sm_90 builds of the per-op kernels and of the monokernel
 variants a device session uses, on this CPU machine (NVRTC only), so device time is not spent compiling.
 Usage: HIPENGINE_CACHE=$PWD/.mkcache python scripts/precompile_mk.py [variant ...]
-Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unroll8, 2blk, 1b, 1b-profile,
-1b-lines (the last five: llama-3.2-1b only, bf16, group 4)."""
+Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unroll8, 2blk, 1b, 1b-profile
+(the last four: llama-3.2-1b only, bf16, group 4)."""
 from __future__ import annotations
 
 import os
@@ -16,7 +16,6 @@ VARIANTS = {
     "2blk": ({"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2"}, (False,), (4,)),
     "1b": ({}, (False,), (4,)),
     "1b-profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False,), (4,)),
-    "1b-lines": ({"HIPENGINE_MK_L2_LINES": "1"}, (False,), (4,)),
 }
 
 

@@ -16,8 +16,7 @@ error code into the mapped status word; the host raises it as ``DeviceError``.
 Knobs (environment; defaults from the H200 sweep in docs/perf-log.md): HIPENGINE_MK_MIN_BLOCKS (resident
 blocks per SM the kernel is compiled for, 1), HIPENGINE_MK_BLOCKS_PER_SM (grid, default = min blocks),
 HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation, 3), HIPENGINE_MK_UNROLL (4),
-HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_L2_AHEAD / HIPENGINE_MK_L2_IDLE / HIPENGINE_MK_L2_EVICT_FIRST
-(the weight stream's L2 prefetch front), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
+HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
 builds the stage-profiling variant, read with read_profile()).
 """
 from __future__ import annotations
@@ -115,10 +114,6 @@ PARAM_FIELDS = [
                                     # 3: the last split block of each KV head combines its group. O-proj
                                     # then waits on the heads-combined counter (no grid barrier)
     ("poll_sleep_ns", "he_u32"),    # back-off between polls of a barrier/counter (0: spin)
-    ("l2_ahead", "he_i32"),         # L2 prefetch lead of every warp's weight stream, in 8 KiB pairs (0: off)
-    ("l2_idle", "he_i32"),          # extra pairs prefetched before attention and before token selection
-    ("l2_evict_first", "he_i32"),   # weight loads mark their lines evict-first in L2 (1) or not (0)
-    ("pad2", "he_i32"),
     ("prof", "he_u64*"),            # [MK_PROF_WORDS] stage profile (MK_PROFILE builds only), else null
 ]
 
@@ -236,22 +231,22 @@ def write_layout(path=None) -> None:
     path.write_text(text.replace(source_layout_block(text), c_layout_text()))
 
 
-def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False) -> dict:
-    """rt.compile() keyword arguments for decode.hip (weight dtype, group size, blocks per SM, unroll, profile
-    build, fp16 KV cache). HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments only: the launch
+def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64) -> dict:
+    """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row from
+    head_dim, blocks per SM, unroll, profile build, fp16 KV cache). HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments only: the launch
     bound from MK_MIN_BLOCKS already sets 255 at one block per SM)."""
     opts = []
     cap = os.environ.get("HIPENGINE_MK_MAXRREG")
     if cap and vendor == "nvidia":
         opts.append(f"--maxrregcount={int(cap)}")
-    defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), "MK_MIN_BLOCKS": min_blocks(),
-               "HE_MATVEC_UNROLL": matvec_unroll()}
+    from .ops import attn_lanes
+
+    defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), "HE_ATTN_LPR": attn_lanes(head_dim),
+               "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll()}
     if profiling():
         defines["MK_PROFILE"] = 1
     if kv_f16:
         defines["HE_KV_F16"] = 1
-    if os.environ.get("HIPENGINE_MK_L2_LINES", "0") not in ("", "0"):
-        defines["HE_L2_PREFETCH_LINES"] = 1  # per-line L2 prefetch instead of sm_90's bulk one (experiments)
     return {"defines": defines, "options": opts or None}
 
 
@@ -270,17 +265,26 @@ def matvec_unroll() -> int:
     return int(os.environ.get("HIPENGINE_MK_UNROLL", "4"))
 
 
-def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4)) -> list[str]:
+def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_dim: int = 64) -> list[str]:
     """Fill the compile cache for an NVIDIA arch without a GPU (NVRTC only): the per-op modules and the
     monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling."""
     from . import backend_cuda as bc, compiler
     from .executor import kv_defines
+    from .ops import attn_lanes
     from .runtime import KERNELS_DIR
 
-    # fp16-weight models (GGUF) also keep an fp16 KV cache (GpuBackend.kv_f16): their op modules differ
+    # fp16-weight models (GGUF) also keep an fp16 KV cache (GpuBackend.kv_f16): their op modules differ;
+    # the attention module is built per head_dim (Ops.attention's HE_ATTN_LPR)
+    def op_defines(name: str, f16: bool):
+        d = dict(kv_defines(f16) or {})
+        if name == "attention_decode.hip":
+            d["HE_ATTN_LPR"] = attn_lanes(head_dim)
+        return d or None
+
     ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]
-    jobs = [(f"ops/{n}", {"defines": kv_defines(f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
-    jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16)) for f16 in f16_variants for g in groups]
+    jobs = [(f"ops/{n}", {"defines": op_defines(n, f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
+    jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim))
+             for f16 in f16_variants for g in groups]
     done = []
     for src, kw in jobs:
         path, text = compiler.resolve_source(src)
@@ -313,7 +317,7 @@ class MonokernelBackend(GpuBackend):
             raise UnsupportedError("the monokernel needs one weight dtype (all bf16 or all fp16); "
                                    "use --no-monokernel for mixed-dtype models")
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads,
-                                                        self.kv_f16))
+                                                        self.kv_f16, cfg.head_dim))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
@@ -323,11 +327,6 @@ class MonokernelBackend(GpuBackend):
             raise UnsupportedError(f"HIPENGINE_MK_FINE={self.fine}: 2 (barrier, one head per block) or 3 "
                                    "(last split block combines its group)")
         self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
-        # L2 prefetch front of the weight stream (docs/perf-log.md v10): lead and idle-time push in 8 KiB
-        # pairs per warp, and evict-first weight loads.
-        self.l2_ahead = int(os.environ.get("HIPENGINE_MK_L2_AHEAD", "2"))
-        self.l2_idle = int(os.environ.get("HIPENGINE_MK_L2_IDLE", "2"))
-        self.l2_evict_first = int(os.environ.get("HIPENGINE_MK_L2_EVICT_FIRST", "1"))
         self.prof_buf = self._buf(8 * MK_PROF_WORDS) if profiling() else None
         self._size_launch()
         self._setup_buffers()
@@ -407,8 +406,7 @@ class MonokernelBackend(GpuBackend):
             ring_cap=self.ring_cap, top_k=int(sp.top_k), eps=float(cfg.rms_norm_eps),
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
             rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
-            fine=self.fine, poll_sleep_ns=self.poll_sleep_ns, l2_ahead=self.l2_ahead, l2_idle=self.l2_idle,
-            l2_evict_first=self.l2_evict_first,
+            fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
             prof=self.prof_buf.ptr if self.prof_buf is not None else 0)
 
     def _launch(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
@@ -544,7 +542,6 @@ class MonokernelBackend(GpuBackend):
 def grid_info(backend: MonokernelBackend) -> dict:
     return {"grid": backend.grid, "blocks_per_sm": backend.blocks_per_sm, "occupancy": backend.occupancy,
             "unroll": matvec_unroll(), "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns,
-            "l2_ahead": backend.l2_ahead, "l2_idle": backend.l2_idle, "l2_evict_first": backend.l2_evict_first,
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine)}

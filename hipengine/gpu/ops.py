@@ -61,6 +61,15 @@ def _p(x) -> c_void_p:
     return c_void_p(int(x))
 
 
+def attn_lanes(hd: int) -> int:
+    """Lanes per K/V row in the attention split (attention_decode.hip HE_ATTN_LPR): hd/8 rounded up to a
+    power of two."""
+    n = 1
+    while n * 8 < hd:
+        n *= 2
+    return n
+
+
 def attention_blocks_per_sm() -> int:
     """(kv head, split) blocks per SM the split plan aims for: 1, the monokernel's grid (one round of split
     blocks, then no idle SM). HIPENGINE_ATTN_BLOCKS_PER_SM overrides (sweeps)."""
@@ -88,10 +97,13 @@ class Ops:
         self._mods: dict[str, object] = {}
         self.warps_per_block = MATVEC_THREADS // rt.warp_size
 
-    def fn(self, source: str, name: str):
-        mod = self._mods.get(source)
+    def fn(self, source: str, name: str, defines: dict | None = None):
+        """Kernel `name` of ops/<source>.hip, compiled once per (source, extra defines)."""
+        key = (source, tuple(sorted((defines or {}).items())))
+        mod = self._mods.get(key)
         if mod is None:
-            mod = self._mods[source] = self.rt.compile(f"ops/{source}.hip", defines=self.defines)
+            mod = self._mods[key] = self.rt.compile(f"ops/{source}.hip", defines={**(self.defines or {}),
+                                                                                   **(defines or {})} or None)
         return mod.function(name)
 
     def _grid(self, units: int, threads: int = MATVEC_THREADS) -> int:
@@ -172,10 +184,11 @@ class Ops:
         if not 1 <= G <= ATTN_MAX_GROUP or nh % nkv or hd % 8 or hd > 8 * self.rt.warp_size:
             raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
         shared = (G * hd + (ATTN_THREADS // self.rt.warp_size) * G * (hd + 2)) * 4
-        self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}"), (nkv * nsplit, T), ATTN_THREADS,
+        lanes = {"HE_ATTN_LPR": attn_lanes(hd)}
+        self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
                         c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream)
-        self.rt.launch(self.fn("attention_decode", "attention_combine"), (nh, T), 128,
+        self.rt.launch(self.fn("attention_decode", "attention_combine", lanes), (nh, T), 128,
                        [_p(partial), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)],
                        stream=stream)
 

@@ -174,13 +174,9 @@ struct MkParams {
   he_u32 seed_hi;
   he_i32 fine;
   he_u32 poll_sleep_ns;
-  he_i32 l2_ahead;
-  he_i32 l2_idle;
-  he_i32 l2_evict_first;
-  he_i32 pad2;
   he_u64* prof;
 };
-static_assert(sizeof(MkParams) == 328, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 312, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -232,11 +228,7 @@ MK_OFFSET_CHECK(MkParams, seed_lo, 284)
 MK_OFFSET_CHECK(MkParams, seed_hi, 288)
 MK_OFFSET_CHECK(MkParams, fine, 292)
 MK_OFFSET_CHECK(MkParams, poll_sleep_ns, 296)
-MK_OFFSET_CHECK(MkParams, l2_ahead, 300)
-MK_OFFSET_CHECK(MkParams, l2_idle, 304)
-MK_OFFSET_CHECK(MkParams, l2_evict_first, 308)
-MK_OFFSET_CHECK(MkParams, pad2, 312)
-MK_OFFSET_CHECK(MkParams, prof, 320)
+MK_OFFSET_CHECK(MkParams, prof, 304)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -322,11 +314,7 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[73] = (he_u64)((const char*)&vMkParams.seed_hi - (const char*)&vMkParams);
   out[74] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
   out[75] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
-  out[76] = (he_u64)((const char*)&vMkParams.l2_ahead - (const char*)&vMkParams);
-  out[77] = (he_u64)((const char*)&vMkParams.l2_idle - (const char*)&vMkParams);
-  out[78] = (he_u64)((const char*)&vMkParams.l2_evict_first - (const char*)&vMkParams);
-  out[79] = (he_u64)((const char*)&vMkParams.pad2 - (const char*)&vMkParams);
-  out[80] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
+  out[76] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -509,7 +497,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   // part and refills from the next stage's descriptor, so the next stage's first weights are in flight
   // before the barrier that publishes its input (the issue's "weights before the activation").
   HeMvStream<2> s;
-  he_mv_begin(mk_qkv_op(p, p.layers[0], pos), s, mk_o_op(p, p.layers[0]), p.l2_ahead, p.l2_evict_first != 0);
+  he_mv_begin(mk_qkv_op(p, p.layers[0], pos), s, mk_o_op(p, p.layers[0]));
   MkProf prof(p.prof);
 
   auto barrier = [&](int stage) {  // `stage`: profile slot of the stage that just ended
@@ -583,10 +571,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       }
       if (!barrier(kProfQkv)) return;
       mk_attention(p, L, pos, he_mk_smem, prof);
-      // HBM would idle from here to the O-proj (the combine chain reads L2): push the stream's L2 prefetch on,
-      // past the O-proj (held in registers) into gate/up. After this block's splits, so their K/V rows do not
-      // queue behind it.
-      if (p.l2_idle > 0) he_mv_prefetch_more(mk_o_op(p, L), s, mk_gate_up_op(p, L), p.l2_idle);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1);
@@ -611,8 +595,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
     he_mv_finish<kMkF16>(mk_head_op(p), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1));
-    // ... and through token selection: the next step's QKV and O-proj.
-    if (p.l2_idle > 0) he_mv_prefetch_more(mk_qkv_op(p, p.layers[0], pos + 1), s, mk_o_op(p, p.layers[0]), p.l2_idle);
     if (!barrier(kProfHead)) return;
     pos += 1;
     steps += 1;

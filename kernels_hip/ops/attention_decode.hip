@@ -19,7 +19,8 @@
 // Scores are in log2 units (q pre-scaled by log2(e)/sqrt(hd)) so the softmax uses exp2.
 // Splits that start past the sequence end write l = 0 and are skipped by the combine, so the grid can be
 // sized once for max_ctx (graph capture / monokernel) while *pos grows.
-// Requirements: hd % 8 == 0, hd ≤ 8·kWarpSize, G ≤ kAttnMaxGroup; dynamic shared memory
+// Requirements: hd % 8 == 0, hd ≤ 8·kWarpSize, the module compiled with HE_ATTN_LPR = attn_lanes(hd),
+// G ≤ kAttnMaxGroup; dynamic shared memory
 // = (G·hd + warps·G·(hd + 2)) · 4 bytes.
 #ifndef HE_OPS_ATTENTION_DECODE_HIP
 #define HE_OPS_ATTENTION_DECODE_HIP
@@ -32,12 +33,6 @@
 
 constexpr int kAttnMaxGroup = 8;
 constexpr int kAttnUnroll = 4;  // rows of K and of V loaded per lane group before use
-
-HE_INLINE float he_dot8_kv(const he_vec16 k, const float* q) {
-  return he_kvlo_to_f32(k.x) * q[0] + he_kvhi_to_f32(k.x) * q[1] + he_kvlo_to_f32(k.y) * q[2] +
-         he_kvhi_to_f32(k.y) * q[3] + he_kvlo_to_f32(k.z) * q[4] + he_kvhi_to_f32(k.z) * q[5] +
-         he_kvlo_to_f32(k.w) * q[6] + he_kvhi_to_f32(k.w) * q[7];
-}
 
 // Online-softmax state of one lane for the G heads of a group: running max m (log2 units), running sum l,
 // and 8 dims of the unnormalised output. Merging two states is associative, so lane groups, warps and
@@ -52,8 +47,29 @@ HE_INLINE void he_softmax_merge(float& m, float& l, float (&o)[8], float m2, flo
   m = M;
 }
 
+// Lanes per K/V row: hd/8 rounded up to a power of two, so the score's xor-shuffle reduction stays inside
+// the lane group (lanes past the row's end, e.g. hd = 24 → 3 of 4 lanes busy, contribute zeros). A compile-
+// time constant (-DHE_ATTN_LPR from the host: hipengine/gpu/ops.py attn_lanes(hd); 8 = hd 64 when not given)
+// so the shuffles and
+// the merges unroll: with a run-time lane count the split loop spent ~2,000 instructions per batch per warp
+// and was bound by instruction issue, not by HBM (v10b stage profile: ~5 µs per batch).
+#ifndef HE_ATTN_LPR
+#define HE_ATTN_LPR 8
+#endif
+constexpr int kAttnLpr = HE_ATTN_LPR;
+static_assert(kAttnLpr >= 1 && kAttnLpr <= kWarpSize && (kAttnLpr & (kAttnLpr - 1)) == 0,
+              "HE_ATTN_LPR: a power of two up to the warp width");
+
 // kG = num_heads / num_kv_heads as a template parameter: the per-lane state is kG·10 registers, and a
 // runtime bound of kAttnMaxGroup cost 155 registers (one block per SM) even for G = 4.
+//
+// Per batch of kAttnUnroll rows per lane group, the work is arranged so that each instruction serves as
+// many (row, head) pairs as possible: K converted once per row and dotted with every head's q slice, one
+// shuffle reduction per (row, head), then ONE online-softmax rescale per head per batch
+// (max over the batch's scores, one exp2 per score, o·a once) instead of one per row, then V converted once
+// per row and accumulated into every head. Rows past the slice are skipped warp-wide when no lane group has
+// one (short contexts leave most of a batch empty). The next batch's K loads go out as soon as the scores
+// are taken, its V loads after the accumulation, so they fly under the remaining work of this batch.
 template <int kG>
 // q, the caches and partial are rewritten inside the monokernel, so none is `const __restrict__` here (that
 // lets the compiler use the non-coherent read-only path) and cache rows use the coherent streaming load.
@@ -62,7 +78,8 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
                                         int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
                                         int max_ctx, float* smem) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
-  constexpr int G = kG;
+  constexpr int G = kG, kL = kAttnLpr, kR = kWarpSize / kAttnLpr;  // lanes per row, rows per warp at once
+  constexpr int U = kAttnUnroll;
   (void)nkv;
   const int t = he_thread_idx(), nt = he_block_dim(), nw = he_num_warps();
   const int start = split * chunk;
@@ -77,24 +94,19 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   }
   float* qs = smem;              // [G][hd]   q pre-scaled by log2(e)/sqrt(hd)
   float* ws = qs + G * hd;       // [nw][G][hd + 2]  per-warp states (o, m, l)
-  // Lanes per K/V row: hd/8 rounded up to a power of two so xor shuffles stay inside the lane group;
-  // lanes past the row's end (hd = 24 → 3 of 4 lanes busy) contribute zeros.
-  int lpr = 1;
-  while (lpr * 8 < hd) lpr *= 2;
-  const int rpw = kWarpSize / lpr;  // rows a warp works on at once
-  const int lane = he_lane_id(), sub = lane % lpr, rw = lane / lpr;
+  const int lane = he_lane_id(), sub = lane % kL, rw = lane / kL;
   const bool dim_ok = sub * 8 < hd;
-  // Each warp owns a contiguous slice of the chunk; lane group rw takes rows rw, rw + rpw, ...
+  // Each warp owns a contiguous slice of the chunk; lane group rw takes rows rw, rw + kR, ...
   const int per_warp = (n + nw - 1) / nw;
   const int w0 = he_warp_id() * per_warp, w1 = (w0 + per_warp < n) ? w0 + per_warp : n;
   const he_kv* kbase = k_cache + ((he_i64)kvh * max_ctx + start) * hd + sub * 8;
   const he_kv* vbase = v_cache + ((he_i64)kvh * max_ctx + start) * hd + sub * 8;
 
   // Issue the first K/V batch before staging q: cache rows do not depend on it.
-  he_vec16 kb[kAttnUnroll], vb[kAttnUnroll];
+  he_vec16 kb[U], vb[U];
 #pragma unroll
-  for (int j = 0; j < kAttnUnroll; ++j) {
-    const int p = w0 + rw + j * rpw;
+  for (int j = 0; j < U; ++j) {
+    const int p = w0 + rw + j * kR;
     const bool ok = p < w1 && dim_ok;
     kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
     vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
@@ -103,6 +115,10 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   for (int i = t; i < G * hd; i += nt) qs[i] = q[(he_i64)(kvh * G) * hd + i] * qscale;
   he_sync_block();
   HE_ATTN_MARK(0);  // q staged
+  // This lane's 8 dims of head g's q: qs[g·hd + qoff ...] (read from shared memory at each use: holding all
+  // heads' slices in registers spilled the monokernel, which keeps the O-proj's weights live through here).
+  // Lanes past the row's end read head 0's first dims, finite, against their zero K.
+  const int qoff = dim_ok ? sub * 8 : 0;
 
   float m[kG], l[kG], o[kG][8];
 #pragma unroll
@@ -112,43 +128,80 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[g][j] = 0.f;
   }
-  for (int p0 = w0; p0 < w1; p0 += kAttnUnroll * rpw) {
+  for (int p0 = w0; p0 < w1; p0 += U * kR) {
+    // scores of the batch (log2 units); -inf for rows past the slice
+    float s[U][kG];
 #pragma unroll
-    for (int j = 0; j < kAttnUnroll; ++j) {
-      const int p = p0 + rw + j * rpw;
-      const bool ok = p < w1;  // uniform per lane group: the shuffles below stay within it
-      const he_vec16 v = vb[j];
-      const float vf[8] = {he_kvlo_to_f32(v.x), he_kvhi_to_f32(v.x), he_kvlo_to_f32(v.y),
-                           he_kvhi_to_f32(v.y), he_kvlo_to_f32(v.z), he_kvhi_to_f32(v.z),
-                           he_kvlo_to_f32(v.w), he_kvhi_to_f32(v.w)};
+    for (int j = 0; j < U; ++j) {
+      const bool any = p0 + j * kR < w1;  // warp-uniform: some lane group has a row here
+      const bool ok = p0 + rw + j * kR < w1;
+      if (any) {
+        const he_vec16 k = kb[j];
+        const float kf[8] = {he_kvlo_to_f32(k.x), he_kvhi_to_f32(k.x), he_kvlo_to_f32(k.y), he_kvhi_to_f32(k.y),
+                             he_kvlo_to_f32(k.z), he_kvhi_to_f32(k.z), he_kvlo_to_f32(k.w), he_kvhi_to_f32(k.w)};
 #pragma unroll
-      for (int g = 0; g < kG; ++g) {
-        float s = dim_ok ? he_dot8_kv(kb[j], qs + g * hd + sub * 8) : 0.f;
-        for (int x = lpr / 2; x > 0; x >>= 1) s += he_shfl_xor(s, x);
-        if (ok) {  // online softmax update with one new score
-          const float M = he_fmax(m[g], s);
-          const float a = he_exp2(m[g] - M), e = he_exp2(s - M);  // m = -inf first: a = 0
-          l[g] = l[g] * a + e;
+        for (int g = 0; g < kG; ++g) {
+          float d = 0.f;
 #pragma unroll
-          for (int jj = 0; jj < 8; ++jj) o[g][jj] = o[g][jj] * a + e * vf[jj];
-          m[g] = M;
+          for (int jj = 0; jj < 8; ++jj) d += kf[jj] * qs[g * hd + qoff + jj];
+#pragma unroll
+          for (int x = kL / 2; x > 0; x >>= 1) d += he_shfl_xor(d, x);
+          s[j][g] = ok ? d : he_neg_inf();
         }
+      } else {
+#pragma unroll
+        for (int g = 0; g < kG; ++g) s[j][g] = he_neg_inf();
       }
     }
-    // next batch (its loads overlap nothing here, but are issued together: kAttnUnroll rows in flight)
+    const int pn = p0 + U * kR;  // the next batch's first row
 #pragma unroll
-    for (int j = 0; j < kAttnUnroll; ++j) {
-      const int p = p0 + kAttnUnroll * rpw + rw + j * rpw;
-      const bool ok = p < w1 && dim_ok;
-      kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
-      vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+    for (int j = 0; j < U; ++j) {
+      const int p = pn + rw + j * kR;
+      kb[j] = (p < w1 && dim_ok) ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+    }
+    // one online-softmax step per head for the whole batch; scores become weights in place
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      float M = m[g];
+#pragma unroll
+      for (int j = 0; j < U; ++j) M = he_fmax(M, s[j][g]);
+      const float Ms = (M == he_neg_inf()) ? 0.f : M;  // nothing seen yet: every weight below is 2^-inf = 0
+      const float a = he_exp2(m[g] - Ms);              // m = -inf: a = 0
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < U; ++j) {
+        s[j][g] = he_exp2(s[j][g] - Ms);
+        sum += s[j][g];
+      }
+      l[g] = l[g] * a + sum;
+      m[g] = M;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) o[g][jj] *= a;
+    }
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      if (p0 + j * kR < w1) {  // warp-uniform, as above
+        const he_vec16 v = vb[j];
+        const float vf[8] = {he_kvlo_to_f32(v.x), he_kvhi_to_f32(v.x), he_kvlo_to_f32(v.y), he_kvhi_to_f32(v.y),
+                             he_kvlo_to_f32(v.z), he_kvhi_to_f32(v.z), he_kvlo_to_f32(v.w), he_kvhi_to_f32(v.w)};
+#pragma unroll
+        for (int g = 0; g < kG; ++g)
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) o[g][jj] += s[j][g] * vf[jj];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int p = pn + rw + j * kR;
+      vb[j] = (p < w1 && dim_ok) ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
     }
   }
   HE_ATTN_MARK(1);  // this warp's rows scored and accumulated
-  // merge the lane groups of the warp (xor offsets ≥ lpr pair rows, keep the dim slot) ...
+  // merge the lane groups of the warp (xor offsets ≥ kL pair rows, keep the dim slot) ...
 #pragma unroll
   for (int g = 0; g < kG; ++g) {
-    for (int x = kWarpSize / 2; x >= lpr; x >>= 1) {
+#pragma unroll
+    for (int x = kWarpSize / 2; x >= kL; x >>= 1) {
       float o2[8];
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) o2[jj] = he_shfl_xor(o[g][jj], x);
@@ -187,6 +240,7 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
 
 // One kernel per group size (attention_split_g1 ... _g8): a kernel's register allocation is the maximum over
 // everything it may run, so a single kernel switching on G would pay G = 8's 168 registers for G = 4.
+// The module is compiled per lane count (HE_ATTN_LPR, from hd).
 #define HE_ATTN_KERNEL(g)                                                                                   \
   HE_KERNEL(256) attention_split_g##g(const float* __restrict__ q, const he_kv* __restrict__ k_cache,      \
                                       const he_kv* __restrict__ v_cache, float* __restrict__ partial,       \

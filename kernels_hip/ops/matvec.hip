@@ -53,15 +53,14 @@ constexpr int kMatvecMaxThreads = 512;
 constexpr int kMatvecBatch = kMatvecUnroll * kMatvecSweep;
 
 template <int kRows>
-HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0, he_vec16 (&w)[kRows][kMatvecUnroll],
-                              he_u64 pol) {
+HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
   const int lane = he_lane_id();
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int u = 0; u < kMatvecUnroll; ++u) {
       const int c = c0 + u * kMatvecSweep + lane * 8;
-      w[r][u] = (c < in) ? he_load16_stream_pol(rows[r] + c, pol) : he_vec16{0u, 0u, 0u, 0u};
+      w[r][u] = (c < in) ? he_load16_stream(rows[r] + c) : he_vec16{0u, 0u, 0u, 0u};
     }
 }
 
@@ -84,16 +83,6 @@ HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0
 //
 // An op is a small struct: the prologue input (x, gamma, eps, in), units(), rows(u, rp) (the kRows row
 // pointers of unit u) and epi(u, acc) (lane-0 stores of the unit's kRows sums, identical in every lane).
-//
-// L2 prefetch front. Registers bound the stream's depth (2 pairs; deeper rings spilled or ran slower, see
-// docs/perf-log.md v5/v8), and a stream stalled at a grid barrier or in attention requests nothing. So each
-// warp also runs a prefetch cursor `f` over the same pair sequence, with the same advance rule (so it crosses
-// into nxt exactly as the stream does), kept `ahead` pairs in front of the stream: every pair it passes is
-// fetched into L2 with one bulk prefetch per row (port.h he_prefetch_l2), and the stream's loads then hit L2.
-// he_mv_prefetch_more() pushes it further at points where the grid waits (the monokernel: before attention
-// and before token selection). Weight loads carry the evict-first policy (port.h he_l2_policy) so that read
-// rows leave L2 before prefetched ones. The cursor stops at nxt's end (it cannot see further ops); when the
-// stream moves on to nxt, whatever of nxt was prefetched still counts (`lead`).
 struct HeMvPos {
   int u, c0;  // unit and first column of the pair held in (a, b)
   bool nx;    // the pair belongs to the next op
@@ -104,19 +93,7 @@ struct HeMvStream {
   he_vec16 a[kRows][kMatvecUnroll];  // columns [c0, c0 + B) of unit u's rows: arrived or in flight
   he_vec16 b[kRows][kMatvecUnroll];  // columns [c0 + B, c0 + 2B)
   HeMvPos p;
-  HeMvPos f;    // L2 prefetch cursor: the next pair to prefetch
-  int lead;     // pairs from p (inclusive) to f (exclusive); <= 0: f is stale, restart it at p
-  int ahead;    // lead the cursor keeps while the stream consumes (0: no prefetching)
-  he_u64 pol;   // L2 policy of the weight loads (he_l2_policy)
 };
-
-// Per-op kernels: prefetch lead and evict-first weight loads (defines, so benchmarks can compare).
-#ifndef HE_MATVEC_L2_AHEAD
-#define HE_MATVEC_L2_AHEAD 0
-#endif
-#ifndef HE_MATVEC_EVICT_FIRST
-#define HE_MATVEC_EVICT_FIRST 1
-#endif
 
 // The op after the last one (per-op kernels, or a chain's end): no units.
 struct HeMvNone {
@@ -141,23 +118,23 @@ HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
 
 // Load batch columns [c0, c0 + B) of unit u of `op` (zeros past the rows' end or when there is no unit).
 template <class Op, int kRows>
-HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMatvecUnroll], he_u64 pol) {
+HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
   if (u >= op.units()) { he_mv_zero(w); return; }
   const he_u16* rp[kRows];
   op.rows(u, rp);
-  he_matvec_load<kRows>(rp, op.in, c0, w, pol);
+  he_matvec_load<kRows>(rp, op.in, c0, w);
 }
 
 // Load both batches of pair p (from op, or from nxt once the pair belongs to it).
 template <class Op, class Next, int kRows>
 HE_INLINE void he_mv_fill_a(const Op& op, const Next& nxt, const HeMvPos& p, HeMvStream<kRows>& s) {
-  if (!p.nx) he_mv_load(op, p.u, p.c0, s.a, s.pol);
-  else he_mv_load(nxt, p.u, p.c0, s.a, s.pol);
+  if (!p.nx) he_mv_load(op, p.u, p.c0, s.a);
+  else he_mv_load(nxt, p.u, p.c0, s.a);
 }
 template <class Op, class Next, int kRows>
 HE_INLINE void he_mv_fill_b(const Op& op, const Next& nxt, const HeMvPos& p, HeMvStream<kRows>& s) {
-  if (!p.nx) he_mv_load(op, p.u, p.c0 + kMatvecBatch, s.b, s.pol);
-  else he_mv_load(nxt, p.u, p.c0 + kMatvecBatch, s.b, s.pol);
+  if (!p.nx) he_mv_load(op, p.u, p.c0 + kMatvecBatch, s.b);
+  else he_mv_load(nxt, p.u, p.c0 + kMatvecBatch, s.b);
 }
 
 // p past op's last unit -> the first pair of nxt.
@@ -174,49 +151,12 @@ HE_INLINE void he_mv_advance(HeMvPos& p, const Op& op, const Next& nxt) {
   he_mv_norm(p, op);
 }
 
-// Prefetch into L2 the pair of unit u of op starting at column c0 (warp-collective).
-template <int kRows, class Op>
-HE_INLINE void he_mv_pf_pair(const Op& op, int u, int c0) {
-  if (u >= op.units()) return;
-  const he_u16* rp[kRows];
-  op.rows(u, rp);
-  const int n = op.in - c0 < 2 * kMatvecBatch ? op.in - c0 : 2 * kMatvecBatch;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) he_prefetch_l2_warp(rp[r] + c0, (he_u32)n * 2u);
-}
-
-// Move the prefetch cursor until it leads the stream by `want` pairs or reaches nxt's end.
 template <class Op, class Next, int kRows>
-HE_INLINE void he_mv_pf_run(const Op& op, const Next& nxt, HeMvStream<kRows>& s, int want) {
-  if (s.lead <= 0) { s.f = s.p; s.lead = 0; }
-  while (s.lead < want && !(s.f.nx && s.f.u >= nxt.units())) {
-    if (!s.f.nx) he_mv_pf_pair<kRows>(op, s.f.u, s.f.c0);
-    else he_mv_pf_pair<kRows>(nxt, s.f.u, s.f.c0);
-    he_mv_advance(s.f, op, nxt);
-    ++s.lead;
-  }
-}
-
-// Between stages (s positioned at op's start, as after the previous he_mv_finish): prefetch `extra` pairs
-// beyond the current lead. The stream then issues no prefetch until its lead falls back under `ahead`.
-template <class Op, class Next, int kRows>
-HE_INLINE void he_mv_prefetch_more(const Op& op, HeMvStream<kRows>& s, const Next& nxt, int extra) {
-  he_mv_pf_run(op, nxt, s, (s.lead > 0 ? s.lead : 0) + extra);
-}
-
-// ahead: the prefetch lead in pairs (0: none); evict_first: the weight loads' L2 policy.
-template <class Op, class Next, int kRows>
-HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt, int ahead = HE_MATVEC_L2_AHEAD,
-                           bool evict_first = HE_MATVEC_EVICT_FIRST != 0) {
-  s.pol = he_l2_policy(evict_first);
-  s.ahead = ahead;
+HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) {
   s.p = HeMvPos{he_mv_first(), 0, false};
   he_mv_norm(s.p, op);
   he_mv_fill_a(op, nxt, s.p, s);
   he_mv_fill_b(op, nxt, s.p, s);
-  s.f = s.p;  // the first pair is already requested: the cursor starts one pair in
-  he_mv_advance(s.f, op, nxt);
-  s.lead = 1;
 }
 
 // acc[r] += this lane's part of batch w (columns c0 + k·sweep + lane·8) of the unit's rows.
@@ -247,14 +187,12 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
     s.p.nx = true;
     he_mv_fill_a(op, nxt, s.p, s);
     he_mv_fill_b(op, nxt, s.p, s);
-    s.lead = 0;
   }
   he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
   float acc[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
   while (!s.p.nx) {
-    if (s.ahead > 0) he_mv_pf_run(op, nxt, s, s.ahead);
     HeMvPos n = s.p;
     he_mv_advance(n, op, nxt);
     he_mv_consume<kF16>(s.a, s.p.c0, op.in, xs, acc);
@@ -269,13 +207,8 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
       for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
     }
     s.p = n;
-    --s.lead;
   }
   s.p.nx = false;
-  if (s.f.nx) {  // the cursor's position in nxt's terms (nxt is the next call's op); past nxt's end it
-    s.f.nx = false;  // becomes the pair after it, i.e. the start of the op after nxt
-    he_mv_norm(s.f, nxt);
-  }
 }
 
 HE_INLINE float he_silu(float g) { return g / (1.f + he_exp(-g)); }
