@@ -129,6 +129,7 @@ HE_INLINE float he_exp2(float x) { return __builtin_amdgcn_exp2f(x); }  // v_exp
 HE_INLINE float he_rsqrt(float x) { return __builtin_amdgcn_rsqf(x); }  // v_rsq_f32
 HE_INLINE float he_sqrt(float x) { return __builtin_sqrtf(x); }
 HE_INLINE float he_log2(float x) { return __builtin_amdgcn_logf(x); }   // v_log_f32
+HE_INLINE float he_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }  // v_fma_f32
 #else
 HE_INLINE float he_u32_as_f32(he_u32 u) { return __uint_as_float(u); }
 HE_INLINE he_u32 he_f32_as_u32(float f) { return __float_as_uint(f); }
@@ -136,6 +137,7 @@ HE_INLINE float he_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "
 HE_INLINE float he_rsqrt(float x) { float y; asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 HE_INLINE float he_sqrt(float x) { float y; asm("sqrt.rn.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 HE_INLINE float he_log2(float x) { float y; asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+HE_INLINE float he_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }  // a·b + c, one rounding
 #endif
 constexpr float kLog2e = 1.4426950408889634f;
 HE_INLINE float he_exp(float x) { return he_exp2(x * kLog2e); }  // e^x = 2^(x·log2 e); -inf -> 0
