@@ -16,7 +16,7 @@ error code into the mapped status word; the host raises it as ``DeviceError``.
 Knobs (environment; defaults from the H200 sweep in docs/perf-log.md): HIPENGINE_MK_MIN_BLOCKS (resident
 blocks per SM the kernel is compiled for, 1), HIPENGINE_MK_BLOCKS_PER_SM (grid, default = min blocks),
 HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation, 3), HIPENGINE_MK_UNROLL (4),
-HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_DYN (1: matvec units claimed dynamically), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
+HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
 builds the stage-profiling variant, read with read_profile()).
 """
 from __future__ import annotations
@@ -115,10 +115,6 @@ PARAM_FIELDS = [
                                     # then waits on the heads-combined counter (no grid barrier)
     ("poll_sleep_ns", "he_u32"),    # back-off between polls of a barrier/counter (0: spin)
     ("prof", "he_u64*"),            # [MK_PROF_WORDS] stage profile (MK_PROFILE builds only), else null
-    ("claims", "he_u32*"),          # [4·n_layers + 1] matvec unit-claim counters (qkv, o, gate/up, down per
-                                    # layer; LM head), zeroed per launch
-    ("dyn", "he_i32"),              # 1: warps claim matvec units dynamically; 0: static assignment
-    ("pad2", "he_i32"),
 ]
 
 STATE_FIELDS = [
@@ -331,8 +327,6 @@ class MonokernelBackend(GpuBackend):
             raise UnsupportedError(f"HIPENGINE_MK_FINE={self.fine}: 2 (barrier, one head per block) or 3 "
                                    "(last split block combines its group)")
         self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
-        # Matvec units claimed dynamically by the warps (docs/perf-log.md v13), or the static assignment (0).
-        self.dyn = int(os.environ.get("HIPENGINE_MK_DYN", "1"))
         self.prof_buf = self._buf(8 * MK_PROF_WORDS) if profiling() else None
         self._size_launch()
         self._setup_buffers()
@@ -383,7 +377,6 @@ class MonokernelBackend(GpuBackend):
         self.state_buf = self._buf(ctypes.sizeof(MkState))
         self.bar_buf = self._buf(16)
         self.attn_count = self._buf(4 * (cfg.num_kv_heads + 2))
-        self.claims = self._buf(4 * (4 * cfg.num_layers + 1))
         self.cand = self._buf(8 * rt.num_sms * max(self.occupancy, 1))
         self.eos_buf = self._buf(4 * MAX_EOS)
         self.params_buf = self._buf(ctypes.sizeof(MkParams))
@@ -414,7 +407,7 @@ class MonokernelBackend(GpuBackend):
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
             rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
             fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
-            prof=self.prof_buf.ptr if self.prof_buf is not None else 0, claims=self.claims.ptr, dyn=int(self.dyn))
+            prof=self.prof_buf.ptr if self.prof_buf is not None else 0)
 
     def _launch(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
                 eos: list[int] = (), seed: int = 0) -> None:
@@ -429,7 +422,6 @@ class MonokernelBackend(GpuBackend):
             rt.copy_htod(self.eos_buf, np.asarray(eos, np.int32), stream=s)
         rt.memset(self.bar_buf, 0, 16, stream=s)
         rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 2), stream=s)
-        rt.memset(self.claims, 0, 4 * (4 * self.config.num_layers + 1), stream=s)
         s.synchronize()  # the host words below are read by the kernel: reset them with nothing in flight
         self.host_words[:] = 0
         rt.launch(self.fn, self.grid, THREADS, [c_void_p(self.params_buf.ptr)], shared=self.smem, stream=s,
@@ -549,7 +541,7 @@ class MonokernelBackend(GpuBackend):
 
 def grid_info(backend: MonokernelBackend) -> dict:
     return {"grid": backend.grid, "blocks_per_sm": backend.blocks_per_sm, "occupancy": backend.occupancy,
-            "unroll": matvec_unroll(), "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns, "dyn": backend.dyn,
+            "unroll": matvec_unroll(), "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns,
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine)}

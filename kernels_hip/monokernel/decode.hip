@@ -175,11 +175,8 @@ struct MkParams {
   he_i32 fine;
   he_u32 poll_sleep_ns;
   he_u64* prof;
-  he_u32* claims;
-  he_i32 dyn;
-  he_i32 pad2;
 };
-static_assert(sizeof(MkParams) == 328, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 312, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -232,9 +229,6 @@ MK_OFFSET_CHECK(MkParams, seed_hi, 288)
 MK_OFFSET_CHECK(MkParams, fine, 292)
 MK_OFFSET_CHECK(MkParams, poll_sleep_ns, 296)
 MK_OFFSET_CHECK(MkParams, prof, 304)
-MK_OFFSET_CHECK(MkParams, claims, 312)
-MK_OFFSET_CHECK(MkParams, dyn, 320)
-MK_OFFSET_CHECK(MkParams, pad2, 324)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -321,9 +315,6 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[74] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
   out[75] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
   out[76] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
-  out[77] = (he_u64)((const char*)&vMkParams.claims - (const char*)&vMkParams);
-  out[78] = (he_u64)((const char*)&vMkParams.dyn - (const char*)&vMkParams);
-  out[79] = (he_u64)((const char*)&vMkParams.pad2 - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -388,35 +379,23 @@ struct MkProf {
 };
 
 // ---- the matvec stages as op descriptors (ops/matvec.hip) ------------------------------------------------
-// With p.dyn, warps claim each op's units from its counter (p.claims[slot]: 4 per layer, then the LM head);
-// `step` is the decode step of this launch the op belongs to (0, 1, ...): every use of a counter advances it
-// by exactly units + warps, so step k's base is k·(units + warps) (u32 arithmetic, wraps consistently).
-template <class Op>
-HE_INLINE Op mk_claimed(Op op, const MkParams& p, int slot, int step) {
-  if (p.dyn) op.claim = HeMvClaim{p.claims + slot, (he_u32)step * (he_u32)(op.units() + he_mv_stride())};
-  return op;
-}
-HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, int l, int pos, int step) {
+HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos) {
   // qk_norm models write raw q|k|v (rope = 0); the per-head norm stage rotates and appends.
-  const MkLayer& L = p.layers[l];
-  return mk_claimed(HeMvQkv{p.x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
-                            p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd,
-                            p.hd, p.qk_norm ? 0 : 1},
-                    p, 4 * l, step);
+  return HeMvQkv{p.x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
+                 p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
+                 p.qk_norm ? 0 : 1};
 }
-HE_INLINE HeMvPlain mk_o_op(const MkParams& p, int l, int step) {
-  return mk_claimed(HeMvPlain{p.att, nullptr, 0.f, p.nh * p.hd, p.layers[l].wo, p.x, p.x, p.d}, p, 4 * l + 1, step);
+HE_INLINE HeMvPlain mk_o_op(const MkParams& p, const MkLayer& L) {
+  return HeMvPlain{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, p.x, p.x, p.d};
 }
-HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, int l, int step) {
-  const MkLayer& L = p.layers[l];
-  return mk_claimed(HeMvGateUp{p.x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn}, p, 4 * l + 2, step);
+HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L) {
+  return HeMvGateUp{p.x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
 }
-HE_INLINE HeMvPlain mk_down_op(const MkParams& p, int l, int step) {
-  return mk_claimed(HeMvPlain{p.h, nullptr, 0.f, p.ffn, p.layers[l].w_down, p.x, p.x, p.d}, p, 4 * l + 3, step);
+HE_INLINE HeMvPlain mk_down_op(const MkParams& p, const MkLayer& L) {
+  return HeMvPlain{p.h, nullptr, 0.f, p.ffn, L.w_down, p.x, p.x, p.d};
 }
-HE_INLINE HeMvPlain mk_head_op(const MkParams& p, int step) {
-  return mk_claimed(HeMvPlain{p.x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab}, p,
-                    4 * p.n_layers, step);
+HE_INLINE HeMvPlain mk_head_op(const MkParams& p) {
+  return HeMvPlain{p.x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab};
 }
 
 // ---- attention --------------------------------------------------------------------------------------------
@@ -518,7 +497,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   // part and refills from the next stage's descriptor, so the next stage's first weights are in flight
   // before the barrier that publishes its input (the issue's "weights before the activation").
   HeMvStream<2> s;
-  he_mv_begin(mk_qkv_op(p, 0, pos, 0), s, mk_o_op(p, 0, 0));
+  he_mv_begin(mk_qkv_op(p, p.layers[0], pos), s, mk_o_op(p, p.layers[0]));
   MkProf prof(p.prof);
 
   auto barrier = [&](int stage) {  // `stage`: profile slot of the stage that just ended
@@ -583,7 +562,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     for (int l = 0; l < p.n_layers; ++l) {
       const MkLayer& L = p.layers[l];
       // QKV refills with the O-proj's first weights, held in registers through attention.
-      he_mv_finish<kMkF16>(mk_qkv_op(p, l, pos, steps), s, he_mk_smem, scratch, mk_o_op(p, l, steps));
+      he_mv_finish<kMkF16>(mk_qkv_op(p, L, pos), s, he_mk_smem, scratch, mk_o_op(p, L));
       if (p.qk_norm) {
         if (!barrier(kProfQkv)) return;
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
@@ -604,18 +583,18 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       prof.work(p.fine == 2 ? kProfCombine : kProfAttn);
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(p.fine == 2 ? kProfCombine : kProfAttn);
-      he_mv_finish<kMkF16>(mk_o_op(p, l, steps), s, he_mk_smem, scratch, mk_gate_up_op(p, l, steps));
+      he_mv_finish<kMkF16>(mk_o_op(p, L), s, he_mk_smem, scratch, mk_gate_up_op(p, L));
       if (!barrier(kProfO)) return;
-      he_mv_finish<kMkF16>(mk_gate_up_op(p, l, steps), s, he_mk_smem, scratch, mk_down_op(p, l, steps));
+      he_mv_finish<kMkF16>(mk_gate_up_op(p, L), s, he_mk_smem, scratch, mk_down_op(p, L));
       if (!barrier(kProfGateUp)) return;
       if (l + 1 < p.n_layers)
-        he_mv_finish<kMkF16>(mk_down_op(p, l, steps), s, he_mk_smem, scratch, mk_qkv_op(p, l + 1, pos, steps));
+        he_mv_finish<kMkF16>(mk_down_op(p, L), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos));
       else
-        he_mv_finish<kMkF16>(mk_down_op(p, l, steps), s, he_mk_smem, scratch, mk_head_op(p, steps));
+        he_mv_finish<kMkF16>(mk_down_op(p, L), s, he_mk_smem, scratch, mk_head_op(p));
       if (!barrier(kProfDown)) return;
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
-    he_mv_finish<kMkF16>(mk_head_op(p, steps), s, he_mk_smem, scratch, mk_qkv_op(p, 0, pos + 1, steps + 1));
+    he_mv_finish<kMkF16>(mk_head_op(p), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1));
     if (!barrier(kProfHead)) return;
     pos += 1;
     steps += 1;

@@ -105,22 +105,7 @@ HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0
 //   he_mv_finish(op, s, ..., nxt)   fused RMSNorm prologue, then consume op's batches, refilling from nxt
 //
 // An op is a small struct: the prologue input (x, gamma, eps, in), units(), rows(u, rp) (the kRows row
-// pointers of unit u), epi(u, acc) (lane-0 stores of the unit's kRows sums, identical in every lane) and
-// `claim` (below).
-//
-// Which warp takes which unit. By default statically: warp w takes w, w + stride, ... With claim.ctr set
-// (the monokernel), warps claim units from a counter instead (relaxed fetch-add at device scope: the claim
-// publishes nothing; the unit's input is published by the barrier before the stage, its outputs by the one
-// after), so fast SMs take more units and no stage waits for a slow SM's fixed share. A warp holds one claim
-// ahead (`ug`), so a claim's latency hides under the unit before it; each warp makes exactly one failing
-// claim per op, so the counter grows by exactly units + warps per use and a use's base is known without any
-// reset (claim.base = k·(units + warps) mod 2^32 for the k-th use). A unit's sum is computed the same way
-// whichever warp takes it: results do not depend on the assignment.
-struct HeMvClaim {
-  he_u32* ctr = nullptr;  // nullptr: static assignment
-  he_u32 base = 0;
-};
-
+// pointers of unit u) and epi(u, acc) (lane-0 stores of the unit's kRows sums, identical in every lane).
 struct HeMvPos {
   int u, c0;  // unit and first column of the pair held in (a, b)
   bool nx;    // the pair belongs to the next op
@@ -131,13 +116,11 @@ struct HeMvStream {
   he_vec16 a[kRows][kMatvecUnroll];  // columns [c0, c0 + B) of unit u's rows: arrived or in flight
   he_vec16 b[kRows][kMatvecUnroll];  // columns [c0 + B, c0 + 2B)
   HeMvPos p;
-  int ug;  // claimed ahead: the warp's next unit of the op p is in (dynamic claiming only)
 };
 
 // The op after the last one (per-op kernels, or a chain's end): no units.
 struct HeMvNone {
   int in;
-  HeMvClaim claim;
   HE_INLINE int units() const { return 0; }
   template <int kRows>
   HE_INLINE void rows(int, const he_u16* (&rp)[kRows]) const {
@@ -147,29 +130,6 @@ struct HeMvNone {
 
 HE_INLINE int he_mv_stride() { return he_grid_dim() * he_num_warps(); }
 HE_INLINE int he_mv_first() { return he_block_idx() * he_num_warps() + he_warp_id(); }
-
-template <class Op>
-HE_INLINE int he_mv_claim(const Op& op) {
-  he_u32 v = 0;
-  if (he_lane_id() == 0) v = he_fetch_add_relaxed_device(op.claim.ctr, 1u);
-  return (int)(he_f32_as_u32(he_shfl(he_u32_as_f32(v), 0)) - op.claim.base);
-}
-// This warp's first unit of op (and, claiming, the one after it into ug).
-template <class Op>
-HE_INLINE int he_mv_unit0(const Op& op, int& ug) {
-  if (op.claim.ctr == nullptr) return he_mv_first();
-  const int u = he_mv_claim(op);
-  ug = u < op.units() ? he_mv_claim(op) : u;
-  return u;
-}
-// This warp's unit after u.
-template <class Op>
-HE_INLINE int he_mv_unit_next(const Op& op, int u, int& ug) {
-  if (op.claim.ctr == nullptr) return u + he_mv_stride();
-  const int n = ug;
-  if (n < op.units()) ug = he_mv_claim(op);
-  return n;
-}
 
 template <int kRows>
 HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
@@ -201,27 +161,23 @@ HE_INLINE void he_mv_fill_b(const Op& op, const Next& nxt, const HeMvPos& p, HeM
 }
 
 // p past op's last unit -> the first pair of nxt.
-template <class Op, class Next>
-HE_INLINE void he_mv_norm(HeMvPos& p, int& ug, const Op& op, const Next& nxt) {
-  if (!p.nx && p.u >= op.units()) { p.u = he_mv_unit0(nxt, ug); p.c0 = 0; p.nx = true; }
+template <class Op>
+HE_INLINE void he_mv_norm(HeMvPos& p, const Op& op) {
+  if (!p.nx && p.u >= op.units()) { p.u = he_mv_first(); p.c0 = 0; p.nx = true; }
 }
 
 // The pair after p: next 2B columns, then the warp's next unit, then nxt's first pair.
 template <class Op, class Next>
-HE_INLINE void he_mv_advance(HeMvPos& p, int& ug, const Op& op, const Next& nxt) {
+HE_INLINE void he_mv_advance(HeMvPos& p, const Op& op, const Next& nxt) {
   p.c0 += 2 * kMatvecBatch;
-  if (p.c0 >= (p.nx ? nxt.in : op.in)) {
-    p.c0 = 0;
-    p.u = p.nx ? he_mv_unit_next(nxt, p.u, ug) : he_mv_unit_next(op, p.u, ug);
-  }
-  he_mv_norm(p, ug, op, nxt);
+  if (p.c0 >= (p.nx ? nxt.in : op.in)) { p.c0 = 0; p.u += he_mv_stride(); }
+  he_mv_norm(p, op);
 }
 
 template <class Op, class Next, int kRows>
 HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) {
-  s.ug = 0;
-  s.p = HeMvPos{he_mv_unit0(op, s.ug), 0, false};
-  he_mv_norm(s.p, s.ug, op, nxt);
+  s.p = HeMvPos{he_mv_first(), 0, false};
+  he_mv_norm(s.p, op);
   he_mv_fill_a(op, nxt, s.p, s);
   he_mv_fill_b(op, nxt, s.p, s);
 }
@@ -258,7 +214,7 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
 template <bool kF16, class Op, class Next, int kRows>
 HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt) {
   if (!s.p.nx && s.p.u >= op.units()) {  // no unit of op for this warp (only possible at a chain's start)
-    s.p.u = he_mv_unit0(nxt, s.ug);
+    s.p.u = he_mv_first();
     s.p.c0 = 0;
     s.p.nx = true;
     he_mv_fill_a(op, nxt, s.p, s);
@@ -270,7 +226,7 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
   while (!s.p.nx) {
     HeMvPos n = s.p;
-    he_mv_advance(n, s.ug, op, nxt);
+    he_mv_advance(n, op, nxt);
     he_mv_consume<kF16>(s.a, s.p.c0, op.in, xs, acc);
     he_mv_fill_a(op, nxt, n, s);
     he_mv_consume<kF16>(s.b, s.p.c0 + kMatvecBatch, op.in, xs, acc);
@@ -304,7 +260,6 @@ struct HeMvPlain {
   const float* residual;
   float* y;
   int n_rows;
-  HeMvClaim claim;
   HE_INLINE int units() const { return (n_rows + 1) / 2; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
     const int r0 = 2 * u, r1 = r0 + 1 < n_rows ? r0 + 1 : r0;
@@ -348,7 +303,6 @@ struct HeMvGateUp {
   const he_u16* Wu;
   float* y;
   int n_rows;
-  HeMvClaim claim;
   HE_INLINE int units() const { return n_rows; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
     rp[0] = Wg + (he_i64)u * in;
@@ -402,7 +356,6 @@ struct HeMvQkv {
   he_kv* k_cache;
   he_kv* v_cache;
   int max_ctx, q_dim, kv_dim, hd, rope;
-  HeMvClaim claim;
   HE_INLINE int units() const { return (q_dim + 2 * kv_dim) / 2; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
     const int half = hd / 2, ra = (u / half) * hd + u % half;
