@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
 
 import numpy as np
 
+from hipengine.bench import git_commit
 from hipengine.gpu import ops as O
 from hipengine.gpu.runtime import get_runtime
 
@@ -285,13 +284,7 @@ def main(argv=None) -> int:
     hbm, hbm_src = hbm_read_bw(rt, stream)
     res = dict(gpu=rt.name, arch=rt.arch, sms=rt.num_sms, hbm_read_gbps=hbm / 1e9, hbm_source=hbm_src,
                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
-    res["commit"] = os.environ.get("HIPENGINE_COMMIT") or "unknown"
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-        if out.returncode == 0:
-            res["commit"] = out.stdout.strip()
-    except Exception:
-        pass
+    res["commit"] = git_commit()  # $HIPENGINE_COMMIT first: the device's copy of the tree has a stale .git
     res["matvec"] = bench_matvecs(rt, ops, stream, hbm)
     res["attention"] = bench_attention(rt, ops, stream, hbm)
     res["matvec_unroll"] = bench_unroll(rt, stream, hbm)
