@@ -233,8 +233,8 @@ def write_layout(path=None) -> None:
 
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row from
-    head_dim, blocks per SM, unroll, profile build, fp16 KV cache). HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments only: the launch
-    bound from MK_MIN_BLOCKS already sets 255 at one block per SM)."""
+    head_dim, blocks per SM, unroll, profile build, fp16 KV cache). HIPENGINE_MK_MAXRREG adds an NVRTC
+    register cap (experiments only: the launch bound from MK_MIN_BLOCKS already sets 255 at one block per SM)."""
     opts = []
     cap = os.environ.get("HIPENGINE_MK_MAXRREG")
     if cap and vendor == "nvidia":

@@ -50,9 +50,8 @@ HE_INLINE void he_softmax_merge(float& m, float& l, float (&o)[8], float m2, flo
 // Lanes per K/V row: hd/8 rounded up to a power of two, so the score's xor-shuffle reduction stays inside
 // the lane group (lanes past the row's end, e.g. hd = 24 → 3 of 4 lanes busy, contribute zeros). A compile-
 // time constant (-DHE_ATTN_LPR from the host: hipengine/gpu/ops.py attn_lanes(hd); 8 = hd 64 when not given)
-// so the shuffles and
-// the merges unroll: with a run-time lane count the split loop spent ~2,000 instructions per batch per warp
-// and was bound by instruction issue, not by HBM (v10b stage profile: ~5 µs per batch).
+// so that the shuffles and the merges unroll: with a run-time lane count the split loop spent ~2,000
+// instructions per batch per warp and was bound by instruction issue, not by HBM (docs/perf-log.md v10b/v11).
 #ifndef HE_ATTN_LPR
 #define HE_ATTN_LPR 8
 #endif
