@@ -2,7 +2,7 @@
 # scripts/device_session.sh [iter|tune|quick|full|final] — one device call that builds, checks and times the monokernel work
 # (issue 4) and the per-op kernels (issue 3), every step time-boxed so the call ends inside the 600 s limit.
 #   iter  : stage profile + bench at 1K, launch-configuration sweep, GPU op + monokernel tests, bench_ops
-#   tune  : the sweep first; its fastest runtime knobs for the profile (1K/8K), the monokernel and op tests
+#   tune  : the sweep first; its fastest runtime knobs for the profile (1K/8K), the monokernel, op and 1B tests
 #   quick : op tests, stage profile + bench at 1K/8K, monokernel tests, bench_ops
 #   full  : quick's tests + profile, the 1B preset's 512-position check, the decode bench at 1K/8K/32K
 #   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
@@ -46,7 +46,7 @@ bench() { run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b --con
             --context 32768 --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"; }
 case "$MODE" in
   iter) profile; sweep; mk_tests; ops_tests; bench_ops ;;
-  tune) sweep_best; profile; mk_tests; ops_tests ;;         # the sweep's fastest knobs, then profile + tests with them
+  tune) sweep_best; profile; mk_tests; ops_tests; preset1b ;;  # the sweep's fastest knobs, then profile + tests
   quick) ops_tests; profile; mk_tests; bench_ops ;;        # a change's correctness + where the time goes
   full) ops_tests; profile; mk_tests; preset1b; bench ;;   # + the 1B 512-position check + the decode bench
   final) bench; mk_tests ;;
