@@ -236,28 +236,6 @@ HE_INLINE he_vec16 he_load16_stream_rw(const void* p) {
 }
 #endif
 
-// Asynchronous 16-byte global → shared copies (weights staged into shared memory while the block does other
-// work; no register holds the data in flight):
-//   he_cp_async16(dst, src)   dst in shared memory, src in global memory not written during the kernel,
-//                             both 16-byte aligned
-//   he_cp_async_commit()      close this thread's group of copies issued so far
-//   he_cp_async_wait_all()    wait until all of this thread's copies have landed (its own, not the block's:
-//                             a thread that reads only what it copied needs no barrier)
-// NVIDIA: cp.async.cg (sm_80+, L2 only, no L1 allocation). AMD gfx942 has no 16-byte global→LDS copy: the
-// copy is a plain load and store (synchronous; the monokernel's host leaves the staging off there).
-#if HE_AMD
-HE_INLINE void he_cp_async16(void* dst, const void* src) { *(he_vec16*)dst = he_load16_stream(src); }
-HE_INLINE void he_cp_async_commit() {}
-HE_INLINE void he_cp_async_wait_all() {}
-#else
-HE_INLINE void he_cp_async16(void* dst, const void* src) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
-}
-HE_INLINE void he_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-HE_INLINE void he_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-#endif
-
 // ------------------------------------------------------------------------------------------------------
 // Warp shuffles and reductions. All lanes of the warp must be active (kernels here launch whole warps and
 // keep every lane in the reduction, masking data instead of threads).

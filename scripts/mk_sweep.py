@@ -18,10 +18,9 @@ from hipengine.presets import preset_model
 
 
 VARIANTS = [  # name, build env, runtime attrs
-    ("default (1 blk/SM, unroll 4, fine 3, 2 gate/up units staged)", {}, {}),
-    ("no gate/up units staged in shared memory", {}, {"smem_units": 0}),
-    ("1 gate/up unit staged", {}, {"smem_units": 1}),
-    ("3 requested: clamped to what fits (2 for this shape)", {}, {"smem_units": 3}),
+    ("default (1 blk/SM, unroll 4, fine 3)", {}, {}),
+    ("fine 2 (barrier + one head per block)", {}, {"fine": 2}),
+    ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("default again (drift check)", {}, {}),
 ]
 
@@ -49,7 +48,7 @@ def main() -> int:
             os.environ.update(env)
             t0 = time.perf_counter()
             be, be_env = MonokernelBackend(model, max_context=args.context), env
-            base = {"fine": be.fine, "poll_sleep_ns": be.poll_sleep_ns, "smem_units": be.smem_units}
+            base = {"fine": be.fine, "poll_sleep_ns": be.poll_sleep_ns}
             print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
         for k, v in {**base, **attrs}.items():
             setattr(be, k, v)
@@ -61,8 +60,7 @@ def main() -> int:
         be.close()
     if args.best_env and rows:
         best = max(rows, key=lambda r: r["tok_s"])
-        names = {"fine": "HIPENGINE_MK_FINE", "poll_sleep_ns": "HIPENGINE_MK_POLL_SLEEP_NS",
-                 "smem_units": "HIPENGINE_MK_SMEM_UNITS"}
+        names = {"fine": "HIPENGINE_MK_FINE", "poll_sleep_ns": "HIPENGINE_MK_POLL_SLEEP_NS"}
         with open(args.best_env, "w") as f:
             f.write(f"# fastest: {best['variant']} ({best['tok_s']:.1f} tok/s)\n")
             for k, v in {**best["env"], **best["attrs"]}.items():

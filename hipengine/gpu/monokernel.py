@@ -16,8 +16,7 @@ error code into the mapped status word; the host raises it as ``DeviceError``.
 Knobs (environment; defaults from the H200 sweep in docs/perf-log.md): HIPENGINE_MK_MIN_BLOCKS (resident
 blocks per SM the kernel is compiled for, 1), HIPENGINE_MK_BLOCKS_PER_SM (grid, default = min blocks),
 HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation, 3), HIPENGINE_MK_UNROLL (4),
-HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_SMEM_UNITS (gate/up units per warp staged in shared memory
-during attention: 2 on NVIDIA, as many as fit; 0 on AMD), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
+HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
 builds the stage-profiling variant, read with read_profile()).
 """
 from __future__ import annotations
@@ -116,8 +115,6 @@ PARAM_FIELDS = [
                                     # then waits on the heads-combined counter (no grid barrier)
     ("poll_sleep_ns", "he_u32"),    # back-off between polls of a barrier/counter (0: spin)
     ("prof", "he_u64*"),            # [MK_PROF_WORDS] stage profile (MK_PROFILE builds only), else null
-    ("smem_units", "he_i32"),       # gate/up units per warp staged in shared memory during attention (0: off)
-    ("wbuf_off", "he_i32"),         # byte offset of the staging area in the dynamic shared memory
 ]
 
 STATE_FIELDS = [
@@ -330,9 +327,6 @@ class MonokernelBackend(GpuBackend):
             raise UnsupportedError(f"HIPENGINE_MK_FINE={self.fine}: 2 (barrier, one head per block) or 3 "
                                    "(last split block combines its group)")
         self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
-        # gate/up units per warp staged in shared memory during attention (docs/perf-log.md v14), as many as
-        # fit up to this; AMD: 0 (64 KiB of LDS, and gfx942 has no asynchronous global->LDS copy)
-        self.smem_units = int(os.environ.get("HIPENGINE_MK_SMEM_UNITS", "2" if rt.vendor == "nvidia" else "0"))
         self.prof_buf = self._buf(8 * MK_PROF_WORDS) if profiling() else None
         self._size_launch()
         self._setup_buffers()
@@ -343,15 +337,9 @@ class MonokernelBackend(GpuBackend):
         rt, cfg = self.rt, self.config
         G = cfg.num_heads // cfg.num_kv_heads
         nw = THREADS // rt.warp_size
-        base = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),  # matvec x staging
-                   (G * cfg.head_dim + nw * G * (cfg.head_dim + 2)) * 4,       # attention (ops.attention)
-                   4 * ((cfg.vocab_size + 31) // 32))                           # sampling history bitmap
-        # then the gate/up staging area: per warp, staged_units units of 2 rows x hidden_size 16-bit weights
-        self.wbuf_off = (base + 15) // 16 * 16
-        unit_bytes = 2 * cfg.hidden_size * 2
-        room = rt.max_shared_per_block - self.fn.static_shared - self.wbuf_off
-        self.staged_units = max(0, min(self.smem_units, room // (nw * unit_bytes)))
-        self.smem = self.wbuf_off + self.staged_units * nw * unit_bytes if self.staged_units else base
+        self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),  # matvec x staging
+                        (G * cfg.head_dim + nw * G * (cfg.head_dim + 2)) * 4,       # attention (ops.attention)
+                        4 * ((cfg.vocab_size + 31) // 32))                           # sampling history bitmap
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
@@ -419,15 +407,13 @@ class MonokernelBackend(GpuBackend):
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
             rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
             fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
-            prof=self.prof_buf.ptr if self.prof_buf is not None else 0, smem_units=self.staged_units,
-            wbuf_off=self.wbuf_off)
+            prof=self.prof_buf.ptr if self.prof_buf is not None else 0)
 
     def _launch(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
                 eos: list[int] = (), seed: int = 0) -> None:
         if len(eos) > MAX_EOS:
             eos = list(eos)[:MAX_EOS]
         s, rt = self.stream, self.rt
-        self._size_launch()  # knobs (staged units) may have changed since the last launch: sweeps
         st = MkState(token=int(token), pos=int(pos), hist_len=int(hist_len))
         rt.copy_htod(self.state_buf, np.frombuffer(bytes(st), np.uint8).copy(), stream=s)
         rt.copy_htod(self.params_buf, np.frombuffer(bytes(self._params(mode, params, list(eos), seed)),
@@ -556,7 +542,6 @@ class MonokernelBackend(GpuBackend):
 def grid_info(backend: MonokernelBackend) -> dict:
     return {"grid": backend.grid, "blocks_per_sm": backend.blocks_per_sm, "occupancy": backend.occupancy,
             "unroll": matvec_unroll(), "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns,
-            "smem_units": backend.staged_units,
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine)}

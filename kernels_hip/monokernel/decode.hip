@@ -175,10 +175,8 @@ struct MkParams {
   he_i32 fine;
   he_u32 poll_sleep_ns;
   he_u64* prof;
-  he_i32 smem_units;
-  he_i32 wbuf_off;
 };
-static_assert(sizeof(MkParams) == 320, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 312, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -231,8 +229,6 @@ MK_OFFSET_CHECK(MkParams, seed_hi, 288)
 MK_OFFSET_CHECK(MkParams, fine, 292)
 MK_OFFSET_CHECK(MkParams, poll_sleep_ns, 296)
 MK_OFFSET_CHECK(MkParams, prof, 304)
-MK_OFFSET_CHECK(MkParams, smem_units, 312)
-MK_OFFSET_CHECK(MkParams, wbuf_off, 316)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -319,8 +315,6 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[74] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
   out[75] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
   out[76] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
-  out[77] = (he_u64)((const char*)&vMkParams.smem_units - (const char*)&vMkParams);
-  out[78] = (he_u64)((const char*)&vMkParams.wbuf_off - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -394,9 +388,8 @@ HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos) {
 HE_INLINE HeMvPlain mk_o_op(const MkParams& p, const MkLayer& L) {
   return HeMvPlain{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, p.x, p.x, p.d};
 }
-// gate/up with this warp's first p.smem_units units staged in shared memory at `wbuf` (see mk_attention).
-HE_INLINE HeMvStaged<HeMvGateUp> mk_gate_up_op(const MkParams& p, const MkLayer& L, const he_u16* wbuf) {
-  return HeMvStaged<HeMvGateUp>{{p.x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn}, p.smem_units, wbuf};
+HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L) {
+  return HeMvGateUp{p.x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
 }
 HE_INLINE HeMvPlain mk_down_op(const MkParams& p, const MkLayer& L) {
   return HeMvPlain{p.h, nullptr, 0.f, p.ffn, L.w_down, p.x, p.x, p.d};
@@ -505,8 +498,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   // before the barrier that publishes its input (the issue's "weights before the activation").
   HeMvStream<2> s;
   he_mv_begin(mk_qkv_op(p, p.layers[0], pos), s, mk_o_op(p, p.layers[0]));
-  // This warp's gate/up staging area (p.smem_units units of 2 rows x d weights) after the other shared data.
-  he_u16* const wbuf = (he_u16*)((char*)he_mk_smem + p.wbuf_off) + (he_i64)he_warp_id() * p.smem_units * 2 * p.d;
   MkProf prof(p.prof);
 
   auto barrier = [&](int stage) {  // `stage`: profile slot of the stage that just ended
@@ -580,10 +571,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       }
       if (!barrier(kProfQkv)) return;
       mk_attention(p, L, pos, he_mk_smem, prof);
-      // HBM idles from here to the O-proj (the combine chain works in L2, the O-proj's weights are already in
-      // registers): copy this warp's first gate/up units into shared memory meanwhile. After the block's own
-      // splits, so their K/V reads do not queue behind the copies.
-      if (p.smem_units) he_mv_stage<2>(mk_gate_up_op(p, L, wbuf), wbuf);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1);
@@ -596,9 +583,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       prof.work(p.fine == 2 ? kProfCombine : kProfAttn);
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(p.fine == 2 ? kProfCombine : kProfAttn);
-      he_mv_finish<kMkF16>(mk_o_op(p, L), s, he_mk_smem, scratch, mk_gate_up_op(p, L, wbuf));
+      he_mv_finish<kMkF16>(mk_o_op(p, L), s, he_mk_smem, scratch, mk_gate_up_op(p, L));
       if (!barrier(kProfO)) return;
-      he_mv_finish<kMkF16>(mk_gate_up_op(p, L, wbuf), s, he_mk_smem, scratch, mk_down_op(p, L));
+      he_mv_finish<kMkF16>(mk_gate_up_op(p, L), s, he_mk_smem, scratch, mk_down_op(p, L));
       if (!barrier(kProfGateUp)) return;
       if (l + 1 < p.n_layers)
         he_mv_finish<kMkF16>(mk_down_op(p, L), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos));

@@ -131,39 +131,6 @@ struct HeMvNone {
 HE_INLINE int he_mv_stride() { return he_grid_dim() * he_num_warps(); }
 HE_INLINE int he_mv_first() { return he_block_idx() * he_num_warps() + he_warp_id(); }
 
-// ---- units staged in shared memory ------------------------------------------------------------------------
-// A warp's first `skip` units of an op can be copied into shared memory ahead of time (he_mv_stage: async
-// copies, no registers; the monokernel issues them while the grid waits on attention and HBM would idle).
-// he_mv_finish then computes those units from shared memory first, and the register stream covers the rest,
-// starting at the warp's unit number `skip` (he_mv_first_of). Each lane copies exactly the columns it will
-// multiply (c = lane·8 + m·sweep, the consume pattern), so it waits for its own copies only. A unit's sum is
-// formed in the same order from either source: results do not depend on the staging.
-template <class Op>
-struct HeMvStaged : Op {
-  int skip;            // the warp's first `skip` units come from buf
-  const he_u16* buf;   // this warp's staging area in shared memory: [skip][kRows][in]
-};
-template <class Op>
-HE_INLINE int he_mv_first_of(const Op&) { return he_mv_first(); }
-template <class Op>
-HE_INLINE int he_mv_first_of(const HeMvStaged<Op>& op) { return he_mv_first() + op.skip * he_mv_stride(); }
-
-template <int kRows, class Op>
-HE_INLINE void he_mv_stage(const HeMvStaged<Op>& op, he_u16* buf) {
-  const int lane = he_lane_id();
-  for (int j = 0; j < op.skip; ++j) {
-    const int u = he_mv_first() + j * he_mv_stride();
-    if (u >= op.units()) break;
-    const he_u16* rp[kRows];
-    op.rows(u, rp);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      for (int c = lane * 8; c < op.in; c += kMatvecSweep)
-        he_cp_async16(buf + ((he_i64)j * kRows + r) * op.in + c, rp[r] + c);
-  }
-  he_cp_async_commit();
-}
-
 template <int kRows>
 HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
 #pragma unroll
@@ -194,9 +161,9 @@ HE_INLINE void he_mv_fill_b(const Op& op, const Next& nxt, const HeMvPos& p, HeM
 }
 
 // p past op's last unit -> the first pair of nxt.
-template <class Op, class Next>
-HE_INLINE void he_mv_norm(HeMvPos& p, const Op& op, const Next& nxt) {
-  if (!p.nx && p.u >= op.units()) { p.u = he_mv_first_of(nxt); p.c0 = 0; p.nx = true; }
+template <class Op>
+HE_INLINE void he_mv_norm(HeMvPos& p, const Op& op) {
+  if (!p.nx && p.u >= op.units()) { p.u = he_mv_first(); p.c0 = 0; p.nx = true; }
 }
 
 // The pair after p: next 2B columns, then the warp's next unit, then nxt's first pair.
@@ -204,13 +171,13 @@ template <class Op, class Next>
 HE_INLINE void he_mv_advance(HeMvPos& p, const Op& op, const Next& nxt) {
   p.c0 += 2 * kMatvecBatch;
   if (p.c0 >= (p.nx ? nxt.in : op.in)) { p.c0 = 0; p.u += he_mv_stride(); }
-  he_mv_norm(p, op, nxt);
+  he_mv_norm(p, op);
 }
 
 template <class Op, class Next, int kRows>
 HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) {
-  s.p = HeMvPos{he_mv_first_of(op), 0, false};
-  he_mv_norm(s.p, op, nxt);
+  s.p = HeMvPos{he_mv_first(), 0, false};
+  he_mv_norm(s.p, op);
   he_mv_fill_a(op, nxt, s.p, s);
   he_mv_fill_b(op, nxt, s.p, s);
 }
@@ -239,39 +206,6 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
   }
 }
 
-// The staged units of op (none unless op is HeMvStaged), computed from shared memory after the prologue.
-template <bool kF16, int kRows, class Op>
-HE_INLINE void he_mv_from_smem(const Op&, const float*) {}
-template <bool kF16, int kRows, class Op>
-HE_INLINE void he_mv_from_smem(const HeMvStaged<Op>& op, const float* xs) {
-  if (op.skip == 0) return;
-  he_cp_async_wait_all();
-  const int lane = he_lane_id();
-  for (int j = 0; j < op.skip; ++j) {
-    const int u = he_mv_first() + j * he_mv_stride();
-    if (u >= op.units()) break;
-    const he_u16* ub = op.buf + (he_i64)j * kRows * op.in;
-    float acc[kRows][2];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
-    for (int c0 = 0; c0 < op.in; c0 += kMatvecBatch) {
-      he_vec16 w[kRows][kMatvecUnroll];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int k = 0; k < kMatvecUnroll; ++k) {
-          const int c = c0 + k * kMatvecSweep + lane * 8;
-          w[r][k] = c < op.in ? *(const he_vec16*)(ub + (he_i64)r * op.in + c) : he_vec16{0u, 0u, 0u, 0u};
-        }
-      he_mv_consume<kF16>(w, c0, op.in, xs, acc);
-    }
-    float sum[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) sum[r] = he_warp_sum(acc[r][0] + acc[r][1]);
-    op.epi(u, sum);
-  }
-}
-
 // Stage the activation (RMSNorm prologue), then consume this warp's pairs of op; each buffer is refilled as
 // soon as it is consumed, from op or — past op's end — from nxt. On return s holds nxt's first pair (as
 // "current": the caller's next he_mv_finish is for nxt). Batches are consumed in column order, so a lane's
@@ -280,14 +214,13 @@ HE_INLINE void he_mv_from_smem(const HeMvStaged<Op>& op, const float* xs) {
 template <bool kF16, class Op, class Next, int kRows>
 HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt) {
   if (!s.p.nx && s.p.u >= op.units()) {  // no unit of op for this warp (only possible at a chain's start)
-    s.p.u = he_mv_first_of(nxt);
+    s.p.u = he_mv_first();
     s.p.c0 = 0;
     s.p.nx = true;
     he_mv_fill_a(op, nxt, s.p, s);
     he_mv_fill_b(op, nxt, s.p, s);
   }
   he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
-  he_mv_from_smem<kF16, kRows>(op, xs);
   float acc[kRows][2];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
