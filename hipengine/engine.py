@@ -129,9 +129,19 @@ class Engine:
                 raise DeviceError(f"the GPU backend is not available ({e}); use --device cpu") from None
             if tp > 1:  # one process drives GPUs 0..tp-1 (ShardPlan refuses unsplittable shapes first)
                 from .gpu.tp_executor import TpGpuBackend
+                from .gpu.tp_monokernel import TpMonokernelBackend
 
-                backend = TpGpuBackend(loaded, max_context=max_context, tp=tp, monokernel=monokernel,
-                                       allreduce=allreduce)
+                kw = dict(max_context=max_context, tp=tp, allreduce=allreduce)
+                if monokernel is False:
+                    backend = TpGpuBackend(loaded, monokernel=False, **kw)
+                elif monokernel is None:  # default: the monokernel on every rank, else the per-op TP path
+                    try:
+                        backend = TpMonokernelBackend(loaded, **kw)
+                    except UnsupportedError as e:
+                        print(f"note: per-op decode ({e})", file=sys.stderr)
+                        backend = TpGpuBackend(loaded, monokernel=False, **kw)
+                else:
+                    backend = TpMonokernelBackend(loaded, **kw)
             elif monokernel is None:  # default: the monokernel, or the per-op path where it cannot run
                 try:
                     backend = GpuBackend(loaded, max_context=max_context, monokernel=True, allreduce=allreduce)

@@ -31,6 +31,7 @@ constexpr he_u32 kStatusDone = 1;
 constexpr he_u32 kStatusBarrierTimeout = 2;
 constexpr he_u32 kStatusCounterTimeout = 3;
 constexpr he_u32 kStatusAborted = 4;  // another block reported an error first
+constexpr he_u32 kStatusPeerTimeout = 5;  // tensor parallelism: a peer GPU's words never arrived (monokernel/tp_exchange.h)
 
 // How many polls between clock reads (the clock read is slower than an L2 poll on both vendors).
 constexpr int kPollsPerClock = 64;

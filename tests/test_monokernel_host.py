@@ -101,4 +101,90 @@ def test_device_error_status_raises():
 
 
 def test_status_names_cover_sync_h_codes():
-    assert set(mk.MK_STATUS) == {0, 1, 2, 3, 4} and mk.MK_FINISH[3] == "cancelled"
+    assert set(mk.MK_STATUS) == {0, 1, 2, 3, 4, 5} and mk.MK_FINISH[3] == "cancelled"
+
+
+# ---- the tensor-parallel host side (hipengine/gpu/tp_monokernel.py) without GPUs ---------------------------
+class FakeRank:
+    """One rank's launch surface: records prepare/start order; its kernel emits `tokens` from a thread."""
+
+    def __init__(self, log, r, tokens, status=1):
+        self.log, self.r, self.tokens, self.status = log, r, tokens, status
+        words = np.zeros(len(mk.MK_HOST_WORDS) + 64, np.uint32)
+        self.host_words, self.ring = words[:len(mk.MK_HOST_WORDS)], words[len(mk.MK_HOST_WORDS):].view(np.int32)
+        self.W = {w: i for i, w in enumerate(mk.MK_HOST_WORDS)}
+        self.thread = None
+        self.stream = type("S", (), {"synchronize": lambda s: self.thread and self.thread.join()})()
+
+    def _prepare(self, mode, token, pos, hist_len, params, eos, seed):
+        self.log.append(("prepare", self.r))
+        self.host_words[:] = 0
+        self.params = params
+
+    def _start(self):
+        self.log.append(("start", self.r))
+        hw, W = self.host_words, self.W
+
+        def device():
+            n = 0
+            for tok in self.tokens:
+                time.sleep(2e-4)
+                if hw[W["cancel"]]:
+                    hw[W["finish"]] = 3
+                    break
+                self.ring[n] = tok
+                n += 1
+                hw[W["write_idx"]] = n
+            else:
+                hw[W["finish"]] = 2
+            hw[W["n_out"]], hw[W["pos"]] = n, 10 + n
+            hw[W["status"]] = self.status
+
+        self.thread = threading.Thread(target=device)
+        self.thread.start()
+
+
+def _fake_tp(statuses=(1, 1), tokens=range(20, 28)):
+    from hipengine.gpu.tp_monokernel import TpMonokernelBackend
+
+    log = []
+    be = object.__new__(TpMonokernelBackend)
+    be.ranks = [FakeRank(log, r, list(tokens), s) for r, s in enumerate(statuses)]
+    be.rts = [type("R", (), {"device_index": r})() for r in range(len(statuses))]
+    be.devices = list(range(len(statuses)))
+    be.W, be.timeout_ns = be.ranks[0].W, int(1e9)
+    be.config = type("C", (), {"eos_token_ids": (7,)})()
+    for rk in be.ranks:
+        rk.pos = 10
+    return be, log
+
+
+def test_tp_launch_prepares_every_rank_before_starting_any():
+    be, log = _fake_tp()
+    got = list(be.generate_from_state(3, 0, SamplingParams(max_tokens=8, ignore_eos=True)))
+    assert got == list(range(20, 28)) and be.last_finish == "length"
+    assert log == [("prepare", 0), ("prepare", 1), ("start", 0), ("start", 1)]
+    assert [rk.pos for rk in be.ranks] == [18, 18]  # every rank advances to the position rank 0 reports
+
+
+def test_tp_cancel_reaches_every_rank():
+    be, _ = _fake_tp(tokens=range(100, 140))
+    g = be.generate_from_state(0, 0, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert next(g) == 100
+    g.close()
+    assert all(rk.host_words[rk.W["cancel"]] == 1 for rk in be.ranks) and be.last_finish == "cancelled"
+
+
+def test_tp_peer_timeout_names_the_rank():
+    be, _ = _fake_tp(statuses=(1, 5))
+    with pytest.raises(DeviceError, match=r"rank 1 \(GPU 1\): tensor-parallel peer exchange timeout"):
+        list(be.generate_from_state(0, 0, SamplingParams(max_tokens=8, ignore_eos=True)))
+
+
+def test_tp_monokernel_refuses_to_launch_sampling():
+    from hipengine.errors import UnsupportedError
+
+    be, log = _fake_tp()
+    with pytest.raises(UnsupportedError, match="per-op TP path"):
+        list(be.generate_from_state(0, 0, SamplingParams(max_tokens=8, temperature=0.7)))
+    assert log == []

@@ -235,7 +235,8 @@ def plot(result: dict, out: str) -> None:
     ctx = sorted({r["context"] for r in rows})
     roof = {r["context"]: r["roofline_tok_s"] for r in rows}
     ax.plot(ctx, [roof[c] for c in ctx], "k--", label=f"roofline ({result['hbm_read_gbps']:.0f} GB/s HBM read)")
-    for path, style in (("monokernel", "o-"), ("per-op", "s-")):
+    for path in dict.fromkeys(r["path"] for r in rows):  # "monokernel", "per-op" (tp: "monokernel-tp2", ...)
+        style = "o-" if path.startswith("monokernel") else "s-"
         pts = sorted((r["context"], r["tok_s"]) for r in rows if r["path"] == path)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=path)

@@ -115,6 +115,12 @@ PARAM_FIELDS = [
                                     # then waits on the heads-combined counter (no grid barrier)
     ("poll_sleep_ns", "he_u32"),    # back-off between polls of a barrier/counter (0: spin)
     ("prof", "he_u64*"),            # [MK_PROF_WORDS] stage profile (MK_PROFILE builds only), else null
+    ("tp_ll", "const he_u64*"),     # tp > 1: [world] every rank's LL exchange region (monokernel/tp_exchange.h)
+    ("xb", "float*"),               # tp > 1: [d] second residual-stream buffer (gate/up's input)
+    ("tp_world", "he_i32"),         # ranks (1: no tensor parallelism)
+    ("tp_rank", "he_i32"),
+    ("vocab_off", "he_i32"),        # first global token id of this rank's LM-head slice
+    ("pad2", "he_i32"),
 ]
 
 STATE_FIELDS = [
@@ -137,7 +143,7 @@ MK_MODE_ONE_STEP = 2     # stop after one decode step (the logits stay in the bu
 MK_FINISH = {1: "stop", 2: "length", 3: "cancelled", 4: "context"}
 # Must match sync.h's kStatus* (checked by tests/test_monokernel_layout.py).
 MK_STATUS = {0: "running", 1: "done", 2: "grid barrier timeout", 3: "counter wait timeout",
-             4: "aborted by another block's error"}
+             4: "aborted by another block's error", 5: "tensor-parallel peer exchange timeout"}
 
 
 def _ctype(ct: str):
@@ -300,6 +306,11 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
 class MonokernelBackend(GpuBackend):
     """GpuBackend whose decode / generate_ids run in the monokernel; prefill keeps the per-op path."""
 
+    # Tensor parallelism (hipengine/gpu/tp_monokernel.py sets these per rank): ranks, this rank, the first
+    # token id of its LM-head slice. The LL exchange (monokernel/tp_exchange.h: its region, the table of
+    # every rank's region, the second residual buffer) is set up here for one rank and replaced at tp > 1.
+    tp_world, tp_rank, vocab_off = 1, 0, 0
+
     def __init__(self, loaded, max_context: int | None = None, tp: int = 1, monokernel: bool = True,
                  allreduce: str = "custom", device: int = 0):
         super().__init__(loaded, max_context=max_context, tp=tp, monokernel=True, allreduce=allreduce,
@@ -328,6 +339,14 @@ class MonokernelBackend(GpuBackend):
                                    "(last split block combines its group)")
         self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
         self.prof_buf = self._buf(8 * MK_PROF_WORDS) if profiling() else None
+        # tp = 1: the O-proj / down-proj results through the LL exchange instead of two grid barriers per
+        # layer (HIPENGINE_MK_LL=1; bit-identical output). Always on at tp > 1.
+        self.ll_local = int(os.environ.get("HIPENGINE_MK_LL", "0"))
+        self.ll_bytes = 8 * ll_words(1, cfg.hidden_size)
+        self.ll_buf = rt.malloc_fine_grained(self.ll_bytes)  # fine-grained on AMD: peers write it at tp > 1
+        self._bufs.append(self.ll_buf)
+        self.tp_ll_ptr = self._up(np.array([self.ll_buf.ptr], np.uint64)).ptr
+        self.xb_ptr = self._buf(4 * cfg.hidden_size).ptr
         self._size_launch()
         self._setup_buffers()
 
@@ -407,10 +426,21 @@ class MonokernelBackend(GpuBackend):
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
             rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
             fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
-            prof=self.prof_buf.ptr if self.prof_buf is not None else 0)
+            prof=self.prof_buf.ptr if self.prof_buf is not None else 0,
+            tp_ll=self.tp_ll_ptr if self._ll_on() else 0, xb=self.xb_ptr, tp_world=self.tp_world,
+            tp_rank=self.tp_rank, vocab_off=self.vocab_off)
+
+    def _ll_on(self) -> bool:
+        return self.tp_world > 1 or bool(self.ll_local)
 
     def _launch(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
                 eos: list[int] = (), seed: int = 0) -> None:
+        self._prepare(mode, token, pos, hist_len, params, eos, seed)
+        self._start()
+
+    def _prepare(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
+                 eos: list[int] = (), seed: int = 0) -> None:
+        """Everything a launch needs, on the device and in the host words, with nothing left in flight."""
         if len(eos) > MAX_EOS:
             eos = list(eos)[:MAX_EOS]
         s, rt = self.stream, self.rt
@@ -421,11 +451,18 @@ class MonokernelBackend(GpuBackend):
         if eos:
             rt.copy_htod(self.eos_buf, np.asarray(eos, np.int32), stream=s)
         rt.memset(self.bar_buf, 0, 16, stream=s)
+        if self._ll_on():  # every launch starts the exchange at epoch 0 (at tp > 1: before any rank starts)
+            rt.memset(self.ll_buf, 0, self.ll_bytes, stream=s)
         rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 2), stream=s)
         s.synchronize()  # the host words below are read by the kernel: reset them with nothing in flight
         self.host_words[:] = 0
-        rt.launch(self.fn, self.grid, THREADS, [c_void_p(self.params_buf.ptr)], shared=self.smem, stream=s,
-                  cooperative=True)
+
+    def _start(self) -> None:
+        self.rt.launch(self.fn, self.grid, THREADS, [c_void_p(self.params_buf.ptr)], shared=self.smem,
+                       stream=self.stream, cooperative=True)
+
+    def _where(self) -> str:
+        return f"GPU {self.rt.device_index}"
 
     def _finish(self) -> None:
         """Wait for the kernel, then turn a non-done status into DeviceError."""
@@ -433,7 +470,7 @@ class MonokernelBackend(GpuBackend):
         status = int(self.host_words[self.W["status"]])
         if status != 1:
             what = MK_STATUS.get(status, f"unknown status {status}")
-            raise DeviceError(f"monokernel failed on GPU {self.rt.device_index}: {what} (after "
+            raise DeviceError(f"monokernel failed on {self._where()}: {what} (after "
                               f"{int(self.host_words[self.W['write_idx']])} tokens); "
                               "set HIPENGINE_MK_TIMEOUT_S higher or use --no-monokernel")
 
@@ -471,6 +508,11 @@ class MonokernelBackend(GpuBackend):
         seed = params.resolved_seed()
         mode = MK_MODE_EMBED_FIRST if embed_first else 0
         self._launch(mode, token, self.pos, hist_len, params, eos, int(seed) & 0xFFFFFFFFFFFFFFFF)
+        yield from self._stream(should_stop)
+
+    def _stream(self, should_stop: Callable[[], bool]) -> Iterator[int]:
+        """Yield the running launch's tokens as they land in the mapped ring; cancel, finish, and take the
+        final position from the host words."""
         hw, W, ring = self.host_words, self.W, self.ring
         read, cancelled, done = 0, False, False
         stall_limit = 2 * self.timeout_ns / 1e9 + 10.0
@@ -495,8 +537,8 @@ class MonokernelBackend(GpuBackend):
                     self._cancel()
                     cancelled = True
                 if time.monotonic() - last_progress > stall_limit:
-                    raise DeviceError(f"monokernel made no progress for {stall_limit:.0f} s on GPU "
-                                      f"{self.rt.device_index} and reported no error")
+                    raise DeviceError(f"monokernel made no progress for {stall_limit:.0f} s on {self._where()} "
+                                      "and reported no error")
                 time.sleep(20e-6)
         finally:
             if not done and not cancelled:
@@ -544,13 +586,21 @@ def grid_info(backend: MonokernelBackend) -> dict:
             "unroll": matvec_unroll(), "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns,
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
-            barriers_per_token(backend.config, backend.fine)}
+            barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1),
+            "ll_exchange": backend._ll_on()}
 
 
-def barriers_per_token(cfg, fine: int = 3) -> int:
+def ll_words(world: int, d: int) -> int:
+    """u64 words of one rank's LL exchange region (monokernel/tp_exchange.h): O and D partials [world][d]
+    each, greedy candidates [world][2]."""
+    return 2 * world * d + 2 * world
+
+
+def barriers_per_token(cfg, fine: int = 3, tp: int = 1) -> int:
     """Grid barriers one decode step crosses (the monokernel's main fixed cost; see docs/perf-log.md)."""
-    # qkv | (fine 2: attention) | (combine -> O-proj: a counter wait) | O | gate-up | down
-    per_layer = 4 + (1 if fine == 2 else 0) + (1 if cfg.qk_norm else 0)
+    # qkv | (fine 2: attention) | (combine -> O-proj: a counter wait) | O | gate-up | down; at tp > 1 the
+    # stages after O and down gather the ranks' LL words instead (monokernel/tp_exchange.h)
+    per_layer = (4 if tp == 1 else 2) + (1 if fine == 2 else 0) + (1 if cfg.qk_norm else 0)
     return cfg.num_layers * per_layer + 2  # + LM head + sample/embed
 
 

@@ -95,6 +95,8 @@ def _rank_config(plan: ShardPlan, rank: int):
 
 
 class TpGpuBackend(Backend):
+    rank_cls = TpRank  # the tensor-parallel monokernel (tp_monokernel.py) builds its ranks from a subclass
+
     def __init__(self, loaded, max_context: int | None = None, tp: int = 2, monokernel: bool = True,
                  allreduce: str = "custom", devices: list[int] | None = None):
         if allreduce not in ("custom", "nccl"):
@@ -103,7 +105,7 @@ class TpGpuBackend(Backend):
         # Unsplittable shapes fail here, in one line, before any GPU is touched.
         self.plan = ShardPlan(cfg, tp)
         self.tp, self.allreduce = tp, allreduce
-        # monokernel=True is accepted and ignored: the TP path is the per-op executor (+ graphs) so far.
+        # This class is the per-op TP path; Engine picks TpMonokernelBackend (a subclass) for the monokernel.
         self.monokernel = monokernel
         self.devices = list(range(tp)) if devices is None else list(devices)
         if len(self.devices) != tp:
@@ -116,7 +118,7 @@ class TpGpuBackend(Backend):
             for r, dev in enumerate(self.devices):
                 model = _RankModel(_rank_config(self.plan, r), _RankWeights(self.plan, loaded.weights, r))
                 try:
-                    self.ranks.append(TpRank(model, r, self.max_context, dev))
+                    self.ranks.append(self.rank_cls(model, r, self.max_context, dev))
                 except (DeviceError, UnsupportedError) as e:  # say which shard of which GPU could not run
                     raise type(e)(f"tp={tp}, rank {r} (GPU {dev}): {e}") from None
             self.streams = [rk.stream for rk in self.ranks]
@@ -344,10 +346,12 @@ def host_sample(logits: np.ndarray, history: list[int], params: SamplingParams, 
 
 
 def bench_decode(args) -> int:
-    """``hipengine bench decode --tp N --no-monokernel``: the per-op TP path's TTFT and decode tok/s, by the
-    method of hipengine.bench.decode (real prompt at the smallest context, synthetic KV fill above it; median
-    of RUNS fresh requests, host clock per token). Roofline per GPU: HBM read of GPU 0 / the largest rank's
-    bytes per step (its weight shard + its KV heads; communication not counted)."""
+    """``hipengine bench decode --tp N``: TTFT and decode tok/s of the tensor-parallel monokernel
+    (TpMonokernelBackend) and of the per-op TP path on the same uploaded shards (``--no-monokernel``: the
+    per-op path only), by the method of hipengine.bench.decode (real prompt at the smallest context,
+    synthetic KV fill above it; median of RUNS fresh requests, host clock per token). Roofline per GPU:
+    HBM read of GPU 0 / the largest rank's bytes per step (its weight shard + its KV heads; communication
+    not counted)."""
     import statistics
     import sys
     import time
@@ -355,12 +359,10 @@ def bench_decode(args) -> int:
     from ..bench import decode as D
     from ..bench import git_commit, utc_now
     from ..bench.probe import measure_hbm_read_bandwidth
-    from ..errors import HipEngineError, UnsupportedError
+    from ..errors import HipEngineError
     from .runtime import get_runtime
 
     try:
-        if not args.no_monokernel:
-            raise UnsupportedError(f"bench decode --tp {args.tp}: the monokernel runs on one GPU; add --no-monokernel")
         contexts = sorted(set(args.context or D.DEFAULT_CONTEXTS))
         loaded, name = D._load(args)
         ShardPlan(loaded.config, args.tp)  # refuse before touching a GPU
@@ -369,9 +371,15 @@ def bench_decode(args) -> int:
         hbm = measure_hbm_read_bandwidth(rt)
         allreduce = getattr(args, "allreduce", "custom")
         t0 = time.perf_counter()
-        be = TpGpuBackend(loaded, max_context=contexts[0], tp=args.tp, allreduce=allreduce)
+        if args.no_monokernel:
+            be = TpGpuBackend(loaded, max_context=contexts[0], tp=args.tp, allreduce=allreduce)
+            paths = ["per-op"]
+        else:
+            from .tp_monokernel import TpMonokernelBackend
+
+            be = TpMonokernelBackend(loaded, max_context=contexts[0], tp=args.tp, allreduce=allreduce)
+            paths = ["monokernel", "per-op"]
         print(f"loaded {name} on {args.tp} GPUs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        path = f"per-op-tp{args.tp}-{allreduce}"
         params = SamplingParams(max_tokens=D.GEN, temperature=0.0, ignore_eos=True)
         rng = np.random.default_rng(0)
         rows = []
@@ -385,20 +393,33 @@ def bench_decode(args) -> int:
                         per = rk.kv_layer_bytes * rk.config.num_layers
                         rk.rt.memset(rk.k_cache, D.KV_FILL_BYTE, per)
                         rk.rt.memset(rk.v_cache, D.KV_FILL_BYTE, per)
-                def once():
-                    if real:
-                        return D._timed(be.generate_ids(prompt, params))
-                    be.pos = C - D.GEN
-                    return D._timed(be.decode_from(int(prompt[-1]), D.GEN))
+                same = []
+                for path in paths:
+                    label = f"{path}-tp{args.tp}" + ("" if path == "monokernel" else f"-{allreduce}")
 
-                _, ttfts, rates = D.timed_runs(once, D.RUNS, D.GEN, f"{path} at context {C}")
-                b = max(be.plan.rank_config(k).decode_bytes_per_token(2.0, context=C) for k in range(args.tp))
-                tok_s = statistics.median(rates)
-                rows.append({"context": C, "path": path, "prompt": "real" if real else "synthetic-kv",
-                             "ttft_ms": statistics.median(ttfts) * 1e3 if real else None, "tok_s": tok_s,
-                             "tok_s_runs": rates, "bytes_per_token_per_gpu": b, "roofline_tok_s": hbm / b,
-                             "pct_hbm": 100.0 * tok_s * b / hbm})
-                print(f"  context {C:6d} {path} {tok_s:8.1f} tok/s", file=sys.stderr)
+                    def once():
+                        mk = path == "monokernel"
+                        if real:
+                            g = be.generate_ids(prompt, params) if mk else \
+                                TpGpuBackend.generate_ids(be, prompt, params)
+                            return D._timed(g)
+                        be.pos = C - D.GEN
+                        g = be.generate_from_state_greedy(int(prompt[-1]), D.GEN) if mk else \
+                            be.decode_from(int(prompt[-1]), D.GEN)
+                        return D._timed(g)
+
+                    toks, ttfts, rates = D.timed_runs(once, D.RUNS, D.GEN, f"{label} at context {C}")
+                    b = max(be.plan.rank_config(k).decode_bytes_per_token(2.0, context=C) for k in range(args.tp))
+                    tok_s = statistics.median(rates)
+                    rows.append({"context": C, "path": label, "prompt": "real" if real else "synthetic-kv",
+                                 "ttft_ms": statistics.median(ttfts) * 1e3 if real else None, "tok_s": tok_s,
+                                 "tok_s_runs": rates, "bytes_per_token_per_gpu": b, "roofline_tok_s": hbm / b,
+                                 "pct_hbm": 100.0 * tok_s * b / hbm})
+                    same.append(toks)
+                    print(f"  context {C:6d} {label} {tok_s:8.1f} tok/s", file=sys.stderr)
+                if len(same) == 2:  # recorded, not raised: a divergence is a finding to report
+                    for r in rows[-2:]:
+                        r["identical_to_other_path"] = same[0] == same[1]
         finally:
             be.close()
     except HipEngineError as e:
@@ -407,6 +428,8 @@ def bench_decode(args) -> int:
     result = {"benchmark": "decode", "model": name, "gpu": rt.name, "arch": rt.arch, "tp": args.tp,
               "allreduce": allreduce, "commit": git_commit(), "date": utc_now(), "hbm_read_gbps": hbm / 1e9,
               "runs": D.RUNS, "gen_tokens": D.GEN, "results": rows}
+    if getattr(args, "plot", None):
+        D.plot(result, args.plot)
     D.emit(result, args.json, f"{name} on {args.tp}x {rt.name}, HBM read {hbm / 1e9:.0f} GB/s per GPU (measured now)",
            path_width=22)
     return 0

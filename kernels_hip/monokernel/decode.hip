@@ -175,8 +175,14 @@ struct MkParams {
   he_i32 fine;
   he_u32 poll_sleep_ns;
   he_u64* prof;
+  const he_u64* tp_ll;
+  float* xb;
+  he_i32 tp_world;
+  he_i32 tp_rank;
+  he_i32 vocab_off;
+  he_i32 pad2;
 };
-static_assert(sizeof(MkParams) == 312, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 344, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -229,6 +235,12 @@ MK_OFFSET_CHECK(MkParams, seed_hi, 288)
 MK_OFFSET_CHECK(MkParams, fine, 292)
 MK_OFFSET_CHECK(MkParams, poll_sleep_ns, 296)
 MK_OFFSET_CHECK(MkParams, prof, 304)
+MK_OFFSET_CHECK(MkParams, tp_ll, 312)
+MK_OFFSET_CHECK(MkParams, xb, 320)
+MK_OFFSET_CHECK(MkParams, tp_world, 328)
+MK_OFFSET_CHECK(MkParams, tp_rank, 332)
+MK_OFFSET_CHECK(MkParams, vocab_off, 336)
+MK_OFFSET_CHECK(MkParams, pad2, 340)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -315,6 +327,12 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[74] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
   out[75] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
   out[76] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
+  out[77] = (he_u64)((const char*)&vMkParams.tp_ll - (const char*)&vMkParams);
+  out[78] = (he_u64)((const char*)&vMkParams.xb - (const char*)&vMkParams);
+  out[79] = (he_u64)((const char*)&vMkParams.tp_world - (const char*)&vMkParams);
+  out[80] = (he_u64)((const char*)&vMkParams.tp_rank - (const char*)&vMkParams);
+  out[81] = (he_u64)((const char*)&vMkParams.vocab_off - (const char*)&vMkParams);
+  out[82] = (he_u64)((const char*)&vMkParams.pad2 - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -378,24 +396,32 @@ struct MkProf {
 #endif
 };
 
+#include "monokernel/tp_exchange.h"
+
 // ---- the matvec stages as op descriptors (ops/matvec.hip) ------------------------------------------------
-HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos) {
+// `x`: the stage's input — p.x, or with the LL exchange on (p.tp_ll: always at tp > 1, a knob at tp = 1) the
+// block's gathered copy in shared memory (monokernel/tp_exchange.h). O-proj / down-proj then push LL words of
+// epoch `ep` instead of writing x; rank 0 adds the residual (p.x through attention, p.xb through the MLP).
+HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const float* x) {
   // qk_norm models write raw q|k|v (rope = 0); the per-head norm stage rotates and appends.
-  return HeMvQkv{p.x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
+  return HeMvQkv{x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
                  p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
                  p.qk_norm ? 0 : 1};
 }
-HE_INLINE HeMvPlain mk_o_op(const MkParams& p, const MkLayer& L) {
-  return HeMvPlain{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, p.x, p.x, p.d};
+HE_INLINE MkMvOut mk_o_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
+  return MkMvOut{{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, p.tp_rank ? nullptr : p.x, p.x, p.d},
+                 p.tp_ll, mk_ll_off(p, kMkLlO, p.tp_rank), p.tp_world, ep};
 }
-HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L) {
-  return HeMvGateUp{p.x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
+HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x) {
+  return HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
 }
-HE_INLINE HeMvPlain mk_down_op(const MkParams& p, const MkLayer& L) {
-  return HeMvPlain{p.h, nullptr, 0.f, p.ffn, L.w_down, p.x, p.x, p.d};
+HE_INLINE MkMvOut mk_down_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
+  const float* res = p.tp_ll ? (p.tp_rank ? nullptr : p.xb) : p.x;
+  return MkMvOut{{p.h, nullptr, 0.f, p.ffn, L.w_down, res, p.x, p.d},
+                 p.tp_ll, mk_ll_off(p, kMkLlD, p.tp_rank), p.tp_world, ep};
 }
-HE_INLINE HeMvPlain mk_head_op(const MkParams& p) {
-  return HeMvPlain{p.x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab};
+HE_INLINE HeMvPlain mk_head_op(const MkParams& p, const float* x) {
+  return HeMvPlain{x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab};
 }
 
 // ---- attention --------------------------------------------------------------------------------------------
@@ -441,7 +467,7 @@ HE_INLINE void mk_block_argmax(float& best, int& bi, float* wv, int* wi) {
 
 // `cancel` (block 0's thread 0 only): the host's cancel word as block 0 read it at the start of the selection;
 // published in state.cancel before block 0's arrival, so the leader (the last arriver, acq_rel) sees it.
-HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok, he_u32 cancel) {
+HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok, float& val, he_u32 cancel) {
   __shared__ float wv[kMaxWarpsPerBlock];
   __shared__ int wi[kMaxWarpsPerBlock];
   const int nb = he_grid_dim(), t = he_thread_idx(), nt = he_block_dim();
@@ -469,6 +495,7 @@ HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok, he_u32 cancel) {
   }
   mk_block_argmax(best, bi, wv, wi);
   tok = bi;
+  val = best;
   return true;
 }
 
@@ -490,6 +517,10 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   const int nb = he_grid_dim();
   const bool lead = he_block_idx() == 0;
   he_u32 epoch = 0, attn_done = 0;
+  // LL exchange (monokernel/tp_exchange.h; always at tp > 1, HIPENGINE_MK_LL at tp = 1): epochs of its
+  // regions, advanced identically on every rank
+  const bool tp = p.tp_ll != nullptr;
+  he_u32 ep_o = 0, ep_d = 0, ep_c = 0;
   MkState* st = p.state;
   int pos = st->pos, hist_len = st->hist_len, n_out = 0, steps = 0, finish = 0;
   bool sample_now = !(p.mode & kMkModeEmbedFirst);
@@ -497,7 +528,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   // part and refills from the next stage's descriptor, so the next stage's first weights are in flight
   // before the barrier that publishes its input (the issue's "weights before the activation").
   HeMvStream<2> s;
-  he_mv_begin(mk_qkv_op(p, p.layers[0], pos), s, mk_o_op(p, p.layers[0]));
+  he_mv_begin(mk_qkv_op(p, p.layers[0], pos, p.x), s, mk_o_op(p, p.layers[0], 1u));
   MkProf prof(p.prof);
 
   auto barrier = [&](int stage) {  // `stage`: profile slot of the stage that just ended
@@ -522,8 +553,11 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       int tok = 0;
       bool leads = lead;
       if (!(p.temperature > 0.f) && p.rep_pen == 1.f) {
-        leads = mk_argmax_grid(p, tok, cancel);
-      } else if (lead) {
+        float val = 0.f;
+        leads = mk_argmax_grid(p, tok, val, cancel);
+        // tp > 1: each rank's leader has its slice's pick; all of them agree on the global one (and on cancel)
+        if (p.tp_world > 1 && leads && !mk_ll_pick(p, w, ++ep_c, val, tok, tok)) return;
+      } else if (lead) {  // (the host never launches tp > 1 with sampling: it has only a slice of the logits)
         tok = he_sample_block(p.logits, p.vocab, p.history, hist_len, p.temperature, p.top_k, p.top_p, p.min_p,
                               p.rep_pen, p.seed_lo, p.seed_hi, (he_u32)pos, p.z, scratch, slice_sums,
                               (he_u32*)he_mk_smem);
@@ -561,8 +595,15 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     // ---- one decode step at `pos` ----
     for (int l = 0; l < p.n_layers; ++l) {
       const MkLayer& L = p.layers[l];
+      // tp > 1: the input is down(l-1)'s sum over ranks, gathered by every block (block 0 keeps it in p.x,
+      // the residual stream the O-proj's rank 0 adds); layer 0's is the embedding in p.x.
+      const float* qx = p.x;
+      if (tp && l > 0) {
+        if (!mk_ll_gather(p, w, kMkLlD, ep_d, he_mk_smem, lead ? p.x : nullptr)) return;
+        qx = he_mk_smem;
+      }
       // QKV refills with the O-proj's first weights, held in registers through attention.
-      he_mv_finish<kMkF16>(mk_qkv_op(p, L, pos), s, he_mk_smem, scratch, mk_o_op(p, L));
+      he_mv_finish<kMkF16>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
       if (p.qk_norm) {
         if (!barrier(kProfQkv)) return;
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
@@ -583,18 +624,33 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       prof.work(p.fine == 2 ? kProfCombine : kProfAttn);
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(p.fine == 2 ? kProfCombine : kProfAttn);
-      he_mv_finish<kMkF16>(mk_o_op(p, L), s, he_mk_smem, scratch, mk_gate_up_op(p, L));
-      if (!barrier(kProfO)) return;
-      he_mv_finish<kMkF16>(mk_gate_up_op(p, L), s, he_mk_smem, scratch, mk_down_op(p, L));
+      ++ep_o;
+      he_mv_finish<kMkF16>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
+      // gate/up's input: tp > 1, the O-proj's sum over ranks gathered by every block (no grid barrier; block
+      // 0 keeps it in p.xb for the down-proj's residual); else x, published by the barrier.
+      const float* gx = p.x;
+      if (tp) {
+        if (!mk_ll_gather(p, w, kMkLlO, ep_o, he_mk_smem, lead ? p.xb : nullptr)) return;
+        gx = he_mk_smem;
+      } else if (!barrier(kProfO)) {
+        return;
+      }
+      he_mv_finish<kMkF16>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       if (!barrier(kProfGateUp)) return;
+      ++ep_d;
       if (l + 1 < p.n_layers)
-        he_mv_finish<kMkF16>(mk_down_op(p, L), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos));
+        he_mv_finish<kMkF16>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
       else
-        he_mv_finish<kMkF16>(mk_down_op(p, L), s, he_mk_smem, scratch, mk_head_op(p));
-      if (!barrier(kProfDown)) return;
+        he_mv_finish<kMkF16>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
+      if (!tp && !barrier(kProfDown)) return;  // tp > 1: the next stage gathers instead
+    }
+    const float* hx = p.x;
+    if (tp) {
+      if (!mk_ll_gather(p, w, kMkLlD, ep_d, he_mk_smem, nullptr)) return;
+      hx = he_mk_smem;
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
-    he_mv_finish<kMkF16>(mk_head_op(p), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1));
+    he_mv_finish<kMkF16>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
     if (!barrier(kProfHead)) return;
     pos += 1;
     steps += 1;
