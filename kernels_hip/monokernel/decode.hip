@@ -556,7 +556,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         float val = 0.f;
         leads = mk_argmax_grid(p, tok, val, cancel);
         // tp > 1: each rank's leader has its slice's pick; all of them agree on the global one (and on cancel)
-        if (p.tp_world > 1 && leads && !mk_ll_pick(p, w, ++ep_c, val, tok, tok)) return;
+        // (ep_c advances in every block: the leader is whichever block arrives last, a different one each token)
+        ++ep_c;
+        if (p.tp_world > 1 && leads && !mk_ll_pick(p, w, ep_c, val, tok, tok)) return;
       } else if (lead) {  // (the host never launches tp > 1 with sampling: it has only a slice of the logits)
         tok = he_sample_block(p.logits, p.vocab, p.history, hist_len, p.temperature, p.top_k, p.top_p, p.min_p,
                               p.rep_pen, p.seed_lo, p.seed_hi, (he_u32)pos, p.z, scratch, slice_sums,
