@@ -49,6 +49,22 @@ def test_tp2_monokernel_equals_per_op_tp_256(be):
     assert got == want, f"first divergence at token {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
 
 
+def test_tp2_monokernel_decode_logits_identical(be):
+    """One-step logits (every rank's slice) equal the per-op TP path's bit for bit, for input tokens from both
+    ranks' vocabulary slices (the embedding is replicated: every id embeds on every rank)."""
+    from hipengine.gpu.tp_executor import TpGpuBackend
+
+    toks = [5, 70000, 128000, 64127, 64128]
+    be.reset()
+    be.prefill(PROMPT)
+    a = [TpGpuBackend.decode(be, t) for t in toks]
+    be.reset()
+    be.prefill(PROMPT)
+    b = [be.decode(t) for t in toks]
+    for t, x, y in zip(toks, a, b):
+        assert np.array_equal(x, y), f"token {t}: max |diff| {float(np.abs(x - y).max()):.3g}"
+
+
 def test_tp2_monokernel_long_context_equals_per_op(be):
     """From a synthetic KV cache at 4K (the benchmark's set-up): monokernel == per-op decode_from."""
     be.resize_context(4096)

@@ -120,7 +120,7 @@ PARAM_FIELDS = [
     ("tp_world", "he_i32"),         # ranks (1: no tensor parallelism)
     ("tp_rank", "he_i32"),
     ("vocab_off", "he_i32"),        # first global token id of this rank's LM-head slice
-    ("pad2", "he_i32"),
+    ("embed_vocab", "he_i32"),      # rows of the embedding (all token ids; `vocab` is the LM head's slice)
 ]
 
 STATE_FIELDS = [
@@ -428,7 +428,7 @@ class MonokernelBackend(GpuBackend):
             fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
             prof=self.prof_buf.ptr if self.prof_buf is not None else 0,
             tp_ll=self.tp_ll_ptr if self._ll_on() else 0, xb=self.xb_ptr, tp_world=self.tp_world,
-            tp_rank=self.tp_rank, vocab_off=self.vocab_off)
+            tp_rank=self.tp_rank, vocab_off=self.vocab_off, embed_vocab=self.embed_vocab)
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)

@@ -180,7 +180,7 @@ struct MkParams {
   he_i32 tp_world;
   he_i32 tp_rank;
   he_i32 vocab_off;
-  he_i32 pad2;
+  he_i32 embed_vocab;
 };
 static_assert(sizeof(MkParams) == 344, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
@@ -240,7 +240,7 @@ MK_OFFSET_CHECK(MkParams, xb, 320)
 MK_OFFSET_CHECK(MkParams, tp_world, 328)
 MK_OFFSET_CHECK(MkParams, tp_rank, 332)
 MK_OFFSET_CHECK(MkParams, vocab_off, 336)
-MK_OFFSET_CHECK(MkParams, pad2, 340)
+MK_OFFSET_CHECK(MkParams, embed_vocab, 340)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -332,7 +332,7 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[79] = (he_u64)((const char*)&vMkParams.tp_world - (const char*)&vMkParams);
   out[80] = (he_u64)((const char*)&vMkParams.tp_rank - (const char*)&vMkParams);
   out[81] = (he_u64)((const char*)&vMkParams.vocab_off - (const char*)&vMkParams);
-  out[82] = (he_u64)((const char*)&vMkParams.pad2 - (const char*)&vMkParams);
+  out[82] = (he_u64)((const char*)&vMkParams.embed_vocab - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -539,7 +539,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   };
 
   if (!sample_now) {
-    if (lead) he_embedding_row<kMkF16>(p.embed, st->token, p.vocab, p.d, p.x);
+    if (lead) he_embedding_row<kMkF16>(p.embed, st->token, p.embed_vocab, p.d, p.x);
     if (!barrier(kProfSelect)) return;
   }
   for (;;) {
@@ -577,7 +577,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
           mk_token = tok;
         }
         he_sync_block();
-        he_embedding_row<kMkF16>(p.embed, mk_token, p.vocab, p.d, p.x);  // harmless when stopping
+        he_embedding_row<kMkF16>(p.embed, mk_token, p.embed_vocab, p.d, p.x);  // harmless when stopping
       }
       prof.work(kProfSelect);
       he_grid_arrive(w);
