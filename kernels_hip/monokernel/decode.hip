@@ -537,6 +537,13 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     prof.done(stage);
     return ok;
   };
+  // The LL gather that replaces the grid barrier after `stage` (profile: the stage's work, then its total).
+  auto gather = [&](int stage, int region, he_u32 ep, float* out) {
+    prof.work(stage);
+    const bool ok = mk_ll_gather(p, w, region, ep, he_mk_smem, out);
+    prof.done(stage);
+    return ok;
+  };
 
   if (!sample_now) {
     if (lead) he_embedding_row<kMkF16>(p.embed, st->token, p.embed_vocab, p.d, p.x);
@@ -601,7 +608,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // the residual stream the O-proj's rank 0 adds); layer 0's is the embedding in p.x.
       const float* qx = p.x;
       if (tp && l > 0) {
-        if (!mk_ll_gather(p, w, kMkLlD, ep_d, he_mk_smem, lead ? p.x : nullptr)) return;
+        if (!gather(kProfDown, kMkLlD, ep_d, lead ? p.x : nullptr)) return;
         qx = he_mk_smem;
       }
       // QKV refills with the O-proj's first weights, held in registers through attention.
@@ -632,7 +639,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // 0 keeps it in p.xb for the down-proj's residual); else x, published by the barrier.
       const float* gx = p.x;
       if (tp) {
-        if (!mk_ll_gather(p, w, kMkLlO, ep_o, he_mk_smem, lead ? p.xb : nullptr)) return;
+        if (!gather(kProfO, kMkLlO, ep_o, lead ? p.xb : nullptr)) return;
         gx = he_mk_smem;
       } else if (!barrier(kProfO)) {
         return;
@@ -648,7 +655,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     }
     const float* hx = p.x;
     if (tp) {
-      if (!mk_ll_gather(p, w, kMkLlD, ep_d, he_mk_smem, nullptr)) return;
+      if (!gather(kProfDown, kMkLlD, ep_d, nullptr)) return;
       hx = he_mk_smem;
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
