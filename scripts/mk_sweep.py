@@ -21,7 +21,7 @@ VARIANTS = [  # name, build env, runtime attrs
     ("default (1 blk/SM, unroll 4, fine 3)", {}, {}),
     ("fine 2 (barrier + one head per block)", {}, {"fine": 2}),
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
-    ("LL exchange for O/down (no barrier after them)", {}, {"ll_local": 1}),
+    ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
     ("default again (drift check)", {}, {}),
 ]
 
@@ -44,12 +44,12 @@ def main() -> int:
         if be is None or env != be_env:
             if be is not None:
                 be.close()
-            for k in ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS"):
+            for k in ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL"):
                 os.environ.pop(k, None)
             os.environ.update(env)
             t0 = time.perf_counter()
             be, be_env = MonokernelBackend(model, max_context=args.context), env
-            base = {"fine": be.fine, "poll_sleep_ns": be.poll_sleep_ns, "ll_local": be.ll_local}
+            base = {"fine": be.fine, "poll_sleep_ns": be.poll_sleep_ns}
             print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
         for k, v in {**base, **attrs}.items():
             setattr(be, k, v)
@@ -61,8 +61,7 @@ def main() -> int:
         be.close()
     if args.best_env and rows:
         best = max(rows, key=lambda r: r["tok_s"])
-        names = {"fine": "HIPENGINE_MK_FINE", "poll_sleep_ns": "HIPENGINE_MK_POLL_SLEEP_NS",
-                 "ll_local": "HIPENGINE_MK_LL"}
+        names = {"fine": "HIPENGINE_MK_FINE", "poll_sleep_ns": "HIPENGINE_MK_POLL_SLEEP_NS"}
         with open(args.best_env, "w") as f:
             f.write(f"# fastest: {best['variant']} ({best['tok_s']:.1f} tok/s)\n")
             for k, v in {**best["env"], **best["attrs"]}.items():

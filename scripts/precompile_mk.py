@@ -1,8 +1,8 @@
 """Fill ./.mkcache (or $HIPENGINE_CACHE) with sm_90 builds of the per-op kernels and of the monokernel
 variants a device session uses, on this CPU machine (NVRTC only), so device time is not spent compiling.
 Usage: HIPENGINE_CACHE=$PWD/.mkcache python scripts/precompile_mk.py [variant ...]
-Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unroll8, 2blk, 1b, 1b-profile
-(the last four: llama-3.2-1b only, bf16, group 4)."""
+Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unroll8, 2blk, 1b, 1b-profile,
+1b-tp, 1b-tp-profile (the last six: llama-3.2-1b only, bf16, group 4; -tp: the LL exchange build, MK_TP=1)."""
 from __future__ import annotations
 
 import os
@@ -16,6 +16,8 @@ VARIANTS = {
     "2blk": ({"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2"}, (False,), (4,)),
     "1b": ({}, (False,), (4,)),
     "1b-profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False,), (4,)),
+    "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,)),  # the tensor-parallel build (MK_TP=1)
+    "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,)),
 }
 
 

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# scripts/tp_check.sh [mk|perop] — the one script a 2-GPU device call runs for tensor-parallel decode (issue 5).
+# scripts/tp_check.sh [mk|final|perop] — the one script a 2-GPU device call runs for tensor-parallel decode (issue 5).
 #   mk (default): the tensor-parallel monokernel (TpMonokernelBackend)
 #     1. tests/test_tp_monokernel.py: TP=2 monokernel == per-op TP path for 256 greedy tokens (random
 #        llama-3.2-1b), and at 4K from a synthetic cache; cancel; 300 requests; sampling route; peer timeout;
 #     2. the multigpu test of tests/test_tp_executor.py: per-op TP=2 == TP=1 for 256 tokens (custom, NCCL);
 #     3. bench decode --tp 2 at 1K/8K/32K: monokernel and per-op TP on the same shards (JSON + PNG);
 #     4. tests/test_monokernel_gpu.py: the single-GPU monokernel (its kernel gained the TP paths).
+#   final: the TP monokernel's tests, bench decode --tp 2 and the TP=1 bench at 1K/8K/32K, the TP=1 monokernel tests.
 #   perop: the per-op TP path alone (all of tests/test_tp_executor.py, the per-op engine's GPU tests, bench
 #     --no-monokernel with the custom all-reduce and with NCCL, the TP=1 per-op baseline).
 # Every step is time-boxed (sums < 600 s: one device call). Kernels come from $HIPENGINE_CACHE (precompiled
 # here with `python scripts/precompile_mk.py session`, carried as .mkcache). Logs and JSON go under $OUT.
-#   usage (device): HIPENGINE_COMMIT=<sha> bash scripts/tp_check.sh [mk|perop]   env: TP (2), PYTHON
+#   usage (device): HIPENGINE_COMMIT=<sha> bash scripts/tp_check.sh [mk|final|perop]   env: TP (2), PYTHON
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -38,6 +39,14 @@ case "$MODE" in
       --json "$OUT/decode_tp${TP}_mk.json" --plot "$OUT/decode_tp${TP}_mk.png"
     run pytest_mk1 100 "$PY" -m pytest tests/test_monokernel_gpu.py -q -rs -x -p no:cacheprovider
     ;;
+  final)  # the figures of record: TP=2 and TP=1 decode benches (JSON + PNG) and both paths' GPU tests
+    run pytest_tp_mk 150 "$PY" -m pytest tests/test_tp_monokernel.py -q -rs -s -x -p no:cacheprovider
+    run bench_tp_mk 150 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" \
+      --json "$OUT/decode_tp${TP}_mk.json" --plot "$OUT/decode_tp${TP}_mk.png"
+    run bench_tp1 150 "$PY" -m hipengine bench decode --shape "$SHAPE" --context 1024 --context 8192 \
+      --context 32768 --json "$OUT/decode_tp1.json" --plot "$OUT/decode_tp1.png"
+    run pytest_mk1 100 "$PY" -m pytest tests/test_monokernel_gpu.py -q -rs -x -p no:cacheprovider
+    ;;
   perop)
     run pytest_tp 200 "$PY" -m pytest tests/test_tp_executor.py -q -rs -s -p no:cacheprovider
     run pytest_gpu_engine 100 "$PY" -m pytest tests/test_gpu_engine.py -m gpu -q -rs -p no:cacheprovider
@@ -48,7 +57,7 @@ case "$MODE" in
     run bench_tp1 70 "$PY" -m hipengine bench decode --shape "$SHAPE" --no-monokernel --context 1024 \
       --json "$OUT/decode_tp1_perop.json"
     ;;
-  *) echo "unknown mode $MODE (mk|perop)"; exit 2 ;;
+  *) echo "unknown mode $MODE (mk|final|perop)"; exit 2 ;;
 esac
 
 echo "=================== tp_check $MODE (TP=$TP, $SHAPE) ==================="

@@ -97,3 +97,14 @@ def test_attention_builds_for_every_head_dim_class(tmp_path, monkeypatch, lanes)
     unit.write_text(f'#define HE_ATTN_LPR {lanes}\n#include "ops/attention_decode.hip"\n')
     for r in check.check_all(_targets(), [unit]):
         assert r.ok, f"{r.target}: {r.message}"
+
+
+def test_monokernel_tensor_parallel_build_compiles(tmp_path, monkeypatch):
+    """The tensor-parallel monokernel is a build of its own (MK_TP=1: the LL exchange of
+    monokernel/tp_exchange.h); `kernels check` builds the default, so this one must compile too, warnings as
+    errors, for gfx942 (wave64) and sm_90."""
+    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
+    unit = tmp_path / "decode_tp.hip"
+    unit.write_text('#define MK_TP 1\n#include "monokernel/decode.hip"\n')
+    for r in check.check_all(_targets(), [unit]):
+        assert r.ok, f"{r.target}: {r.message}"

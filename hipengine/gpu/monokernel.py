@@ -237,10 +237,12 @@ def write_layout(path=None) -> None:
     path.write_text(text.replace(source_layout_block(text), c_layout_text()))
 
 
-def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64) -> dict:
+def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
+                 tp: bool = False) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row from
-    head_dim, blocks per SM, unroll, profile build, fp16 KV cache). HIPENGINE_MK_MAXRREG adds an NVRTC
-    register cap (experiments only: the launch bound from MK_MIN_BLOCKS already sets 255 at one block per SM)."""
+    head_dim, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
+    parallelism — ``tp`` or HIPENGINE_MK_LL=1). HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments
+    only: the launch bound from MK_MIN_BLOCKS already sets 255 at one block per SM)."""
     opts = []
     cap = os.environ.get("HIPENGINE_MK_MAXRREG")
     if cap and vendor == "nvidia":
@@ -253,7 +255,15 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["MK_PROFILE"] = 1
     if kv_f16:
         defines["HE_KV_F16"] = 1
+    if tp or ll_local():
+        defines["MK_TP"] = 1
     return {"defines": defines, "options": opts or None}
+
+
+def ll_local() -> bool:
+    """HIPENGINE_MK_LL=1: at tp = 1, publish the O-proj / down-proj results through the LL exchange instead
+    of two grid barriers per layer (bit-identical output; measured slower on H200, docs/perf-log.md v15)."""
+    return os.environ.get("HIPENGINE_MK_LL", "0") not in ("", "0")
 
 
 def min_blocks() -> int:
@@ -310,6 +320,7 @@ class MonokernelBackend(GpuBackend):
     # token id of its LM-head slice. The LL exchange (monokernel/tp_exchange.h: its region, the table of
     # every rank's region, the second residual buffer) is set up here for one rank and replaced at tp > 1.
     tp_world, tp_rank, vocab_off = 1, 0, 0
+    mk_tp = False  # build with the LL exchange (MK_TP=1): TP ranks, or HIPENGINE_MK_LL=1
 
     def __init__(self, loaded, max_context: int | None = None, tp: int = 1, monokernel: bool = True,
                  allreduce: str = "custom", device: int = 0):
@@ -327,8 +338,9 @@ class MonokernelBackend(GpuBackend):
         if len(f16) != 1:
             raise UnsupportedError("the monokernel needs one weight dtype (all bf16 or all fp16); "
                                    "use --no-monokernel for mixed-dtype models")
+        self.ll_local = ll_local()
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads,
-                                                        self.kv_f16, cfg.head_dim))
+                                                        self.kv_f16, cfg.head_dim, tp=self.mk_tp))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
@@ -339,9 +351,8 @@ class MonokernelBackend(GpuBackend):
                                    "(last split block combines its group)")
         self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
         self.prof_buf = self._buf(8 * MK_PROF_WORDS) if profiling() else None
-        # tp = 1: the O-proj / down-proj results through the LL exchange instead of two grid barriers per
-        # layer (HIPENGINE_MK_LL=1; bit-identical output). Always on at tp > 1.
-        self.ll_local = int(os.environ.get("HIPENGINE_MK_LL", "0"))
+        # the LL exchange's region for one rank (used at tp = 1 only with HIPENGINE_MK_LL=1; at tp > 1
+        # TpMonokernelBackend replaces it with one sized for every rank)
         self.ll_bytes = 8 * ll_words(1, cfg.hidden_size)
         self.ll_buf = rt.malloc_fine_grained(self.ll_bytes)  # fine-grained on AMD: peers write it at tp > 1
         self._bufs.append(self.ll_buf)

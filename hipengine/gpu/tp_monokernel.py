@@ -33,8 +33,11 @@ from .tp_executor import TpGpuBackend, TpRank
 
 
 class TpMkRank(TpRank, MonokernelBackend):
-    """One rank: the monokernel on its shard (and, through TpRank, the per-op executor for prefill). Its
-    _prepare zeroes the exchange region; TpMonokernelBackend prepares every rank before starting any."""
+    """One rank: the monokernel on its shard (and, through TpRank, the per-op executor for prefill), built
+    with the LL exchange (MK_TP=1). Its _prepare zeroes the exchange region; TpMonokernelBackend prepares every
+    rank before starting any."""
+
+    mk_tp = True
 
 
 class TpMonokernelBackend(TpGpuBackend):

@@ -344,6 +344,14 @@ static_assert(sizeof(HeGridBarrier) == 16, "HeGridBarrier is 16 bytes (the host 
 #define MK_WEIGHT_F16 0
 #endif
 constexpr bool kMkF16 = MK_WEIGHT_F16 != 0;
+// The LL exchange (monokernel/tp_exchange.h: tensor parallelism, or HIPENGINE_MK_LL at tp = 1) is a build of its
+// own (-DMK_TP=1): compiled out, the tp = 1 kernel is v12's instruction for instruction (with the exchange's
+// branches and fields merely unused, ptxas allocated the stream differently and the step ran 6% slower:
+// docs/perf-log.md, v15).
+#ifndef MK_TP
+#define MK_TP 0
+#endif
+constexpr bool kMkTp = MK_TP != 0;
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -409,16 +417,16 @@ HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const 
                  p.qk_norm ? 0 : 1};
 }
 HE_INLINE MkMvOut mk_o_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
-  return MkMvOut{{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, p.tp_rank ? nullptr : p.x, p.x, p.d},
-                 p.tp_ll, mk_ll_off(p, kMkLlO, p.tp_rank), p.tp_world, ep};
+  return MkMvOut{{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, kMkTp && p.tp_rank ? nullptr : p.x, p.x, p.d},
+                 kMkTp ? p.tp_ll : nullptr, kMkTp ? mk_ll_off(p, kMkLlO, p.tp_rank) : 0, p.tp_world, ep};
 }
 HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x) {
   return HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
 }
 HE_INLINE MkMvOut mk_down_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
-  const float* res = p.tp_ll ? (p.tp_rank ? nullptr : p.xb) : p.x;
+  const float* res = kMkTp && p.tp_ll ? (p.tp_rank ? nullptr : p.xb) : p.x;
   return MkMvOut{{p.h, nullptr, 0.f, p.ffn, L.w_down, res, p.x, p.d},
-                 p.tp_ll, mk_ll_off(p, kMkLlD, p.tp_rank), p.tp_world, ep};
+                 kMkTp ? p.tp_ll : nullptr, kMkTp ? mk_ll_off(p, kMkLlD, p.tp_rank) : 0, p.tp_world, ep};
 }
 HE_INLINE HeMvPlain mk_head_op(const MkParams& p, const float* x) {
   return HeMvPlain{x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab};
@@ -519,7 +527,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   he_u32 epoch = 0, attn_done = 0;
   // LL exchange (monokernel/tp_exchange.h; always at tp > 1, HIPENGINE_MK_LL at tp = 1): epochs of its
   // regions, advanced identically on every rank
-  const bool tp = p.tp_ll != nullptr;
+  const bool tp = kMkTp && p.tp_ll != nullptr;
   he_u32 ep_o = 0, ep_d = 0, ep_c = 0;
   MkState* st = p.state;
   int pos = st->pos, hist_len = st->hist_len, n_out = 0, steps = 0, finish = 0;
@@ -565,7 +573,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         // tp > 1: each rank's leader has its slice's pick; all of them agree on the global one (and on cancel)
         // (ep_c advances in every block: the leader is whichever block arrives last, a different one each token)
         ++ep_c;
-        if (p.tp_world > 1 && leads && !mk_ll_pick(p, w, ep_c, val, tok, tok)) return;
+        if (kMkTp && p.tp_world > 1 && leads && !mk_ll_pick(p, w, ep_c, val, tok, tok)) return;
       } else if (lead) {  // (the host never launches tp > 1 with sampling: it has only a slice of the logits)
         tok = he_sample_block(p.logits, p.vocab, p.history, hist_len, p.temperature, p.top_k, p.top_p, p.min_p,
                               p.rep_pen, p.seed_lo, p.seed_hi, (he_u32)pos, p.z, scratch, slice_sums,
