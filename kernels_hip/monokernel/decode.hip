@@ -345,9 +345,9 @@ static_assert(sizeof(HeGridBarrier) == 16, "HeGridBarrier is 16 bytes (the host 
 #endif
 constexpr bool kMkF16 = MK_WEIGHT_F16 != 0;
 // The LL exchange (monokernel/tp_exchange.h: tensor parallelism, or HIPENGINE_MK_LL at tp = 1) is a build of its
-// own (-DMK_TP=1): compiled out, the tp = 1 kernel is v12's instruction for instruction (with the exchange's
-// branches and fields merely unused, ptxas allocated the stream differently and the step ran 6% slower:
-// docs/perf-log.md, v15).
+// own (-DMK_TP=1). Compiled out (the default), monokernel_decode's SASS is v12's instruction for instruction
+// (checked with nvdisasm); with the exchange's branches merely present, ptxas scheduled one matvec stage
+// differently and tp = 1 ran 3-6% slower (docs/perf-log.md, v15).
 #ifndef MK_TP
 #define MK_TP 0
 #endif
@@ -416,17 +416,26 @@ HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const 
                  p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
                  p.qk_norm ? 0 : 1};
 }
+#if MK_TP
 HE_INLINE MkMvOut mk_o_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
-  return MkMvOut{{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, kMkTp && p.tp_rank ? nullptr : p.x, p.x, p.d},
-                 kMkTp ? p.tp_ll : nullptr, kMkTp ? mk_ll_off(p, kMkLlO, p.tp_rank) : 0, p.tp_world, ep};
-}
-HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x) {
-  return HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
+  return MkMvOut{{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, p.tp_rank ? nullptr : p.x, p.x, p.d},
+                 p.tp_ll, mk_ll_off(p, kMkLlO, p.tp_rank), p.tp_world, ep};
 }
 HE_INLINE MkMvOut mk_down_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
-  const float* res = kMkTp && p.tp_ll ? (p.tp_rank ? nullptr : p.xb) : p.x;
+  const float* res = p.tp_ll ? (p.tp_rank ? nullptr : p.xb) : p.x;
   return MkMvOut{{p.h, nullptr, 0.f, p.ffn, L.w_down, res, p.x, p.d},
-                 kMkTp ? p.tp_ll : nullptr, kMkTp ? mk_ll_off(p, kMkLlD, p.tp_rank) : 0, p.tp_world, ep};
+                 p.tp_ll, mk_ll_off(p, kMkLlD, p.tp_rank), p.tp_world, ep};
+}
+#else  // the plain op descriptors: the PTX of the tp = 1 build stays v12's (see kMkTp)
+HE_INLINE HeMvPlain mk_o_op(const MkParams& p, const MkLayer& L, he_u32) {
+  return HeMvPlain{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, p.x, p.x, p.d};
+}
+HE_INLINE HeMvPlain mk_down_op(const MkParams& p, const MkLayer& L, he_u32) {
+  return HeMvPlain{p.h, nullptr, 0.f, p.ffn, L.w_down, p.x, p.x, p.d};
+}
+#endif
+HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x) {
+  return HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
 }
 HE_INLINE HeMvPlain mk_head_op(const MkParams& p, const float* x) {
   return HeMvPlain{x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab};

@@ -48,7 +48,7 @@ struct MkMvOut : HeMvPlain {
   int world;
   he_u32 epoch;
   HE_INLINE void epi(int u, const float (&acc)[2]) const {
-    if (!kMkTp || ll == nullptr) { HeMvPlain::epi(u, acc); return; }
+    if (ll == nullptr) { HeMvPlain::epi(u, acc); return; }
     if (he_lane_id() != 0) return;
     const int r0 = 2 * u, r1 = r0 + 1;
     const bool two = r1 < n_rows;
