@@ -19,6 +19,10 @@
 //               down + residual (HeMvPlain)                      ── barrier ──
 //   LM head with the final-norm prologue (HeMvPlain)             ── barrier ──
 //
+// Tensor parallelism (-DMK_TP=1, monokernel/tp_exchange.h): every rank runs this kernel on its shard; the
+// O-proj / down-proj rows go out as LL words to every rank, the barriers after those two stages become
+// gathers (each block sums the ranks' words itself), and the leaders of all ranks agree on the greedy token.
+//
 // Every stage is the op's own __device__ code from ops/*.hip (the per-op kernels run the same op
 // descriptors and bodies), so with the same block size (kMkThreads == the per-op launch's 256) and the same
 // attention split plan each value is computed with the same instructions in the same order: greedy output
