@@ -15,9 +15,9 @@ The host launches every rank's kernel (cooperative launch, one stream per GPU) a
 (the exchange regions are zeroed before any kernel starts), then streams tokens from rank 0's mapped ring.
 A rank whose peer never delivers reports "tensor-parallel peer exchange timeout" instead of hanging.
 
-What stays on the per-op TP path (TpGpuBackend, the parent class): prefill and sampled generation (temperature / top-k / top-p / min-p / repetition penalty),
-which needs the whole vocabulary's logits on one device; greedy generation — the latency case — runs in
-the monokernel.
+What stays on the per-op TP path (TpGpuBackend, the parent class): prefill, and sampled generation
+(temperature / top-k / top-p / min-p / repetition penalty), which needs the whole vocabulary's logits on one
+device. Greedy generation — the latency case — and single decode steps run in the monokernel.
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..backend import SamplingParams
-from ..errors import DeviceError, RequestError, UnsupportedError
+from ..errors import DeviceError, UnsupportedError
 from . import ops as O
-from .monokernel import MK_MODE_EMBED_FIRST, MK_MODE_ONE_STEP, MK_STATUS, MonokernelBackend, ll_words
+from .monokernel import MK_STATUS, MonokernelBackend, ll_words
 from .tp_executor import TpGpuBackend, TpRank
 
 
@@ -128,6 +128,9 @@ class TpMonokernelBackend(TpGpuBackend):
                               f"{int(self.host_words[self.W['write_idx']])} tokens); "
                               "set HIPENGINE_MK_TIMEOUT_S higher or use --no-monokernel")
 
+    # The single-GPU host protocol, run over this class's _launch / _finish / _cancel (every rank) and rank 0's
+    # ring: one decode step (the full logits: every rank's slice) and the streaming generation loop.
+    decode = MonokernelBackend.decode
     generate_from_state = MonokernelBackend.generate_from_state
     _stream = MonokernelBackend._stream
 
@@ -150,15 +153,6 @@ class TpMonokernelBackend(TpGpuBackend):
                 rk.rt.copy_dtod(rk.logits, rk.logits.ptr + last_row * v * 4, v * 4, stream=rk.stream)
             rk.rt.copy_htod(rk.history, prompt.astype(np.int32), stream=rk.stream)
         yield from self.generate_from_state(0, int(prompt.size), params, should_stop, embed_first=False)
-
-    def decode(self, token_id: int) -> np.ndarray:
-        """One decode step in the monokernel on every rank; the full logits (every rank's slice) to the host."""
-        if self.pos >= self.max_context:
-            raise RequestError(f"context of {self.max_context} tokens is full")
-        self._launch(MK_MODE_EMBED_FIRST | MK_MODE_ONE_STEP, token_id, self.pos, 0)
-        self._finish()
-        self.pos += 1
-        return self._read_logits(1)[0]
 
     def generate_from_state_greedy(self, token: int, n: int) -> Iterator[int]:
         """Greedy decode of n tokens from the current position and KV cache, starting with a decode step of
