@@ -128,9 +128,11 @@ class Engine:
             except ImportError as e:
                 raise DeviceError(f"the GPU backend is not available ({e}); use --device cpu") from None
             if tp > 1:  # one process drives GPUs 0..tp-1 (ShardPlan refuses unsplittable shapes first)
+                from .comm.shard import ShardPlan
                 from .gpu.tp_executor import TpGpuBackend
                 from .gpu.tp_monokernel import TpMonokernelBackend
 
+                ShardPlan(loaded.config, tp)  # an unsplittable shape: its one-line error, not a fallback note
                 kw = dict(max_context=max_context, tp=tp, allreduce=allreduce)
                 if monokernel is False:
                     backend = TpGpuBackend(loaded, monokernel=False, **kw)
