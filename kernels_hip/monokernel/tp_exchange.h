@@ -24,8 +24,11 @@
 //
 // Reusing a slot without double buffering is safe: rank s writes region O for layer l+1 only after its
 // QKV(l+1) gathered our down(l) rows, and we push those only after our gate/up(l) -> down(l) grid barrier,
-// i.e. after every one of our blocks finished gathering O(l). The same argument with O and D swapped
-// (through our QKV(l+1) -> attention barrier) covers D; C is rewritten a whole decode step later.
+// i.e. after every one of our blocks finished gathering O(l). (A block that owns rows pushes them only after
+// its own gather anyway; the barrier is what covers blocks that own none — e.g. 1,024 O-proj units for
+// 1,056 warps.) The same argument with O and D swapped (through our QKV(l+1) -> attention barrier) covers
+// D; C is rewritten a whole decode step later. tests/test_tp_exchange_protocol.py runs this protocol as a
+// CPU model (2/4/8 ranks, random delays) and catches the variants that break it.
 //
 // Summation order: rank 0's term carries the residual (x + W_0·a, computed as at tp = 1) and the terms
 // are added in rank order starting from 0.f — the per-op TP path's order (ArF32 in comm/allreduce.hip), so
