@@ -60,6 +60,20 @@ case "$MODE" in
   *) echo "unknown mode $MODE (mk|final|perop)"; exit 2 ;;
 esac
 
+# The test outcomes as JSON beside the benchmark JSON (commit from $HIPENGINE_COMMIT, as the benches take it).
+"$PY" - "$OUT" "$MODE" <<'PYEOF' || true
+import glob, json, os, re, sys
+from hipengine.bench import git_commit, utc_now
+out, mode = sys.argv[1], sys.argv[2]
+res = {"benchmark": f"tp_check {mode}: GPU test outcomes", "commit": git_commit(), "date": utc_now(), "logs": {}}
+for f in sorted(glob.glob(os.path.join(out, "pytest_*.log"))):
+    text = open(f, errors="replace").read()
+    res["logs"][os.path.basename(f)] = {
+        "summary": (re.findall(r"^=*\s*(\d+ (?:passed|failed).*?)\s*=*$", text, re.M) or [""])[-1],
+        "printed": sorted(set(re.findall(r"^(TP=\d.*tok/s.*)$", text, re.M)))}
+json.dump(res, open(os.path.join(out, f"tp_tests_{mode}.json"), "w"), indent=1)
+PYEOF
+
 echo "=================== tp_check $MODE (TP=$TP, $SHAPE) ==================="
 for f in "$OUT"/*.log; do
   echo "--- $(basename "$f")"
