@@ -24,7 +24,7 @@ def compare(be, per_op_decode, prompt, toks, what):
 def main():
     model = preset_model("llama-3.2-1b", 0)
     prompt = np.random.default_rng(1).integers(0, model.config.vocab_size, 16)
-    which = sys.argv[1:] or ["tp2", "tp1ll"]  # or: profile
+    which = sys.argv[1:] or ["tp2", "tp1ll"]  # (the stage profile: hipengine bench decode --tp 2 --profile)
     if "tp2" in which:
         from hipengine.gpu.tp_executor import TpGpuBackend
         from hipengine.gpu.tp_monokernel import TpMonokernelBackend
@@ -33,23 +33,6 @@ def main():
         print("per-op tp2 tokens", toks)
         compare(be, TpGpuBackend.decode, prompt, toks, "tp2")
         be.close()
-    if "profile" in which:  # the stage profile of both ranks at 1K (HIPENGINE_MK_PROFILE build)
-        import os
-        os.environ["HIPENGINE_MK_PROFILE"] = "1"
-        from hipengine.bench.decode import profile_table
-        from hipengine.gpu.monokernel import read_profile, reset_profile
-        from hipengine.gpu.tp_monokernel import TpMonokernelBackend
-        be = TpMonokernelBackend(model, max_context=1024, tp=2)
-        long = np.random.default_rng(0).integers(0, model.config.vocab_size, 1024 - 128)
-        params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-        list(be.generate_ids(long, params))
-        for rk in be.ranks:
-            reset_profile(rk)
-        list(be.generate_ids(long, params))
-        for r, rk in enumerate(be.ranks):
-            print(f"rank {r}:\n" + profile_table(read_profile(rk), model.config.num_layers), flush=True)
-        be.close()
-        os.environ.pop("HIPENGINE_MK_PROFILE")
     if "tp1ll" in which:
         import os
         os.environ["HIPENGINE_MK_LL"] = "1"

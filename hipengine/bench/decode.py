@@ -173,13 +173,13 @@ def _run(args) -> int:
     from ..gpu.runtime import get_runtime
     from .probe import measure_hbm_read_bandwidth
 
-    if getattr(args, "tp", 1) != 1:  # the tensor-parallel per-op path measures itself (same method)
+    if getattr(args, "profile", False):  # the stage-profiling build of the monokernel (a few % slower)
+        os.environ["HIPENGINE_MK_PROFILE"] = "1"
+    if getattr(args, "tp", 1) != 1:  # tensor parallelism measures itself (same method)
         from ..gpu.tp_executor import bench_decode
 
         return bench_decode(args)
     contexts = sorted(set(args.context or DEFAULT_CONTEXTS))
-    if getattr(args, "profile", False):  # the stage-profiling build of the monokernel (a few % slower)
-        os.environ["HIPENGINE_MK_PROFILE"] = "1"
     loaded, name = _load(args)
     rt = get_runtime(0)
     print(f"measuring HBM read bandwidth on {rt.name} ...", file=sys.stderr)

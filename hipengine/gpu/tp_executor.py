@@ -360,6 +360,7 @@ def bench_decode(args) -> int:
     from ..bench import git_commit, utc_now
     from ..bench.probe import measure_hbm_read_bandwidth
     from ..errors import HipEngineError
+    from .monokernel import read_profile, reset_profile
     from .runtime import get_runtime
 
     try:
@@ -408,6 +409,10 @@ def bench_decode(args) -> int:
                             be.decode_from(int(prompt[-1]), D.GEN)
                         return D._timed(g)
 
+                    profiled = path == "monokernel" and be.ranks[0].prof_buf is not None  # bench --profile
+                    if profiled:
+                        for rk in be.ranks:
+                            reset_profile(rk)
                     toks, ttfts, rates = D.timed_runs(once, D.RUNS, D.GEN, f"{label} at context {C}")
                     b = max(be.plan.rank_config(k).decode_bytes_per_token(2.0, context=C) for k in range(args.tp))
                     tok_s = statistics.median(rates)
@@ -417,6 +422,10 @@ def bench_decode(args) -> int:
                                  "pct_hbm": 100.0 * tok_s * b / hbm})
                     same.append(toks)
                     print(f"  context {C:6d} {label} {tok_s:8.1f} tok/s", file=sys.stderr)
+                    if profiled:  # every rank's block 0 (the ranks wait on each other: compare their waits)
+                        rows[-1]["stage_profile"] = [read_profile(rk) for rk in be.ranks]
+                        for r, prof in enumerate(rows[-1]["stage_profile"]):
+                            print(f"  rank {r}:\n" + D.profile_table(prof, loaded.config.num_layers), file=sys.stderr)
                 if len(same) == 2:  # recorded, not raised: a divergence is a finding to report
                     for r in rows[-2:]:
                         r["identical_to_other_path"] = same[0] == same[1]
