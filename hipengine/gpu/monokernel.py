@@ -351,13 +351,12 @@ class MonokernelBackend(GpuBackend):
                                    "(last split block combines its group)")
         self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
         self.prof_buf = self._buf(8 * MK_PROF_WORDS) if profiling() else None
-        # the LL exchange's region for one rank (used at tp = 1 only with HIPENGINE_MK_LL=1; at tp > 1
-        # TpMonokernelBackend replaces it with one sized for every rank)
-        self.ll_bytes = 8 * ll_words(1, cfg.hidden_size)
-        self.ll_buf = rt.malloc_fine_grained(self.ll_bytes)  # fine-grained on AMD: peers write it at tp > 1
-        self._bufs.append(self.ll_buf)
-        self.tp_ll_ptr = self._up(np.array([self.ll_buf.ptr], np.uint64)).ptr
-        self.xb_ptr = self._buf(4 * cfg.hidden_size).ptr
+        # The LL exchange (MK_TP builds): set up here for HIPENGINE_MK_LL at tp = 1, by TpMonokernelBackend
+        # for every rank at tp > 1.
+        self.ll_buf, self.tp_ll_ptr, self.xb_ptr = None, 0, 0
+        if self.ll_local:
+            self.alloc_exchange(1)
+            self.set_exchange_table([self.ll_buf.ptr])
         self._size_launch()
         self._setup_buffers()
 
@@ -443,6 +442,20 @@ class MonokernelBackend(GpuBackend):
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)
+
+    def alloc_exchange(self, world: int) -> None:
+        """This rank's LL exchange region for `world` ranks (zeroed; fine-grained on AMD: peers store into it
+        while this GPU polls it) and the second residual buffer the exchange build uses."""
+        d = self.config.hidden_size
+        self.ll_bytes = 8 * ll_words(world, d)
+        self.ll_buf = self.rt.malloc_fine_grained(self.ll_bytes)
+        self._bufs.append(self.ll_buf)
+        self.rt.memset(self.ll_buf, 0, self.ll_bytes)
+        self.xb_ptr = self._buf(4 * d).ptr
+
+    def set_exchange_table(self, bases: list[int]) -> None:
+        """The device table of every rank's LL region (index = rank), as the kernel reads p.tp_ll."""
+        self.tp_ll_ptr = self._up(np.array(bases, np.uint64)).ptr
 
     def _launch(self, mode: int, token: int, pos: int, hist_len: int, params: SamplingParams | None = None,
                 eos: list[int] = (), seed: int = 0) -> None:

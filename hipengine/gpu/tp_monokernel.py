@@ -28,7 +28,7 @@ import numpy as np
 from ..backend import SamplingParams
 from ..errors import DeviceError, UnsupportedError
 from . import ops as O
-from .monokernel import MK_STATUS, MonokernelBackend, ll_words
+from .monokernel import MK_STATUS, MonokernelBackend
 from .tp_executor import TpGpuBackend, TpRank
 
 
@@ -62,7 +62,7 @@ class TpMonokernelBackend(TpGpuBackend):
             raise
 
     def _init_exchange(self) -> None:
-        rts, world, d = self.rts, self.tp, self.config.hidden_size
+        rts, world = self.rts, self.tp
         for i, a in enumerate(rts):
             for j, b in enumerate(rts):
                 if i != j and not a.can_access_peer(b):
@@ -73,17 +73,12 @@ class TpMonokernelBackend(TpGpuBackend):
             for j, b in enumerate(rts):
                 if i != j:
                     a.enable_peer_access(b)
-        nbytes = 8 * ll_words(world, d)
         for rk in self.ranks:
-            # fine-grained on AMD: peers store into it and this GPU polls it while the kernel runs
-            rk.ll_buf = rk.rt.malloc_fine_grained(nbytes)
-            rk._bufs.append(rk.ll_buf)
-            rk.ll_bytes = nbytes
-            rk.rt.memset(rk.ll_buf, 0, nbytes)
-        table = np.array([rk.ll_buf.ptr for rk in self.ranks], np.uint64)
+            rk.alloc_exchange(world)
+        bases = [rk.ll_buf.ptr for rk in self.ranks]
         for r, rk in enumerate(self.ranks):
             rk.tp_world, rk.tp_rank, rk.vocab_off = world, r, self.vocab_offsets[r]
-            rk.tp_ll_ptr = rk._up(table).ptr
+            rk.set_exchange_table(bases)
         for rt in rts:
             rt.synchronize()
         self.W = self.ranks[0].W
