@@ -1,14 +1,18 @@
-"""Monokernel launch-configuration sweep at one context (default 1K) on the llama-3.2-1b preset.
+"""Monokernel build/launch-configuration sweep on the llama-3.2-1b preset, at one or more contexts
+(--contexts 1024,8192,32768; default 1K).
 
 Each variant is (environment for the build, runtime attributes); a variant with a new build constructs a new
-MonokernelBackend (the compile cache makes repeats cheap). Prints one line per variant and writes JSON
-(--json) with the commit, GPU and every figure, so the defaults in hipengine/gpu/monokernel.py can cite it.
+MonokernelBackend (the compile cache makes repeats cheap). Every variant must produce the same greedy tokens
+as the first at each context (none of the knobs may change a result): a difference is recorded and printed.
+Prints one line per variant and context and writes JSON (--json) with the commit, GPU and every figure, so
+the defaults in hipengine/gpu/monokernel.py can cite it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -17,50 +21,101 @@ from hipengine.bench.decode import measure
 from hipengine.presets import preset_model
 
 
+RING0 = {"HIPENGINE_MK_ATTN_RING": "0"}
 VARIANTS = [  # name, build env, runtime attrs
-    ("default (1 blk/SM, unroll 4, fine 3)", {}, {}),
+    ("attention rows in registers (ring 0)", RING0, {}),
+    ("attention ring 2", {"HIPENGINE_MK_ATTN_RING": "2"}, {}),
+    ("attention ring 3", {"HIPENGINE_MK_ATTN_RING": "3"}, {}),
+    ("attention ring 4", {"HIPENGINE_MK_ATTN_RING": "4"}, {}),
+    ("attention ring 4 + hoist", {"HIPENGINE_MK_ATTN_RING": "4", "HIPENGINE_MK_ATTN_HOIST": "1"}, {}),
+    ("attention ring 2 + hoist", {"HIPENGINE_MK_ATTN_RING": "2", "HIPENGINE_MK_ATTN_HOIST": "1"}, {}),
+    ("ring 0 again (drift check)", RING0, {}),
     ("fine 2 (barrier + one head per block)", {}, {"fine": 2}),
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
-    ("default again (drift check)", {}, {}),
 ]
+BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_ATTN_RING",
+               "HIPENGINE_MK_ATTN_HOIST")
+
+
+# Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its
+# default monokernel build, for an A/B inside one device call. Prints one JSON line.
+BASELINE = """
+import json, sys
+from hipengine.bench.decode import measure
+from hipengine.gpu.monokernel import MonokernelBackend
+from hipengine.presets import preset_model
+contexts = json.loads(sys.argv[1])
+be = MonokernelBackend(preset_model("llama-3.2-1b", 0), max_context=min(contexts))
+rows = measure(be, contexts, ["monokernel"], runs=int(sys.argv[2]), log=lambda m: None)
+be.close()
+print(json.dumps([{k: r[k] for k in ("context", "tok_s", "tok_s_runs", "tokens")} for r in rows]))
+"""
+
+
+def baseline(tree: str, contexts: list[int], runs: int) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    for k in BUILD_KNOBS:
+        env.pop(k, None)
+    out = subprocess.run([sys.executable, "-c", BASELINE, json.dumps(contexts), str(runs)], env=env,
+                         capture_output=True, text=True, cwd=os.path.abspath(tree))
+    if out.returncode != 0:
+        raise SystemExit(f"baseline tree {tree} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--contexts", default="1024", help="comma-separated contexts (tokens in the KV cache)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default=None, help="comma-separated variant indices")
+    ap.add_argument("--baseline-tree", default=None,
+                    help="an older checkout (e.g. `git archive` of the last commit): its default build is "
+                         "measured first, in a subprocess, and every variant's tokens are compared with it")
     ap.add_argument("--best-env", default=None, help="write the fastest variant's runtime knobs as shell exports")
     args = ap.parse_args()
     from hipengine.gpu.monokernel import MonokernelBackend, grid_info
 
     model = preset_model("llama-3.2-1b", 0)
-    rows, be, be_env = [], None, None
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows, be, be_env, ref = [], None, None, {}
     picks = [int(i) for i in args.only.split(",")] if args.only else range(len(VARIANTS))
+    if args.baseline_tree:
+        t0 = time.perf_counter()
+        for r in baseline(args.baseline_tree, contexts, args.runs):
+            ref[r["context"]] = r["tokens"]
+            rows.append({"variant": f"baseline tree {args.baseline_tree}", "env": {}, "attrs": {},
+                         "context": r["context"], "tok_s": r["tok_s"], "tok_s_runs": r["tok_s_runs"],
+                         "tokens_equal_first_variant": True})
+            print(f"{'baseline ' + args.baseline_tree:50s} {r['context']:6d} {r['tok_s']:8.1f} tok/s  runs "
+                  f"{[round(x, 1) for x in r['tok_s_runs']]}", flush=True)
+        print(f"baseline measured in {time.perf_counter() - t0:.1f} s", flush=True)
     for i in picks:
         name, env, attrs = VARIANTS[i]
         if be is None or env != be_env:
             if be is not None:
                 be.close()
-            for k in ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL"):
+            for k in BUILD_KNOBS:
                 os.environ.pop(k, None)
             os.environ.update(env)
             t0 = time.perf_counter()
-            be, be_env = MonokernelBackend(model, max_context=args.context), env
+            be, be_env = MonokernelBackend(model, max_context=min(contexts)), env
             base = {"fine": be.fine, "poll_sleep_ns": be.poll_sleep_ns}
             print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
         for k, v in {**base, **attrs}.items():
             setattr(be, k, v)
-        r = measure(be, [args.context], ["monokernel"], runs=args.runs, log=lambda m: None)[0]
-        rows.append({"variant": name, "env": env, "attrs": attrs, "tok_s": r["tok_s"], "tok_s_runs": r["tok_s_runs"],
-                     "grid": grid_info(be)})
-        print(f"{name:55s} {r['tok_s']:8.1f} tok/s  runs {[round(x, 1) for x in r['tok_s_runs']]}", flush=True)
+        for r in measure(be, contexts, ["monokernel"], runs=args.runs, log=lambda m: None):
+            C = r["context"]
+            same = ref.setdefault(C, r["tokens"]) == r["tokens"]
+            rows.append({"variant": name, "env": env, "attrs": attrs, "context": C, "tok_s": r["tok_s"],
+                         "tok_s_runs": r["tok_s_runs"], "tokens_equal_first_variant": same, "grid": grid_info(be)})
+            print(f"{name:50s} {C:6d} {r['tok_s']:8.1f} tok/s  runs {[round(x, 1) for x in r['tok_s_runs']]}"
+                  f"{'' if same else '  TOKENS DIFFER from the first variant'}", flush=True)
     if be is not None:
         be.close()
     if args.best_env and rows:
-        best = max(rows, key=lambda r: r["tok_s"])
+        best = max((r for r in rows if r["context"] == contexts[0]), key=lambda r: r["tok_s"])
         names = {"fine": "HIPENGINE_MK_FINE", "poll_sleep_ns": "HIPENGINE_MK_POLL_SLEEP_NS"}
         with open(args.best_env, "w") as f:
             f.write(f"# fastest: {best['variant']} ({best['tok_s']:.1f} tok/s)\n")
@@ -68,7 +123,7 @@ def main() -> int:
                 f.write(f"export {names.get(k, k)}={v}\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "monokernel sweep", "model": "llama-3.2-1b preset (bf16)", "context": args.context,
+            json.dump({"benchmark": "monokernel sweep", "model": "llama-3.2-1b preset (bf16)", "contexts": contexts,
                        "commit": git_commit(), "date": utc_now(), "gpu": os.environ.get("GPU_NAME", ""),
                        "results": rows}, f, indent=1)
     return 0
