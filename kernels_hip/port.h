@@ -236,34 +236,6 @@ HE_INLINE he_vec16 he_load16_stream_rw(const void* p) {
 }
 #endif
 
-// Asynchronous 16-byte global → shared copies (K/V rows landing in a shared-memory ring while the thread
-// works on earlier rows; no register holds the data in flight):
-//   he_cp_async16(dst, src, ok)  dst in shared memory, src in global memory (coherent: L2, no L1 line), both
-//                                16-byte aligned; ok == false writes 16 zero bytes and reads nothing
-//   he_cp_async_commit()         close this thread's group of copies issued so far
-//   he_cp_async_wait<N>()        wait until at most the N most recent groups of this thread are pending (its
-//                                own copies: a thread that reads only what it copied needs no barrier)
-// NVIDIA: cp.async.cg with a source size (sm_80+). AMD gfx942 has no 16-byte global→LDS copy: there it is a
-// plain load and store (synchronous), and kHasAsyncCopy tells callers to keep such rows in registers.
-#if HE_AMD
-constexpr bool kHasAsyncCopy = false;
-HE_INLINE void he_cp_async16(void* dst, const void* src, bool ok) {
-  *(he_vec16*)dst = ok ? he_load16_stream_rw(src) : he_vec16{0u, 0u, 0u, 0u};
-}
-HE_INLINE void he_cp_async_commit() {}
-template <int N>
-HE_INLINE void he_cp_async_wait() {}
-#else
-constexpr bool kHasAsyncCopy = true;
-HE_INLINE void he_cp_async16(void* dst, const void* src, bool ok) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-HE_INLINE void he_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-HE_INLINE void he_cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-#endif
-
 // ------------------------------------------------------------------------------------------------------
 // Warp shuffles and reductions. All lanes of the warp must be active (kernels here launch whole warps and
 // keep every lane in the reduction, masking data instead of threads).

@@ -21,21 +21,14 @@ from hipengine.bench.decode import measure
 from hipengine.presets import preset_model
 
 
-RING0 = {"HIPENGINE_MK_ATTN_RING": "0"}
 VARIANTS = [  # name, build env, runtime attrs
-    ("attention rows in registers (ring 0)", RING0, {}),
-    ("attention ring 2", {"HIPENGINE_MK_ATTN_RING": "2"}, {}),
-    ("attention ring 3", {"HIPENGINE_MK_ATTN_RING": "3"}, {}),
-    ("attention ring 4", {"HIPENGINE_MK_ATTN_RING": "4"}, {}),
-    ("attention ring 4 + hoist", {"HIPENGINE_MK_ATTN_RING": "4", "HIPENGINE_MK_ATTN_HOIST": "1"}, {}),
-    ("attention ring 2 + hoist", {"HIPENGINE_MK_ATTN_RING": "2", "HIPENGINE_MK_ATTN_HOIST": "1"}, {}),
-    ("ring 0 again (drift check)", RING0, {}),
+    ("default (1 blk/SM, unroll 4, fine 3)", {}, {}),
     ("fine 2 (barrier + one head per block)", {}, {"fine": 2}),
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
+    ("default again (drift check)", {}, {}),
 ]
-BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_ATTN_RING",
-               "HIPENGINE_MK_ATTN_HOIST")
+BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its

@@ -2,8 +2,7 @@
 variants a device session uses, on this CPU machine (NVRTC only), so device time is not spent compiling.
 Usage: HIPENGINE_CACHE=$PWD/.mkcache python scripts/precompile_mk.py [variant ...]
 Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unroll8, 2blk, 1b, 1b-profile,
-1b-tp, 1b-tp-profile, 1b-ring0/2/3/4, 1b-ring4-hoist, 1b-ring2-hoist (the 1b variants: llama-3.2-1b only, bf16,
-group 4; -tp: the LL exchange build, MK_TP=1; -ringN: the attention K/V ring depth, -hoist: MK_ATTN_HOIST)."""
+1b-tp, 1b-tp-profile (the last six: llama-3.2-1b only, bf16, group 4; -tp: the LL exchange build, MK_TP=1)."""
 from __future__ import annotations
 
 import os
@@ -19,14 +18,6 @@ VARIANTS = {
     "1b-profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False,), (4,)),
     "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,)),  # the tensor-parallel build (MK_TP=1)
     "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,)),
-    # the attention K/V source (v16): ring 0 = registers; ring N = N batches per warp in shared memory
-    "1b-ring0": ({"HIPENGINE_MK_ATTN_RING": "0"}, (False,), (4,)),
-    "1b-ring2": ({"HIPENGINE_MK_ATTN_RING": "2"}, (False,), (4,)),
-    "1b-ring3": ({"HIPENGINE_MK_ATTN_RING": "3"}, (False,), (4,)),
-    "1b-ring4": ({"HIPENGINE_MK_ATTN_RING": "4"}, (False,), (4,)),
-    "1b-ring4-hoist": ({"HIPENGINE_MK_ATTN_RING": "4", "HIPENGINE_MK_ATTN_HOIST": "1"}, (False,), (4,)),
-    "1b-ring2-hoist": ({"HIPENGINE_MK_ATTN_RING": "2", "HIPENGINE_MK_ATTN_HOIST": "1"}, (False,), (4,)),
-    "session-ring4-hoist": ({"HIPENGINE_MK_ATTN_RING": "4", "HIPENGINE_MK_ATTN_HOIST": "1"}, (False, True), (2, 3, 4)),
 }
 
 

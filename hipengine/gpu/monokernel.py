@@ -121,8 +121,6 @@ PARAM_FIELDS = [
     ("tp_rank", "he_i32"),
     ("vocab_off", "he_i32"),        # first global token id of this rank's LM-head slice
     ("embed_vocab", "he_i32"),      # rows of the embedding (all token ids; `vocab` is the LM head's slice)
-    ("attn_ring", "he_i32"),        # MK_ATTN_RING builds: float offset of the attention K/V ring in shared memory
-    ("pad2", "he_i32"),
 ]
 
 STATE_FIELDS = [
@@ -252,8 +250,7 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
     from .ops import attn_lanes
 
     defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), "HE_ATTN_LPR": attn_lanes(head_dim),
-               "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll(),
-               "MK_ATTN_RING": attn_ring(vendor), "MK_ATTN_HOIST": int(attn_hoist(vendor))}
+               "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll()}
     if profiling():
         defines["MK_PROFILE"] = 1
     if kv_f16:
@@ -261,34 +258,6 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
     if tp or ll_local():
         defines["MK_TP"] = 1
     return {"defines": defines, "options": opts or None}
-
-
-# Batches of K/V rows per warp in the attention split's shared-memory ring (0: registers). Measured on H200:
-# docs/perf-log.md v16.
-DEFAULT_ATTN_RING = 0
-
-
-def attn_ring(vendor: str) -> int:
-    """The attention split's K/V ring depth for this vendor's build (HIPENGINE_MK_ATTN_RING; 0 = rows in
-    registers, else 2-8 batches per warp in shared memory, filled by asynchronous copies). AMD: always 0
-    (gfx942 has no 16-byte global-to-LDS copy; port.h kHasAsyncCopy). Output does not depend on it."""
-    if vendor != "nvidia":
-        return 0
-    n = int(os.environ.get("HIPENGINE_MK_ATTN_RING", str(DEFAULT_ATTN_RING)))
-    if n != 0 and not 2 <= n <= 8:
-        raise UnsupportedError(f"HIPENGINE_MK_ATTN_RING={n}: 0 (registers) or 2-8 batches")
-    return n
-
-
-def attn_hoist(vendor: str) -> bool:
-    """HIPENGINE_MK_ATTN_HOIST=1 (ring builds only): a block's first attention split copies its cached K/V
-    rows into the ring before the barrier after QKV. Output does not depend on it."""
-    return attn_ring(vendor) > 0 and os.environ.get("HIPENGINE_MK_ATTN_HOIST", "0") not in ("", "0")
-
-
-def attn_ring_bytes(ring: int, warps: int, warp_size: int) -> int:
-    """Shared memory of the ring: [warps][ring][K, V][4 rows][warp_size] x 16 B (ops/attention_decode.hip)."""
-    return warps * ring * 2 * 4 * warp_size * 16
 
 
 def ll_local() -> bool:
@@ -370,10 +339,8 @@ class MonokernelBackend(GpuBackend):
             raise UnsupportedError("the monokernel needs one weight dtype (all bf16 or all fp16); "
                                    "use --no-monokernel for mixed-dtype models")
         self.ll_local = ll_local()
-        args = compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads, self.kv_f16, cfg.head_dim,
-                            tp=self.mk_tp)
-        self.attn_ring = args["defines"]["MK_ATTN_RING"]  # sizes the shared memory (_size_launch)
-        self.module = rt.compile(SOURCE, **args)
+        self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads,
+                                                        self.kv_f16, cfg.head_dim, tp=self.mk_tp))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
@@ -399,12 +366,9 @@ class MonokernelBackend(GpuBackend):
         rt, cfg = self.rt, self.config
         G = cfg.num_heads // cfg.num_kv_heads
         nw = THREADS // rt.warp_size
-        base = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),  # matvec x staging
-                   (G * cfg.head_dim + nw * G * (cfg.head_dim + 2)) * 4,       # attention (ops.attention)
-                   4 * ((cfg.vocab_size + 31) // 32))                           # sampling history bitmap
-        base = (base + 15) // 16 * 16
-        self.attn_ring_off = base // 4  # the attention K/V ring (MK_ATTN_RING builds) after all of that
-        self.smem = base + attn_ring_bytes(self.attn_ring, nw, rt.warp_size)
+        self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),  # matvec x staging
+                        (G * cfg.head_dim + nw * G * (cfg.head_dim + 2)) * 4,       # attention (ops.attention)
+                        4 * ((cfg.vocab_size + 31) // 32))                           # sampling history bitmap
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
@@ -474,8 +438,7 @@ class MonokernelBackend(GpuBackend):
             fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
             prof=self.prof_buf.ptr if self.prof_buf is not None else 0,
             tp_ll=self.tp_ll_ptr if self._ll_on() else 0, xb=self.xb_ptr, tp_world=self.tp_world,
-            tp_rank=self.tp_rank, vocab_off=self.vocab_off, embed_vocab=self.embed_vocab,
-            attn_ring=self.attn_ring_off)
+            tp_rank=self.tp_rank, vocab_off=self.vocab_off, embed_vocab=self.embed_vocab)
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)

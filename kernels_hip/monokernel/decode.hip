@@ -185,10 +185,8 @@ struct MkParams {
   he_i32 tp_rank;
   he_i32 vocab_off;
   he_i32 embed_vocab;
-  he_i32 attn_ring;
-  he_i32 pad2;
 };
-static_assert(sizeof(MkParams) == 352, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 344, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -247,8 +245,6 @@ MK_OFFSET_CHECK(MkParams, tp_world, 328)
 MK_OFFSET_CHECK(MkParams, tp_rank, 332)
 MK_OFFSET_CHECK(MkParams, vocab_off, 336)
 MK_OFFSET_CHECK(MkParams, embed_vocab, 340)
-MK_OFFSET_CHECK(MkParams, attn_ring, 344)
-MK_OFFSET_CHECK(MkParams, pad2, 348)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -341,8 +337,6 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[80] = (he_u64)((const char*)&vMkParams.tp_rank - (const char*)&vMkParams);
   out[81] = (he_u64)((const char*)&vMkParams.vocab_off - (const char*)&vMkParams);
   out[82] = (he_u64)((const char*)&vMkParams.embed_vocab - (const char*)&vMkParams);
-  out[83] = (he_u64)((const char*)&vMkParams.attn_ring - (const char*)&vMkParams);
-  out[84] = (he_u64)((const char*)&vMkParams.pad2 - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -367,20 +361,6 @@ constexpr bool kMkTp = MK_TP != 0;
 #ifndef MK_ATTN_G
 #define MK_ATTN_G 4
 #endif
-// Where the attention split's K/V rows wait for their use (ops/attention_decode.hip HeAttnRows): 0 =
-// registers, one batch in flight per lane group; n >= 2 = a ring of n batches per warp in shared memory
-// (MkParams.attn_ring: its offset in the dynamic shared memory), n - 1 in flight. MK_ATTN_HOIST: a block's
-// first split requests its cached rows [0, pos) before the grid barrier that publishes the new row pos (ring
-// builds only: the ring holds them across the barrier without registers). Compile-time, from the host;
-// neither changes a result.
-#ifndef MK_ATTN_RING
-#define MK_ATTN_RING 0
-#endif
-#ifndef MK_ATTN_HOIST
-#define MK_ATTN_HOIST 0
-#endif
-constexpr int kMkAttnRing = MK_ATTN_RING;
-constexpr bool kMkAttnHoist = MK_ATTN_HOIST != 0 && kMkAttnRing > 0;
 
 // ---- stage profile (-DMK_PROFILE=1 builds only) -----------------------------------------------------------
 // Block 0's thread 0 accumulates, per stage kind, the cycles from the stage's start to its arrival at the
@@ -474,37 +454,12 @@ HE_INLINE void mk_combine(const MkParams& p, int h0, int n) {
   if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(p.attn_count + p.nkv + 1, (he_u32)n);
 }
 
-HE_INLINE he_vec16* mk_attn_ring(const MkParams& p, float* smem) { return (he_vec16*)(smem + p.attn_ring); }
-
-// MK_ATTN_HOIST: this block's first split copies its rows [0, pos) into the ring here, before the barrier
-// after QKV (those rows were written in earlier steps; the barrier publishes only row pos), so their HBM
-// round trip overlaps the barrier instead of following it.
-// (Templates on the ring depth so a register build never instantiates the ring's code.)
-template <int kRing>
-HE_INLINE void mk_attention_issue(const MkParams& p, const MkLayer& L, int pos, float* smem) {
-  const int it = he_block_idx();
-  if (it < p.nkv * p.nsplit)
-    he_attn_ring_begin<kRing>(he_attn_src(L.k_cache, L.v_cache, pos + 1, it / p.nsplit, it % p.nsplit,
-                                                p.chunk, p.hd, p.max_ctx), mk_attn_ring(p, smem), pos);
-}
-
-template <int kRing>
 HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof) {
   const int items = p.nkv * p.nsplit;
   for (int it = he_block_idx(); it < items; it += he_grid_dim()) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
-    const HeAttnSrc src = he_attn_src(L.k_cache, L.v_cache, pos + 1, kvh, split, p.chunk, p.hd, p.max_ctx);
-    HeAttnRows rows;
-    HeAttnFix fix{he_vec16{0u, 0u, 0u, 0u}, he_vec16{0u, 0u, 0u, 0u}, -1};
-    if constexpr (kRing == 0) {
-      he_attn_issue(src, rows);
-    } else if (kMkAttnHoist && it == he_block_idx()) {
-      fix = he_attn_fix_row(src, pos);  // rows [0, pos) are in the ring's copies already
-    } else {
-      he_attn_ring_begin<kRing>(src, mk_attn_ring(p, smem), pos + 1);
-    }
-    he_attention_split_block<MK_ATTN_G, kRing>(p.q, src, p.partial, pos + 1, kvh, split, p.nsplit, p.hd,
-                                                     smem, rows, mk_attn_ring(p, smem), fix);
+    he_attention_split_block<MK_ATTN_G>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
+                                        p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem);
     if (it == he_block_idx()) prof.work(kProfAttnSplit);  // block 0: stage start -> end of its first split
     // fine == 3: the last of this KV head's nsplit blocks to arrive (acq_rel counter at device scope: it
     // sees every split's partial) combines the whole group, one thread per (head, dim), no grid barrier.
@@ -685,9 +640,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
           he_qk_norm_rope_head(p.qkv, L.q_norm, L.k_norm, p.eps, p.cos_t, p.sin_t, pos, p.q, L.k_cache, L.v_cache,
                                p.max_ctx, p.nh, p.nkv, p.hd, head, scratch);
       }
-      if constexpr (kMkAttnHoist) mk_attention_issue<kMkAttnRing>(p, L, pos, he_mk_smem);
       if (!barrier(kProfQkv)) return;
-      mk_attention<kMkAttnRing>(p, L, pos, he_mk_smem, prof);
+      mk_attention(p, L, pos, he_mk_smem, prof);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1);

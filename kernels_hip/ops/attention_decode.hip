@@ -59,185 +59,6 @@ constexpr int kAttnLpr = HE_ATTN_LPR;
 static_assert(kAttnLpr >= 1 && kAttnLpr <= kWarpSize && (kAttnLpr & (kAttnLpr - 1)) == 0,
               "HE_ATTN_LPR: a power of two up to the warp width");
 
-// Where a split's K/V rows wait between their request and their use. A lane group takes kAttnUnroll rows
-// per batch (rows p, p + kR, ... of its warp's slice); each lane holds 16 bytes of each row.
-//   kRing == 0 (per-op kernels, and AMD): registers, one batch per lane (HeAttnRows). The next batch is
-//     requested while the current one is used (K after the scores, V after the accumulation), so one batch
-//     per lane group is in flight: at 8K/32K the loop waits one HBM round trip per batch. 128 registers,
-//     two blocks per SM in the per-op kernel.
-//   kRing >= 2 (the monokernel on NVIDIA): a ring of kRing batches per warp in shared memory, filled by
-//     asynchronous copies (port.h he_cp_async16), so kRing − 1 batches stay in flight beside the one being
-//     used without holding registers — the monokernel's registers are full (the O-proj's weights wait in
-//     them through attention), and its one block per SM has half the per-op kernel's warps.
-// Batches are used in row order with the same instructions either way, so the source never changes a
-// result: per-op and monokernel stay bit-identical.
-struct HeAttnRows {
-  he_vec16 k[kAttnUnroll];
-  he_vec16 v[kAttnUnroll];
-};
-
-// Rows [w0, w1) of the split (relative to its first position `start`) belong to this warp.
-struct HeAttnSlice {
-  int start, w0, w1;
-};
-HE_INLINE HeAttnSlice he_attn_slice(int seq, int split, int chunk) {
-  const int start = split * chunk;
-  const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
-  const int nw = he_num_warps(), per_warp = (n + nw - 1) / nw;
-  const int w0 = he_warp_id() * per_warp, w1 = (w0 + per_warp < n) ? w0 + per_warp : n;
-  return HeAttnSlice{start, w0, w1};
-}
-
-// Shared memory of the ring: he_vec16 [warps][kRing][K, V][kAttnUnroll][kWarpSize] (each lane reads only
-// the slots it copied itself, so no barrier guards a slot; the host sizes it: monokernel.attn_ring_bytes).
-template <int kRing>
-HE_INLINE he_vec16* he_attn_ring_at(he_vec16* ring, int batch, int kv, int j) {
-  static_assert(kRing >= 1, "a ring has slots");
-  return ring + (((he_i64)(he_warp_id() * kRing + batch % kRing) * 2 + kv) * kAttnUnroll + j) * kWarpSize +
-         he_lane_id();
-}
-
-// The K/V row sources of one split (kvh, split) of a `seq`-row sequence, for this lane.
-struct HeAttnSrc {
-  const he_kv* kbase;  // this lane's 16 bytes of the split's first row
-  const he_kv* vbase;
-  HeAttnSlice sl;
-  int rw, hd;
-  bool dim_ok;
-};
-HE_INLINE HeAttnSrc he_attn_src(const he_kv* k_cache, const he_kv* v_cache, int seq, int kvh, int split,
-                                int chunk, int hd, int max_ctx) {
-  const HeAttnSlice sl = he_attn_slice(seq, split, chunk);
-  const int lane = he_lane_id(), sub = lane % kAttnLpr;
-  const he_i64 off = ((he_i64)kvh * max_ctx + sl.start) * hd + sub * 8;
-  return HeAttnSrc{k_cache + off, v_cache + off, sl, lane / kAttnLpr, hd, sub * 8 < hd};
-}
-
-// This lane's row of batch b, slot j (relative to the split start), and whether the lane has it.
-HE_INLINE int he_attn_row(const HeAttnSrc& a, int b, int j) {
-  return a.sl.w0 + a.rw + (b * kAttnUnroll + j) * (kWarpSize / kAttnLpr);
-}
-HE_INLINE bool he_attn_has(const HeAttnSrc& a, int p) { return p < a.sl.w1 && a.dim_ok; }
-
-// Register source: request batch 0 (the per-op kernels: before q is staged; cache rows never depend on it).
-HE_INLINE void he_attn_issue(const HeAttnSrc& a, HeAttnRows& r) {
-#pragma unroll
-  for (int j = 0; j < kAttnUnroll; ++j) {
-    const int p = he_attn_row(a, 0, j);
-    const bool ok = he_attn_has(a, p);
-    r.k[j] = ok ? he_load16_stream_rw(a.kbase + (he_i64)p * a.hd) : he_vec16{0u, 0u, 0u, 0u};
-    r.v[j] = ok ? he_load16_stream_rw(a.vbase + (he_i64)p * a.hd) : he_vec16{0u, 0u, 0u, 0u};
-  }
-}
-
-// Ring source: copy batch b into its slot, only rows at absolute positions below `hi` (the others, and
-// rows past the slice, land as zeros), as one commit group.
-template <int kRing>
-HE_INLINE void he_attn_ring_issue(const HeAttnSrc& a, he_vec16* ring, int b, int hi) {
-#pragma unroll
-  for (int j = 0; j < kAttnUnroll; ++j) {
-    const int p = he_attn_row(a, b, j);
-    const bool ok = he_attn_has(a, p) && a.sl.start + p < hi;
-    const he_i64 o = ok ? (he_i64)p * a.hd : 0;
-    he_cp_async16(he_attn_ring_at<kRing>(ring, b, 0, j), a.kbase + o, ok);
-    he_cp_async16(he_attn_ring_at<kRing>(ring, b, 1, j), a.vbase + o, ok);
-  }
-  he_cp_async_commit();
-}
-
-// The ring's first kRing batches (rows below `hi`: the monokernel requests rows [0, pos) before the grid
-// barrier that publishes row pos, and row pos itself after it, see he_attn_fix_row).
-template <int kRing>
-HE_INLINE void he_attn_ring_begin(const HeAttnSrc& a, he_vec16* ring, int hi) {
-#pragma unroll
-  for (int b = 0; b < kRing; ++b) he_attn_ring_issue<kRing>(a, ring, b, hi);
-}
-
-// Row `fix` (absolute position) requested into registers by the lane that owns it (the others get -1): the
-// one row the ring's early requests left out. The split loop uses it in place of the ring's zeros.
-struct HeAttnFix {
-  he_vec16 k, v;
-  int row;  // relative to the split start; -1: this lane owns no such row
-};
-HE_INLINE HeAttnFix he_attn_fix_row(const HeAttnSrc& a, int fix) {
-  const int p = fix - a.sl.start, kR = kWarpSize / kAttnLpr;
-  HeAttnFix f{he_vec16{0u, 0u, 0u, 0u}, he_vec16{0u, 0u, 0u, 0u}, -1};
-  if (p >= a.sl.w0 && he_attn_has(a, p) && (p - a.sl.w0) % kR == a.rw) {
-    f.k = he_load16_stream_rw(a.kbase + (he_i64)p * a.hd);
-    f.v = he_load16_stream_rw(a.vbase + (he_i64)p * a.hd);
-    f.row = p;
-  }
-  return f;
-}
-
-// One batch of a lane group's rows p0 + rw + j·kR (j < kAttnUnroll), in two halves so the register source
-// can request the next K rows between them: he_attn_scores (K · every head's q, log2 units, -inf for rows
-// past the slice), then he_attn_accumulate (one online-softmax step per head for the whole batch, then V).
-template <int kG>
-HE_INLINE void he_attn_scores(const he_vec16 (&kb)[kAttnUnroll], int p0, int rw, int w1, const float* qs, int hd,
-                              int qoff, float (&s)[kAttnUnroll][kG]) {
-  constexpr int kL = kAttnLpr, kR = kWarpSize / kAttnLpr;
-#pragma unroll
-  for (int j = 0; j < kAttnUnroll; ++j) {
-    const bool any = p0 + j * kR < w1;  // warp-uniform: some lane group has a row here
-    const bool ok = p0 + rw + j * kR < w1;
-    if (any) {
-      const he_vec16 k = kb[j];
-      const float kf[8] = {he_kvlo_to_f32(k.x), he_kvhi_to_f32(k.x), he_kvlo_to_f32(k.y), he_kvhi_to_f32(k.y),
-                           he_kvlo_to_f32(k.z), he_kvhi_to_f32(k.z), he_kvlo_to_f32(k.w), he_kvhi_to_f32(k.w)};
-#pragma unroll
-      for (int g = 0; g < kG; ++g) {
-        float d = 0.f;
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) d += kf[jj] * qs[g * hd + qoff + jj];
-#pragma unroll
-        for (int x = kL / 2; x > 0; x >>= 1) d += he_shfl_xor(d, x);
-        s[j][g] = ok ? d : he_neg_inf();
-      }
-    } else {
-#pragma unroll
-      for (int g = 0; g < kG; ++g) s[j][g] = he_neg_inf();
-    }
-  }
-}
-
-template <int kG>
-HE_INLINE void he_attn_accumulate(const he_vec16 (&vb)[kAttnUnroll], int p0, int w1, float (&s)[kAttnUnroll][kG],
-                                  float (&m)[kG], float (&l)[kG], float (&o)[kG][8]) {
-  constexpr int U = kAttnUnroll, kR = kWarpSize / kAttnLpr;
-  // one online-softmax step per head for the whole batch; scores become weights in place
-#pragma unroll
-  for (int g = 0; g < kG; ++g) {
-    float M = m[g];
-#pragma unroll
-    for (int j = 0; j < U; ++j) M = he_fmax(M, s[j][g]);
-    const float Ms = (M == he_neg_inf()) ? 0.f : M;  // nothing seen yet: every weight below is 2^-inf = 0
-    const float a = he_exp2(m[g] - Ms);              // m = -inf: a = 0
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < U; ++j) {
-      s[j][g] = he_exp2(s[j][g] - Ms);
-      sum += s[j][g];
-    }
-    l[g] = l[g] * a + sum;
-    m[g] = M;
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) o[g][jj] *= a;
-  }
-#pragma unroll
-  for (int j = 0; j < U; ++j) {
-    if (p0 + j * kR < w1) {  // warp-uniform, as in he_attn_scores
-      const he_vec16 v = vb[j];
-      const float vf[8] = {he_kvlo_to_f32(v.x), he_kvhi_to_f32(v.x), he_kvlo_to_f32(v.y), he_kvhi_to_f32(v.y),
-                           he_kvlo_to_f32(v.z), he_kvhi_to_f32(v.z), he_kvlo_to_f32(v.w), he_kvhi_to_f32(v.w)};
-#pragma unroll
-      for (int g = 0; g < kG; ++g)
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) o[g][jj] += s[j][g] * vf[jj];
-    }
-  }
-}
-
 // kG = num_heads / num_kv_heads as a template parameter: the per-lane state is kG·10 registers, and a
 // runtime bound of kAttnMaxGroup cost 155 registers (one block per SM) even for G = 4.
 //
@@ -246,24 +67,23 @@ HE_INLINE void he_attn_accumulate(const he_vec16 (&vb)[kAttnUnroll], int p0, int
 // shuffle reduction per (row, head), then ONE online-softmax rescale per head per batch
 // (max over the batch's scores, one exp2 per score, o·a once) instead of one per row, then V converted once
 // per row and accumulated into every head. Rows past the slice are skipped warp-wide when no lane group has
-// one (short contexts leave most of a batch empty).
-//
-// Sources (see HeAttnRows): kRing == 0: `r` holds batch 0 already requested (he_attn_issue). kRing >= 2:
-// the ring's first kRing batches are requested (he_attn_ring_begin) into `ring`, and `fix` carries the row
-// they left out (row -1: none).
-template <int kG, int kRing>
+// one (short contexts leave most of a batch empty). The next batch's K loads go out as soon as the scores
+// are taken, its V loads after the accumulation, so they fly under the remaining work of this batch.
+template <int kG>
 // q, the caches and partial are rewritten inside the monokernel, so none is `const __restrict__` here (that
 // lets the compiler use the non-coherent read-only path) and cache rows use the coherent streaming load.
-HE_INLINE void he_attention_split_block(const float* q, const HeAttnSrc& src, float* partial, int seq, int kvh,
-                                        int split, int nsplit, int hd, float* smem, HeAttnRows& r,
-                                        he_vec16* ring, const HeAttnFix& fix) {
+HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
+                                        const he_kv* v_cache, float* partial, int seq,
+                                        int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
+                                        int max_ctx, float* smem) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
-  static_assert(kRing == 0 || (kRing >= 2 && kHasAsyncCopy), "ring: 0 (registers) or >= 2 with async copies");
   constexpr int G = kG, kL = kAttnLpr, kR = kWarpSize / kAttnLpr;  // lanes per row, rows per warp at once
   constexpr int U = kAttnUnroll;
+  (void)nkv;
   const int t = he_thread_idx(), nt = he_block_dim(), nw = he_num_warps();
-  if (src.sl.start >= seq) {  // nothing to attend in this split: mark it empty for the combine
-    if constexpr (kRing > 0) he_cp_async_wait<0>();  // its zero-fill copies land before the ring is reused
+  const int start = split * chunk;
+  const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
+  if (n == 0) {  // nothing to attend in this split: mark it empty for the combine
     for (int g = t; g < G; g += nt) {
       float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
       pr[hd] = he_neg_inf();
@@ -273,10 +93,23 @@ HE_INLINE void he_attention_split_block(const float* q, const HeAttnSrc& src, fl
   }
   float* qs = smem;              // [G][hd]   q pre-scaled by log2(e)/sqrt(hd)
   float* ws = qs + G * hd;       // [nw][G][hd + 2]  per-warp states (o, m, l)
-  const int lane = he_lane_id(), sub = lane % kL, rw = src.rw;
-  const bool dim_ok = src.dim_ok;
-  const int w1 = src.sl.w1;
+  const int lane = he_lane_id(), sub = lane % kL, rw = lane / kL;
+  const bool dim_ok = sub * 8 < hd;
+  // Each warp owns a contiguous slice of the chunk; lane group rw takes rows rw, rw + kR, ...
+  const int per_warp = (n + nw - 1) / nw;
+  const int w0 = he_warp_id() * per_warp, w1 = (w0 + per_warp < n) ? w0 + per_warp : n;
+  const he_kv* kbase = k_cache + ((he_i64)kvh * max_ctx + start) * hd + sub * 8;
+  const he_kv* vbase = v_cache + ((he_i64)kvh * max_ctx + start) * hd + sub * 8;
 
+  // Issue the first K/V batch before staging q: cache rows do not depend on it.
+  he_vec16 kb[U], vb[U];
+#pragma unroll
+  for (int j = 0; j < U; ++j) {
+    const int p = w0 + rw + j * kR;
+    const bool ok = p < w1 && dim_ok;
+    kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+    vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+  }
   const float qscale = he_rsqrt((float)hd) * kLog2e;
   for (int i = t; i < G * hd; i += nt) qs[i] = q[(he_i64)(kvh * G) * hd + i] * qscale;
   he_sync_block();
@@ -294,39 +127,73 @@ HE_INLINE void he_attention_split_block(const float* q, const HeAttnSrc& src, fl
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[g][j] = 0.f;
   }
-  float s[U][kG];
-  if constexpr (kRing == 0) {
-    // the next batch's K rows go out as soon as the scores are taken, its V rows after the accumulation
-    for (int p0 = src.sl.w0; p0 < w1; p0 += U * kR) {
-      const int pn = p0 + U * kR;  // the next batch's first row
-      he_attn_scores<kG>(r.k, p0, rw, w1, qs, hd, qoff, s);
+  for (int p0 = w0; p0 < w1; p0 += U * kR) {
+    // scores of the batch (log2 units); -inf for rows past the slice
+    float s[U][kG];
 #pragma unroll
-      for (int j = 0; j < U; ++j) {
-        const int p = pn + rw + j * kR;
-        r.k[j] = he_attn_has(src, p) ? he_load16_stream_rw(src.kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
-      }
-      he_attn_accumulate<kG>(r.v, p0, w1, s, m, l, o);
+    for (int j = 0; j < U; ++j) {
+      const bool any = p0 + j * kR < w1;  // warp-uniform: some lane group has a row here
+      const bool ok = p0 + rw + j * kR < w1;
+      if (any) {
+        const he_vec16 k = kb[j];
+        const float kf[8] = {he_kvlo_to_f32(k.x), he_kvhi_to_f32(k.x), he_kvlo_to_f32(k.y), he_kvhi_to_f32(k.y),
+                             he_kvlo_to_f32(k.z), he_kvhi_to_f32(k.z), he_kvlo_to_f32(k.w), he_kvhi_to_f32(k.w)};
 #pragma unroll
-      for (int j = 0; j < U; ++j) {
-        const int p = pn + rw + j * kR;
-        r.v[j] = he_attn_has(src, p) ? he_load16_stream_rw(src.vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+        for (int g = 0; g < kG; ++g) {
+          float d = 0.f;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) d += kf[jj] * qs[g * hd + qoff + jj];
+#pragma unroll
+          for (int x = kL / 2; x > 0; x >>= 1) d += he_shfl_xor(d, x);
+          s[j][g] = ok ? d : he_neg_inf();
+        }
+      } else {
+#pragma unroll
+        for (int g = 0; g < kG; ++g) s[j][g] = he_neg_inf();
       }
     }
-  } else {
-    int b = 0;
-    for (int p0 = src.sl.w0; p0 < w1; p0 += U * kR, ++b) {
-      he_cp_async_wait<kRing - 1>();  // batch b landed (one group per batch, oldest first)
+    const int pn = p0 + U * kR;  // the next batch's first row
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int p = pn + rw + j * kR;
+      kb[j] = (p < w1 && dim_ok) ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+    }
+    // one online-softmax step per head for the whole batch; scores become weights in place
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      float M = m[g];
+#pragma unroll
+      for (int j = 0; j < U; ++j) M = he_fmax(M, s[j][g]);
+      const float Ms = (M == he_neg_inf()) ? 0.f : M;  // nothing seen yet: every weight below is 2^-inf = 0
+      const float a = he_exp2(m[g] - Ms);              // m = -inf: a = 0
+      float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < U; ++j) {
-        const bool f = p0 + rw + j * kR == fix.row;
-        r.k[j] = f ? fix.k : *he_attn_ring_at<kRing>(ring, b, 0, j);
-        r.v[j] = f ? fix.v : *he_attn_ring_at<kRing>(ring, b, 1, j);
+        s[j][g] = he_exp2(s[j][g] - Ms);
+        sum += s[j][g];
       }
-      he_attn_scores<kG>(r.k, p0, rw, w1, qs, hd, qoff, s);
-      he_attn_accumulate<kG>(r.v, p0, w1, s, m, l, o);
-      he_attn_ring_issue<kRing>(src, ring, b + kRing, seq);  // this slot's next batch
+      l[g] = l[g] * a + sum;
+      m[g] = M;
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) o[g][jj] *= a;
     }
-    he_cp_async_wait<0>();  // the tail's zero-fill copies land before the ring is reused
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      if (p0 + j * kR < w1) {  // warp-uniform, as above
+        const he_vec16 v = vb[j];
+        const float vf[8] = {he_kvlo_to_f32(v.x), he_kvhi_to_f32(v.x), he_kvlo_to_f32(v.y), he_kvhi_to_f32(v.y),
+                             he_kvlo_to_f32(v.z), he_kvhi_to_f32(v.z), he_kvlo_to_f32(v.w), he_kvhi_to_f32(v.w)};
+#pragma unroll
+        for (int g = 0; g < kG; ++g)
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) o[g][jj] += s[j][g] * vf[jj];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int p = pn + rw + j * kR;
+      vb[j] = (p < w1 && dim_ok) ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+    }
   }
   HE_ATTN_MARK(1);  // this warp's rows scored and accumulated
   // merge the lane groups of the warp (xor offsets ≥ kL pair rows, keep the dim slot) ...
@@ -382,13 +249,9 @@ HE_INLINE void he_attention_split_block(const float* q, const HeAttnSrc& src, fl
     const int tq = he_block_idx_y();                                                                        \
     const int seq = *pos_p + tq + 1;                                                                        \
     const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
-    const HeAttnSrc src = he_attn_src(k_cache, v_cache, seq, kvh, split, chunk, hd, max_ctx);               \
-    HeAttnRows rows;                                                                                        \
-    he_attn_issue(src, rows);                                                                               \
-    const HeAttnFix none{he_vec16{0u, 0u, 0u, 0u}, he_vec16{0u, 0u, 0u, 0u}, -1};                           \
-    he_attention_split_block<g, 0>(q + (he_i64)tq * nh * hd, src, partial + (he_i64)tq * nh * nsplit * (hd + 2), \
-                                   seq, kvh, split, nsplit, hd, he_attn_smem, rows, nullptr, none);         \
-    (void)nkv;                                                                                              \
+    he_attention_split_block<g>(q + (he_i64)tq * nh * hd, k_cache, v_cache,                                 \
+                                partial + (he_i64)tq * nh * nsplit * (hd + 2), seq, kvh, split, nsplit, chunk, \
+                                nh, nkv, hd, max_ctx, he_attn_smem);                                        \
   }
 HE_ATTN_KERNEL(1)
 HE_ATTN_KERNEL(2)
