@@ -6,8 +6,9 @@
 #   quick : op tests, stage profile + bench at 1K/8K, monokernel tests, bench_ops
 #   full  : quick's tests + profile, the 1B preset's 512-position check, the decode bench at 1K/8K/32K
 #   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
-#   ab    : the sweep's variants at 1K/8K/32K against the tree in $AB_TREE when given (e.g. `git archive` of
-#           the last commit under .carry/: same measurement, tokens compared), op tests, monokernel tests
+#   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
+#           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared), op tests,
+#           monokernel tests, stage profile at 1K/8K
 # Logs and JSON land in $OUT; kernels come from $HIPENGINE_CACHE (precompiled here with
 # `python scripts/precompile_mk.py`, carried as .mkcache) so little device time goes to NVRTC.
 set -uo pipefail
@@ -43,7 +44,7 @@ sweep_best() {
 }
 mk_tests() { run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs; }
 ab_sweep() { run ab_sweep 270 $PY scripts/mk_sweep.py --contexts 1024,8192,32768 ${ONLY:+--only "$ONLY"} \
-               ${AB_TREE:+--baseline-tree "$AB_TREE"} --json "$OUT/ab_sweep.json"; }
+               $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/ab_sweep.json"; }
 preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"; }
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
 bench() { run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
@@ -54,7 +55,7 @@ case "$MODE" in
   quick) ops_tests; profile; mk_tests; bench_ops ;;        # a change's correctness + where the time goes
   full) ops_tests; profile; mk_tests; preset1b; bench ;;   # + the 1B 512-position check + the decode bench
   final) bench; mk_tests ;;
-  ab) ab_sweep; ops_tests; mk_tests ;;
+  ab) ab_sweep; ops_tests; mk_tests; profile ;;
   *) echo "unknown mode $MODE (iter|tune|quick|full|final|ab)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -63,9 +63,10 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default=None, help="comma-separated variant indices")
-    ap.add_argument("--baseline-tree", default=None,
+    ap.add_argument("--baseline-tree", action="append", default=[],
                     help="an older checkout (e.g. `git archive` of the last commit): its default build is "
-                         "measured first, in a subprocess, and every variant's tokens are compared with it")
+                         "measured first, in a subprocess, and every variant's tokens are compared with the "
+                         "first tree's (repeatable: each tree in turn)")
     ap.add_argument("--best-env", default=None, help="write the fastest variant's runtime knobs as shell exports")
     args = ap.parse_args()
     from hipengine.gpu.monokernel import MonokernelBackend, grid_info
@@ -74,16 +75,16 @@ def main() -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     rows, be, be_env, ref = [], None, None, {}
     picks = [int(i) for i in args.only.split(",")] if args.only else range(len(VARIANTS))
-    if args.baseline_tree:
+    for tree in args.baseline_tree:
         t0 = time.perf_counter()
-        for r in baseline(args.baseline_tree, contexts, args.runs):
-            ref[r["context"]] = r["tokens"]
-            rows.append({"variant": f"baseline tree {args.baseline_tree}", "env": {}, "attrs": {},
-                         "context": r["context"], "tok_s": r["tok_s"], "tok_s_runs": r["tok_s_runs"],
-                         "tokens_equal_first_variant": True})
-            print(f"{'baseline ' + args.baseline_tree:50s} {r['context']:6d} {r['tok_s']:8.1f} tok/s  runs "
-                  f"{[round(x, 1) for x in r['tok_s_runs']]}", flush=True)
-        print(f"baseline measured in {time.perf_counter() - t0:.1f} s", flush=True)
+        for r in baseline(tree, contexts, args.runs):
+            same = ref.setdefault(r["context"], r["tokens"]) == r["tokens"]
+            rows.append({"variant": f"baseline tree {tree}", "env": {}, "attrs": {}, "context": r["context"],
+                         "tok_s": r["tok_s"], "tok_s_runs": r["tok_s_runs"], "tokens_equal_first_variant": same})
+            print(f"{'baseline ' + tree:50s} {r['context']:6d} {r['tok_s']:8.1f} tok/s  runs "
+                  f"{[round(x, 1) for x in r['tok_s_runs']]}{'' if same else '  TOKENS DIFFER from the first'}",
+                  flush=True)
+        print(f"baseline {tree} measured in {time.perf_counter() - t0:.1f} s", flush=True)
     for i in picks:
         name, env, attrs = VARIANTS[i]
         if be is None or env != be_env:
