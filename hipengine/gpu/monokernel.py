@@ -67,6 +67,7 @@ PARAM_FIELDS = [
     ("final_norm", "const float*"), # [d]
     ("cos_t", "const float*"),      # [max_ctx, hd/2]
     ("sin_t", "const float*"),      # [max_ctx, hd/2]
+    ("iota", "const int*"),         # [max_ctx] iota[i] = i: a read-only position word for the op bodies
     ("x", "float*"),                # [d] residual stream
     ("qkv", "float*"),              # [q_dim + 2 kv_dim] raw projections (qk_norm path)
     ("q", "float*"),                # [q_dim] rotated queries
@@ -337,9 +338,6 @@ class MonokernelBackend(GpuBackend):
         if len(f16) != 1:
             raise UnsupportedError("the monokernel needs one weight dtype (all bf16 or all fp16); "
                                    "use --no-monokernel for mixed-dtype models")
-        if cfg.head_dim > 256:  # decode.hip kMkRopeMax (the per-step RoPE row in shared memory)
-            raise UnsupportedError(f"the monokernel supports head_dim up to 256 (this model: {cfg.head_dim}); "
-                                   "use --no-monokernel")
         self.ll_local = ll_local()
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp))
@@ -404,6 +402,7 @@ class MonokernelBackend(GpuBackend):
                                 p(L["attn_norm"]), p(L["ffn_norm"]), p(L["bqkv"]), p(L.get("q_norm")),
                                 p(L.get("k_norm")), self._kc(i), self._vc(i), int(L["f16"]), 0)
         self.layer_buf = self._up(np.frombuffer(bytes(layers), np.uint8))
+        self.iota = self._up(np.arange(self.max_context, dtype=np.int32))
         self.state_buf = self._buf(ctypes.sizeof(MkState))
         self.bar_buf = self._buf(16)
         self.attn_count = self._buf(4 * (cfg.num_kv_heads + 2))
@@ -423,7 +422,7 @@ class MonokernelBackend(GpuBackend):
         hd = self.hostmem.dptr
         return MkParams(
             layers=self.layer_buf.ptr, embed=self.embed.ptr, lm_head=self.lm_head.ptr,
-            final_norm=self.final_norm.ptr, cos_t=self.cos.ptr, sin_t=self.sin.ptr,
+            final_norm=self.final_norm.ptr, cos_t=self.cos.ptr, sin_t=self.sin.ptr, iota=self.iota.ptr,
             x=self.x.ptr, qkv=self.qkv.ptr, q=self.q.ptr, att=self.att.ptr, h=self.h.ptr,
             partial=self.partial.ptr, logits=self.logits.ptr, z=self.z.ptr, history=self.history.ptr,
             eos=self.eos_buf.ptr, state=self.state_buf.ptr, bar=self.bar_buf.ptr, attn_count=self.attn_count.ptr,

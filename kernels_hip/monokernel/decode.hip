@@ -37,8 +37,8 @@
 // Coherence of data rewritten inside the kernel (activations, partials, logits, KV rows): read with plain
 // loads after a grid barrier / counter acquire (sync.h). Pointers come from the parameter block, and the op
 // bodies take such data through plain (not `const __restrict__`) pointers, so the compiler cannot turn
-// those loads into non-coherent read-only-path loads (ld.global.nc). The position is a value in the op
-// descriptors (HeMvQkv.pos_v), and the step's RoPE row is copied into shared memory (mk_rope) once per step.
+// those loads into non-coherent read-only-path loads (ld.global.nc). The position is passed to the op
+// bodies as &iota[pos] (a table the kernel never writes) instead of a device word that changes every step.
 // KV rows are read with he_load16_stream_rw (coherent, no L1 allocation): row `pos` is first read after it
 // was written and a barrier's acquire.
 #include "port.h"
@@ -133,6 +133,7 @@ struct MkParams {
   const float* final_norm;
   const float* cos_t;
   const float* sin_t;
+  const int* iota;
   float* x;
   float* qkv;
   float* q;
@@ -185,64 +186,65 @@ struct MkParams {
   he_i32 vocab_off;
   he_i32 embed_vocab;
 };
-static_assert(sizeof(MkParams) == 336, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 344, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
 MK_OFFSET_CHECK(MkParams, final_norm, 24)
 MK_OFFSET_CHECK(MkParams, cos_t, 32)
 MK_OFFSET_CHECK(MkParams, sin_t, 40)
-MK_OFFSET_CHECK(MkParams, x, 48)
-MK_OFFSET_CHECK(MkParams, qkv, 56)
-MK_OFFSET_CHECK(MkParams, q, 64)
-MK_OFFSET_CHECK(MkParams, att, 72)
-MK_OFFSET_CHECK(MkParams, h, 80)
-MK_OFFSET_CHECK(MkParams, partial, 88)
-MK_OFFSET_CHECK(MkParams, logits, 96)
-MK_OFFSET_CHECK(MkParams, z, 104)
-MK_OFFSET_CHECK(MkParams, history, 112)
-MK_OFFSET_CHECK(MkParams, eos, 120)
-MK_OFFSET_CHECK(MkParams, state, 128)
-MK_OFFSET_CHECK(MkParams, bar, 136)
-MK_OFFSET_CHECK(MkParams, attn_count, 144)
-MK_OFFSET_CHECK(MkParams, cand, 152)
-MK_OFFSET_CHECK(MkParams, host, 160)
-MK_OFFSET_CHECK(MkParams, ring, 168)
-MK_OFFSET_CHECK(MkParams, timeout_ns, 176)
-MK_OFFSET_CHECK(MkParams, vocab, 184)
-MK_OFFSET_CHECK(MkParams, d, 188)
-MK_OFFSET_CHECK(MkParams, ffn, 192)
-MK_OFFSET_CHECK(MkParams, nh, 196)
-MK_OFFSET_CHECK(MkParams, nkv, 200)
-MK_OFFSET_CHECK(MkParams, hd, 204)
-MK_OFFSET_CHECK(MkParams, n_layers, 208)
-MK_OFFSET_CHECK(MkParams, max_ctx, 212)
-MK_OFFSET_CHECK(MkParams, nsplit, 216)
-MK_OFFSET_CHECK(MkParams, chunk, 220)
-MK_OFFSET_CHECK(MkParams, embed_f16, 224)
-MK_OFFSET_CHECK(MkParams, head_f16, 228)
-MK_OFFSET_CHECK(MkParams, qk_norm, 232)
-MK_OFFSET_CHECK(MkParams, n_eos, 236)
-MK_OFFSET_CHECK(MkParams, mode, 240)
-MK_OFFSET_CHECK(MkParams, max_tokens, 244)
-MK_OFFSET_CHECK(MkParams, ring_cap, 248)
-MK_OFFSET_CHECK(MkParams, top_k, 252)
-MK_OFFSET_CHECK(MkParams, eps, 256)
-MK_OFFSET_CHECK(MkParams, temperature, 260)
-MK_OFFSET_CHECK(MkParams, top_p, 264)
-MK_OFFSET_CHECK(MkParams, min_p, 268)
-MK_OFFSET_CHECK(MkParams, rep_pen, 272)
-MK_OFFSET_CHECK(MkParams, seed_lo, 276)
-MK_OFFSET_CHECK(MkParams, seed_hi, 280)
-MK_OFFSET_CHECK(MkParams, fine, 284)
-MK_OFFSET_CHECK(MkParams, poll_sleep_ns, 288)
-MK_OFFSET_CHECK(MkParams, prof, 296)
-MK_OFFSET_CHECK(MkParams, tp_ll, 304)
-MK_OFFSET_CHECK(MkParams, xb, 312)
-MK_OFFSET_CHECK(MkParams, tp_world, 320)
-MK_OFFSET_CHECK(MkParams, tp_rank, 324)
-MK_OFFSET_CHECK(MkParams, vocab_off, 328)
-MK_OFFSET_CHECK(MkParams, embed_vocab, 332)
+MK_OFFSET_CHECK(MkParams, iota, 48)
+MK_OFFSET_CHECK(MkParams, x, 56)
+MK_OFFSET_CHECK(MkParams, qkv, 64)
+MK_OFFSET_CHECK(MkParams, q, 72)
+MK_OFFSET_CHECK(MkParams, att, 80)
+MK_OFFSET_CHECK(MkParams, h, 88)
+MK_OFFSET_CHECK(MkParams, partial, 96)
+MK_OFFSET_CHECK(MkParams, logits, 104)
+MK_OFFSET_CHECK(MkParams, z, 112)
+MK_OFFSET_CHECK(MkParams, history, 120)
+MK_OFFSET_CHECK(MkParams, eos, 128)
+MK_OFFSET_CHECK(MkParams, state, 136)
+MK_OFFSET_CHECK(MkParams, bar, 144)
+MK_OFFSET_CHECK(MkParams, attn_count, 152)
+MK_OFFSET_CHECK(MkParams, cand, 160)
+MK_OFFSET_CHECK(MkParams, host, 168)
+MK_OFFSET_CHECK(MkParams, ring, 176)
+MK_OFFSET_CHECK(MkParams, timeout_ns, 184)
+MK_OFFSET_CHECK(MkParams, vocab, 192)
+MK_OFFSET_CHECK(MkParams, d, 196)
+MK_OFFSET_CHECK(MkParams, ffn, 200)
+MK_OFFSET_CHECK(MkParams, nh, 204)
+MK_OFFSET_CHECK(MkParams, nkv, 208)
+MK_OFFSET_CHECK(MkParams, hd, 212)
+MK_OFFSET_CHECK(MkParams, n_layers, 216)
+MK_OFFSET_CHECK(MkParams, max_ctx, 220)
+MK_OFFSET_CHECK(MkParams, nsplit, 224)
+MK_OFFSET_CHECK(MkParams, chunk, 228)
+MK_OFFSET_CHECK(MkParams, embed_f16, 232)
+MK_OFFSET_CHECK(MkParams, head_f16, 236)
+MK_OFFSET_CHECK(MkParams, qk_norm, 240)
+MK_OFFSET_CHECK(MkParams, n_eos, 244)
+MK_OFFSET_CHECK(MkParams, mode, 248)
+MK_OFFSET_CHECK(MkParams, max_tokens, 252)
+MK_OFFSET_CHECK(MkParams, ring_cap, 256)
+MK_OFFSET_CHECK(MkParams, top_k, 260)
+MK_OFFSET_CHECK(MkParams, eps, 264)
+MK_OFFSET_CHECK(MkParams, temperature, 268)
+MK_OFFSET_CHECK(MkParams, top_p, 272)
+MK_OFFSET_CHECK(MkParams, min_p, 276)
+MK_OFFSET_CHECK(MkParams, rep_pen, 280)
+MK_OFFSET_CHECK(MkParams, seed_lo, 284)
+MK_OFFSET_CHECK(MkParams, seed_hi, 288)
+MK_OFFSET_CHECK(MkParams, fine, 292)
+MK_OFFSET_CHECK(MkParams, poll_sleep_ns, 296)
+MK_OFFSET_CHECK(MkParams, prof, 304)
+MK_OFFSET_CHECK(MkParams, tp_ll, 312)
+MK_OFFSET_CHECK(MkParams, xb, 320)
+MK_OFFSET_CHECK(MkParams, tp_world, 328)
+MK_OFFSET_CHECK(MkParams, tp_rank, 332)
+MK_OFFSET_CHECK(MkParams, vocab_off, 336)
+MK_OFFSET_CHECK(MkParams, embed_vocab, 340)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -283,57 +285,58 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[28] = (he_u64)((const char*)&vMkParams.final_norm - (const char*)&vMkParams);
   out[29] = (he_u64)((const char*)&vMkParams.cos_t - (const char*)&vMkParams);
   out[30] = (he_u64)((const char*)&vMkParams.sin_t - (const char*)&vMkParams);
-  out[31] = (he_u64)((const char*)&vMkParams.x - (const char*)&vMkParams);
-  out[32] = (he_u64)((const char*)&vMkParams.qkv - (const char*)&vMkParams);
-  out[33] = (he_u64)((const char*)&vMkParams.q - (const char*)&vMkParams);
-  out[34] = (he_u64)((const char*)&vMkParams.att - (const char*)&vMkParams);
-  out[35] = (he_u64)((const char*)&vMkParams.h - (const char*)&vMkParams);
-  out[36] = (he_u64)((const char*)&vMkParams.partial - (const char*)&vMkParams);
-  out[37] = (he_u64)((const char*)&vMkParams.logits - (const char*)&vMkParams);
-  out[38] = (he_u64)((const char*)&vMkParams.z - (const char*)&vMkParams);
-  out[39] = (he_u64)((const char*)&vMkParams.history - (const char*)&vMkParams);
-  out[40] = (he_u64)((const char*)&vMkParams.eos - (const char*)&vMkParams);
-  out[41] = (he_u64)((const char*)&vMkParams.state - (const char*)&vMkParams);
-  out[42] = (he_u64)((const char*)&vMkParams.bar - (const char*)&vMkParams);
-  out[43] = (he_u64)((const char*)&vMkParams.attn_count - (const char*)&vMkParams);
-  out[44] = (he_u64)((const char*)&vMkParams.cand - (const char*)&vMkParams);
-  out[45] = (he_u64)((const char*)&vMkParams.host - (const char*)&vMkParams);
-  out[46] = (he_u64)((const char*)&vMkParams.ring - (const char*)&vMkParams);
-  out[47] = (he_u64)((const char*)&vMkParams.timeout_ns - (const char*)&vMkParams);
-  out[48] = (he_u64)((const char*)&vMkParams.vocab - (const char*)&vMkParams);
-  out[49] = (he_u64)((const char*)&vMkParams.d - (const char*)&vMkParams);
-  out[50] = (he_u64)((const char*)&vMkParams.ffn - (const char*)&vMkParams);
-  out[51] = (he_u64)((const char*)&vMkParams.nh - (const char*)&vMkParams);
-  out[52] = (he_u64)((const char*)&vMkParams.nkv - (const char*)&vMkParams);
-  out[53] = (he_u64)((const char*)&vMkParams.hd - (const char*)&vMkParams);
-  out[54] = (he_u64)((const char*)&vMkParams.n_layers - (const char*)&vMkParams);
-  out[55] = (he_u64)((const char*)&vMkParams.max_ctx - (const char*)&vMkParams);
-  out[56] = (he_u64)((const char*)&vMkParams.nsplit - (const char*)&vMkParams);
-  out[57] = (he_u64)((const char*)&vMkParams.chunk - (const char*)&vMkParams);
-  out[58] = (he_u64)((const char*)&vMkParams.embed_f16 - (const char*)&vMkParams);
-  out[59] = (he_u64)((const char*)&vMkParams.head_f16 - (const char*)&vMkParams);
-  out[60] = (he_u64)((const char*)&vMkParams.qk_norm - (const char*)&vMkParams);
-  out[61] = (he_u64)((const char*)&vMkParams.n_eos - (const char*)&vMkParams);
-  out[62] = (he_u64)((const char*)&vMkParams.mode - (const char*)&vMkParams);
-  out[63] = (he_u64)((const char*)&vMkParams.max_tokens - (const char*)&vMkParams);
-  out[64] = (he_u64)((const char*)&vMkParams.ring_cap - (const char*)&vMkParams);
-  out[65] = (he_u64)((const char*)&vMkParams.top_k - (const char*)&vMkParams);
-  out[66] = (he_u64)((const char*)&vMkParams.eps - (const char*)&vMkParams);
-  out[67] = (he_u64)((const char*)&vMkParams.temperature - (const char*)&vMkParams);
-  out[68] = (he_u64)((const char*)&vMkParams.top_p - (const char*)&vMkParams);
-  out[69] = (he_u64)((const char*)&vMkParams.min_p - (const char*)&vMkParams);
-  out[70] = (he_u64)((const char*)&vMkParams.rep_pen - (const char*)&vMkParams);
-  out[71] = (he_u64)((const char*)&vMkParams.seed_lo - (const char*)&vMkParams);
-  out[72] = (he_u64)((const char*)&vMkParams.seed_hi - (const char*)&vMkParams);
-  out[73] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
-  out[74] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
-  out[75] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
-  out[76] = (he_u64)((const char*)&vMkParams.tp_ll - (const char*)&vMkParams);
-  out[77] = (he_u64)((const char*)&vMkParams.xb - (const char*)&vMkParams);
-  out[78] = (he_u64)((const char*)&vMkParams.tp_world - (const char*)&vMkParams);
-  out[79] = (he_u64)((const char*)&vMkParams.tp_rank - (const char*)&vMkParams);
-  out[80] = (he_u64)((const char*)&vMkParams.vocab_off - (const char*)&vMkParams);
-  out[81] = (he_u64)((const char*)&vMkParams.embed_vocab - (const char*)&vMkParams);
+  out[31] = (he_u64)((const char*)&vMkParams.iota - (const char*)&vMkParams);
+  out[32] = (he_u64)((const char*)&vMkParams.x - (const char*)&vMkParams);
+  out[33] = (he_u64)((const char*)&vMkParams.qkv - (const char*)&vMkParams);
+  out[34] = (he_u64)((const char*)&vMkParams.q - (const char*)&vMkParams);
+  out[35] = (he_u64)((const char*)&vMkParams.att - (const char*)&vMkParams);
+  out[36] = (he_u64)((const char*)&vMkParams.h - (const char*)&vMkParams);
+  out[37] = (he_u64)((const char*)&vMkParams.partial - (const char*)&vMkParams);
+  out[38] = (he_u64)((const char*)&vMkParams.logits - (const char*)&vMkParams);
+  out[39] = (he_u64)((const char*)&vMkParams.z - (const char*)&vMkParams);
+  out[40] = (he_u64)((const char*)&vMkParams.history - (const char*)&vMkParams);
+  out[41] = (he_u64)((const char*)&vMkParams.eos - (const char*)&vMkParams);
+  out[42] = (he_u64)((const char*)&vMkParams.state - (const char*)&vMkParams);
+  out[43] = (he_u64)((const char*)&vMkParams.bar - (const char*)&vMkParams);
+  out[44] = (he_u64)((const char*)&vMkParams.attn_count - (const char*)&vMkParams);
+  out[45] = (he_u64)((const char*)&vMkParams.cand - (const char*)&vMkParams);
+  out[46] = (he_u64)((const char*)&vMkParams.host - (const char*)&vMkParams);
+  out[47] = (he_u64)((const char*)&vMkParams.ring - (const char*)&vMkParams);
+  out[48] = (he_u64)((const char*)&vMkParams.timeout_ns - (const char*)&vMkParams);
+  out[49] = (he_u64)((const char*)&vMkParams.vocab - (const char*)&vMkParams);
+  out[50] = (he_u64)((const char*)&vMkParams.d - (const char*)&vMkParams);
+  out[51] = (he_u64)((const char*)&vMkParams.ffn - (const char*)&vMkParams);
+  out[52] = (he_u64)((const char*)&vMkParams.nh - (const char*)&vMkParams);
+  out[53] = (he_u64)((const char*)&vMkParams.nkv - (const char*)&vMkParams);
+  out[54] = (he_u64)((const char*)&vMkParams.hd - (const char*)&vMkParams);
+  out[55] = (he_u64)((const char*)&vMkParams.n_layers - (const char*)&vMkParams);
+  out[56] = (he_u64)((const char*)&vMkParams.max_ctx - (const char*)&vMkParams);
+  out[57] = (he_u64)((const char*)&vMkParams.nsplit - (const char*)&vMkParams);
+  out[58] = (he_u64)((const char*)&vMkParams.chunk - (const char*)&vMkParams);
+  out[59] = (he_u64)((const char*)&vMkParams.embed_f16 - (const char*)&vMkParams);
+  out[60] = (he_u64)((const char*)&vMkParams.head_f16 - (const char*)&vMkParams);
+  out[61] = (he_u64)((const char*)&vMkParams.qk_norm - (const char*)&vMkParams);
+  out[62] = (he_u64)((const char*)&vMkParams.n_eos - (const char*)&vMkParams);
+  out[63] = (he_u64)((const char*)&vMkParams.mode - (const char*)&vMkParams);
+  out[64] = (he_u64)((const char*)&vMkParams.max_tokens - (const char*)&vMkParams);
+  out[65] = (he_u64)((const char*)&vMkParams.ring_cap - (const char*)&vMkParams);
+  out[66] = (he_u64)((const char*)&vMkParams.top_k - (const char*)&vMkParams);
+  out[67] = (he_u64)((const char*)&vMkParams.eps - (const char*)&vMkParams);
+  out[68] = (he_u64)((const char*)&vMkParams.temperature - (const char*)&vMkParams);
+  out[69] = (he_u64)((const char*)&vMkParams.top_p - (const char*)&vMkParams);
+  out[70] = (he_u64)((const char*)&vMkParams.min_p - (const char*)&vMkParams);
+  out[71] = (he_u64)((const char*)&vMkParams.rep_pen - (const char*)&vMkParams);
+  out[72] = (he_u64)((const char*)&vMkParams.seed_lo - (const char*)&vMkParams);
+  out[73] = (he_u64)((const char*)&vMkParams.seed_hi - (const char*)&vMkParams);
+  out[74] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
+  out[75] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
+  out[76] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
+  out[77] = (he_u64)((const char*)&vMkParams.tp_ll - (const char*)&vMkParams);
+  out[78] = (he_u64)((const char*)&vMkParams.xb - (const char*)&vMkParams);
+  out[79] = (he_u64)((const char*)&vMkParams.tp_world - (const char*)&vMkParams);
+  out[80] = (he_u64)((const char*)&vMkParams.tp_rank - (const char*)&vMkParams);
+  out[81] = (he_u64)((const char*)&vMkParams.vocab_off - (const char*)&vMkParams);
+  out[82] = (he_u64)((const char*)&vMkParams.embed_vocab - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -411,30 +414,11 @@ struct MkProf {
 // `x`: the stage's input — p.x, or with the LL exchange on (p.tp_ll: always at tp > 1, a knob at tp = 1) the
 // block's gathered copy in shared memory (monokernel/tp_exchange.h). O-proj / down-proj then push LL words of
 // epoch `ep` instead of writing x; rank 0 adds the residual (p.x through attention, p.xb through the MLP).
-// This step's RoPE row in shared memory: cos at [0, hd/2), sin at [kMkRopeMax, kMkRopeMax + hd/2) (hd <= 256,
-// checked by the host). Copied once per step, read by the QKV epilogue of every layer.
-constexpr int kMkRopeMax = 128;
-HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const float* x, const float* rope) {
+HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const float* x) {
   // qk_norm models write raw q|k|v (rope = 0); the per-head norm stage rotates and appends.
-  return HeMvQkv{x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, rope, rope + kMkRopeMax, nullptr,
+  return HeMvQkv{x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
                  p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
-                 p.qk_norm ? 0 : 1, pos};
-}
-// Thread t < hd/2 loads entry t of the RoPE row at `pos` (into registers: the caller stores it to the shared row
-// later, so the load's latency hides behind other work); nothing past the tables' end.
-HE_INLINE void mk_rope_load(const MkParams& p, int pos, float& c, float& s) {
-  const int half = p.hd / 2, t = he_thread_idx();
-  if (t < half && pos < p.max_ctx) {
-    c = p.cos_t[(he_i64)pos * half + t];
-    s = p.sin_t[(he_i64)pos * half + t];
-  }
-}
-HE_INLINE void mk_rope_store(const MkParams& p, float* rope, float c, float s) {
-  const int t = he_thread_idx();
-  if (t < p.hd / 2) {
-    rope[t] = c;
-    rope[kMkRopeMax + t] = s;
-  }
+                 p.qk_norm ? 0 : 1};
 }
 #if MK_TP
 HE_INLINE MkMvOut mk_o_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
@@ -549,7 +533,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   __shared__ float scratch[kMaxWarpsPerBlock];
   __shared__ float slice_sums[kSampleThreads];
   __shared__ int mk_token;
-  __shared__ float mk_rope[2 * kMkRopeMax];  // this step's RoPE row (mk_qkv_op)
   const MkParams& p = *P;
   const HeWaitCtx w{p.bar, p.host + kMkHost_status, p.timeout_ns, p.poll_sleep_ns};
   const int nb = he_grid_dim();
@@ -566,7 +549,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   // part and refills from the next stage's descriptor, so the next stage's first weights are in flight
   // before the barrier that publishes its input (the issue's "weights before the activation").
   HeMvStream<2> s;
-  he_mv_begin(mk_qkv_op(p, p.layers[0], pos, p.x, mk_rope), s, mk_o_op(p, p.layers[0], 1u));
+  he_mv_begin(mk_qkv_op(p, p.layers[0], pos, p.x), s, mk_o_op(p, p.layers[0], 1u));
   MkProf prof(p.prof);
 
   auto barrier = [&](int stage) {  // `stage`: profile slot of the stage that just ended
@@ -583,11 +566,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     return ok;
   };
 
-  float rope_c = 0.f, rope_s = 0.f;
   if (!sample_now) {
-    mk_rope_load(p, pos, rope_c, rope_s);
     if (lead) he_embedding_row<kMkF16>(p.embed, st->token, p.embed_vocab, p.d, p.x);
-    mk_rope_store(p, mk_rope, rope_c, rope_s);  // published to the block by the barrier's block syncs
     if (!barrier(kProfSelect)) return;
   }
   for (;;) {
@@ -598,7 +578,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // Block 0 reads the host's cancel word first (relaxed at system scope: it publishes no data) and
       // uses it only after its arg-max slice, so the PCIe round trip overlaps the slice.
       const he_u32 cancel = (lead && he_thread_idx() == 0) ? he_load_relaxed_system(p.host + kMkHost_cancel) : 0u;
-      mk_rope_load(p, pos, rope_c, rope_s);  // the coming step's RoPE row, stored after the selection
       int tok = 0;
       bool leads = lead;
       if (!(p.temperature > 0.f) && p.rep_pen == 1.f) {
@@ -628,7 +607,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         he_sync_block();
         he_embedding_row<kMkF16>(p.embed, mk_token, p.embed_vocab, p.d, p.x);  // harmless when stopping
       }
-      mk_rope_store(p, mk_rope, rope_c, rope_s);  // the previous step's readers finished before its LM head barrier
       prof.work(kProfSelect);
       he_grid_arrive(w);
       // Emission after the arrival, by the leader's last warp: its system-scope release (the ring entry is
@@ -655,7 +633,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         qx = he_mk_smem;
       }
       // QKV refills with the O-proj's first weights, held in registers through attention.
-      he_mv_finish<kMkF16>(mk_qkv_op(p, L, pos, qx, mk_rope), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
+      he_mv_finish<kMkF16>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
       if (p.qk_norm) {
         if (!barrier(kProfQkv)) return;
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
@@ -691,7 +669,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (!barrier(kProfGateUp)) return;
       ++ep_d;
       if (l + 1 < p.n_layers)
-        he_mv_finish<kMkF16>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x, mk_rope));
+        he_mv_finish<kMkF16>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
       else
         he_mv_finish<kMkF16>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
       if (!tp && !barrier(kProfDown)) return;  // tp > 1: the next stage gathers instead
@@ -702,7 +680,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       hx = he_mk_smem;
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
-    he_mv_finish<kMkF16>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x, mk_rope));
+    he_mv_finish<kMkF16>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
     if (!barrier(kProfHead)) return;
     pos += 1;
     steps += 1;

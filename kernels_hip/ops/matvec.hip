@@ -337,10 +337,8 @@ HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const
 //   out[i]        = a·cos − b·sin
 //   out[i + hd/2] = b·cos + a·sin        (a = row i, b = row i + hd/2; cos/sin at [pos][i])
 // cos/sin tables [max_ctx][hd/2] fp32 come from the host (ModelConfig.rope_inv_freq(), float64) so the
-// device never recomputes frequencies. The per-op kernel reads the position from device memory (*pos_p) so a
-// captured graph advances it without relaunch arguments changing; the monokernel passes pos_p = nullptr,
-// the position in pos_v and cos_t/sin_t pointing at that position's row, which it copied into shared
-// memory once per step (no dependent global loads in the epilogue of every unit of every layer).
+// device never recomputes frequencies. The position is read from device memory (*pos_p) so a captured
+// graph / the monokernel advances it without relaunch arguments changing.
 // KV cache (per layer): k_cache, v_cache he_kv (bf16 or fp16, port.h) [num_kv_heads][max_ctx][hd].
 // rope == 0 (Qwen3 qk_norm path): no RoPE/append here; raw q|k|v (+bias) go to q_out [q_dim + 2·kv_dim]
 // and qk_norm_rope finishes the job after the per-head norm.
@@ -353,11 +351,11 @@ struct HeMvQkv {
   const float* bias;
   const float* cos_t;
   const float* sin_t;
-  const int* pos_p;  // nullptr: the position is pos_v and cos_t/sin_t point at its row
+  const int* pos_p;
   float* q_out;
   he_kv* k_cache;
   he_kv* v_cache;
-  int max_ctx, q_dim, kv_dim, hd, rope, pos_v;
+  int max_ctx, q_dim, kv_dim, hd, rope;
   HE_INLINE int units() const { return (q_dim + 2 * kv_dim) / 2; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
     const int half = hd / 2, ra = (u / half) * hd + u % half;
@@ -370,10 +368,9 @@ struct HeMvQkv {
     const int ra = (u / half) * hd + i, rb = ra + half;  // rows in the stacked matrix
     float a = acc[0] + (bias ? bias[ra] : 0.f), b = acc[1] + (bias ? bias[rb] : 0.f);
     if (!rope) { q_out[ra] = a; q_out[rb] = b; return; }
-    const int pos = pos_p ? *pos_p : pos_v;
+    const int pos = *pos_p;
     if (ra < q_dim + kv_dim) {  // q or k: rotate
-      const he_i64 r = pos_p ? (he_i64)pos * half + i : i;
-      const float c = cos_t[r], s = sin_t[r];
+      const float c = cos_t[(he_i64)pos * half + i], s = sin_t[(he_i64)pos * half + i];
       const float ra_v = a * c - b * s, rb_v = b * c + a * s;
       a = ra_v; b = rb_v;
     }
@@ -402,7 +399,7 @@ HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const floa
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvQkv op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
-                   max_ctx, q_dim, kv_dim, hd, rope, 0};
+                   max_ctx, q_dim, kv_dim, hd, rope};
   if (w_f16) he_matvec_qkv_body<true>(op, he_xs, scratch);
   else he_matvec_qkv_body<false>(op, he_xs, scratch);
 }

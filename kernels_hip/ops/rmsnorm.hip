@@ -22,7 +22,6 @@
 // Batches are 8 loads per thread (32 registers: the monokernel's weight stream is live during the
 // prologue, so more would spill), 4 in the scaling pass, which also loads gamma.
 constexpr int kNormBatch = 8;
-constexpr int kNormGamma4 = 2;  // float4s of gamma (and of x) per thread held in registers: n <= 8 · threads
 
 HE_INLINE void he_load4f(const float* p, float (&v)[4]) {
   const he_vec16 w = he_load16(p);
@@ -80,34 +79,6 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
   const int t = he_thread_idx(), nt = he_block_dim(), n4 = n / 4;
   if (!gamma) {
     he_norm_store<kNormBatch, false>(x, nullptr, 1.f, n4, dst);
-    he_sync_block();
-    return;
-  }
-  // gamma first, into registers, when each thread's share fits kNormGamma4 float4s: it never depends on x, so
-  // its load (often an HBM miss: the norm weights are read once per step) overlaps the sum of squares
-  // instead of following it. The products are the same expressions as he_norm_store's.
-  if (n4 <= kNormGamma4 * nt) {
-    float g[kNormGamma4][4];
-#pragma unroll
-    for (int b = 0; b < kNormGamma4; ++b)
-      if (t + b * nt < n4) he_load4f(gamma + 4 * (t + b * nt), g[b]);
-    float ss = 0.f, v[kNormGamma4][4];
-#pragma unroll
-    for (int b = 0; b < kNormGamma4; ++b) {
-      if (t + b * nt < n4) he_load4f(x + 4 * (t + b * nt), v[b]);
-      else v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
-    }
-#pragma unroll
-    for (int b = 0; b < kNormGamma4; ++b)
-      ss += v[b][0] * v[b][0] + v[b][1] * v[b][1] + v[b][2] * v[b][2] + v[b][3] * v[b][3];
-    const float scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
-#pragma unroll
-    for (int b = 0; b < kNormGamma4; ++b) {
-      const int i = t + b * nt;
-      if (i < n4)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) dst[4 * i + j] = v[b][j] * scale * g[b][j];
-    }
     he_sync_block();
     return;
   }
