@@ -79,6 +79,24 @@ def test_attention_plan_covers_the_context():
             assert nsplit * chunk >= ctx and (nsplit - 1) * chunk < ctx and chunk % 32 == 0
 
 
+def test_attention_plan_caps_splits_when_free():
+    """More splits than one combine batch only when 16 splits would need more than one batch of rows."""
+    import re
+    from pathlib import Path
+
+    from hipengine.gpu import ops
+
+    src = (Path(ops.__file__).parents[2] / "kernels_hip/ops/attention_decode.hip").read_text()
+    assert f"kCombineBatch = {ops.ATTN_COMBINE_BATCH};" in src
+    assert re.search(rf"kAttnUnroll = {ops.ATTN_UNROLL};", src)
+    assert ops.attention_plan(1024, 4, 132) == (16, 64)       # TP=2 rank of llama-3.2-1b at 1K (was 32 x 32)
+    assert ops.attention_plan(1024, 8, 132) == (16, 64)       # TP=1: unchanged
+    assert ops.attention_plan(8192, 4, 132) == (32, 256)      # 16 splits would be 512 rows: kept
+    assert ops.attention_plan(1024, 4, 132, head_dim=128) == (16, 64)  # 64 rows per batch at hd 128: fits
+    assert ops.attention_plan(2048, 4, 132, head_dim=128) == (32, 64)  # 128 rows would not: kept
+    assert ops.attention_plan(2048, 2, 132) == (16, 128)
+
+
 def test_tp_not_supported_yet():
     from hipengine.gpu.executor import GpuBackend
 

@@ -204,7 +204,7 @@ ATTN_CASES = [  # nh, nkv, hd, seq, max_ctx, T
 def test_attention(gpu, nh, nkv, hd, seq, max_ctx, T):
     """Query t sees positions [0, pos0 + t]; pos0 = seq - T. Splits past the end must be skipped."""
     rt, ops, O = gpu
-    nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms)
+    nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd)
     k = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32) * 2)
     v = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32))
     q = RNG.standard_normal((T, nh * hd)).astype(np.float32)

@@ -153,7 +153,7 @@ class GpuBackend(Backend):
         self.k_cache = self._buf(cfg.num_layers * per_layer)
         self.v_cache = self._buf(cfg.num_layers * per_layer)
         self.kv_layer_bytes = per_layer
-        self.nsplit, self.chunk = O.attention_plan(C, cfg.num_kv_heads, self.rt.num_sms)
+        self.nsplit, self.chunk = O.attention_plan(C, cfg.num_kv_heads, self.rt.num_sms, head_dim=cfg.head_dim)
         f4 = 4
         self.x = self._buf(M * d * f4)  # residual stream [M, d]
         self.xn = self._buf(M * max(d, cfg.intermediate_size) * f4)  # normed input / MLP hidden [M, *]

@@ -70,22 +70,38 @@ def attn_lanes(hd: int) -> int:
     return n
 
 
-def attention_blocks_per_sm() -> int:
+def attention_blocks_per_sm() -> float:
     """(kv head, split) blocks per SM the split plan aims for: 1, the monokernel's grid (one round of split
-    blocks, then no idle SM). HIPENGINE_ATTN_BLOCKS_PER_SM overrides (sweeps)."""
-    return int(os.environ.get("HIPENGINE_ATTN_BLOCKS_PER_SM", "1"))
+    blocks, then no idle SM). HIPENGINE_ATTN_BLOCKS_PER_SM overrides (sweeps; fractions allowed)."""
+    return float(os.environ.get("HIPENGINE_ATTN_BLOCKS_PER_SM", "1"))
 
 
-def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int,
-                   blocks_per_sm: int | None = None) -> tuple[int, int]:
+ATTN_COMBINE_BATCH = 16  # attention_decode.hip kCombineBatch: split partials the combine loads per round trip
+ATTN_UNROLL = 4          # attention_decode.hip kAttnUnroll: rows per lane group per batch
+
+
+def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm: float | None = None,
+                   head_dim: int = 64) -> tuple[int, int]:
     """(nsplit, chunk): enough (kv head, split) blocks to cover ~blocks_per_sm blocks per SM at full context,
     chunks a multiple of 32 positions between 32 and 512. Fixed per max_ctx so a captured graph stays valid;
-    the per-op path and the monokernel use the same plan (their results are then bit-identical)."""
+    the per-op path and the monokernel use the same plan (their results are then bit-identical).
+
+    Then fewer, longer splits where that is free: if the plan has more splits than the combine loads in one
+    round trip (ATTN_COMBINE_BATCH) but 16 splits still give each warp a single batch of rows (chunk <= the
+    rows a 256-thread block scores per batch: 128 at head_dim 64), take 16 — the split takes one batch either
+    way, and the combine and the arrival counter save a dependent round trip (at TP=2, 4 KV heads per rank,
+    the 1K plan was 32 splits of 32 positions). HIPENGINE_ATTN_SPLIT_CAP=0 keeps the first plan (A/B)."""
     bps = blocks_per_sm or attention_blocks_per_sm()
     want = max(1, math.ceil(bps * num_sms / num_kv_heads))
     chunk = math.ceil(max_ctx / want)
     chunk = min(512, max(32, (chunk + 31) // 32 * 32))
-    return math.ceil(max_ctx / chunk), chunk
+    nsplit = math.ceil(max_ctx / chunk)
+    if nsplit > ATTN_COMBINE_BATCH and os.environ.get("HIPENGINE_ATTN_SPLIT_CAP", "1") != "0":
+        one_batch = ATTN_THREADS // attn_lanes(head_dim) * ATTN_UNROLL
+        c2 = (math.ceil(max_ctx / ATTN_COMBINE_BATCH) + 31) // 32 * 32
+        if c2 <= one_batch:
+            chunk, nsplit = c2, math.ceil(max_ctx / c2)
+    return nsplit, chunk
 
 
 class Ops:
