@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--model", default=None)
     bd.add_argument("--shape", default=None)
     bd.add_argument("--context", type=int, action="append", default=None, help="1024 | 8192 | 32768 (repeatable)")
+    bd.add_argument("--max-context", type=_positive_int, default=None,
+                    help="size the KV cache for this many tokens at every context (default: the context itself)")
     bd.add_argument("--tp", type=_positive_int, default=1)
     bd.add_argument("--no-monokernel", action="store_true")
     bd.add_argument("--allreduce", choices=("custom", "nccl"), default="custom")

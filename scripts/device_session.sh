@@ -7,7 +7,8 @@
 #   full  : quick's tests + profile, the 1B preset's 512-position check, the decode bench at 1K/8K/32K
 #   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
-#           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared), op tests,
+#           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
+#           a $AB_MAXCTX-token cache when given), op tests,
 #           monokernel tests, stage profile at 1K/8K
 # Logs and JSON land in $OUT; kernels come from $HIPENGINE_CACHE (precompiled here with
 # `python scripts/precompile_mk.py`, carried as .mkcache) so little device time goes to NVRTC.
@@ -44,7 +45,11 @@ sweep_best() {
 }
 mk_tests() { run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs; }
 ab_sweep() { run ab_sweep 270 $PY scripts/mk_sweep.py --contexts 1024,8192,32768 ${ONLY:+--only "$ONLY"} \
-               $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/ab_sweep.json"; }
+               $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/ab_sweep.json"
+             # and at $AB_MAXCTX (a serving cache size, e.g. the Engine's 4096) with a 1K context, when given
+             [ -n "${AB_MAXCTX:-}" ] && run ab_sweep_maxctx 120 $PY scripts/mk_sweep.py --contexts 1024 \
+               --max-context "$AB_MAXCTX" ${ONLY:+--only "$ONLY"} \
+               $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/ab_sweep_maxctx.json"; }
 preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"; }
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
 bench() { run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \

@@ -38,19 +38,22 @@ import json, sys
 from hipengine.bench.decode import measure
 from hipengine.gpu.monokernel import MonokernelBackend
 from hipengine.presets import preset_model
-contexts = json.loads(sys.argv[1])
-be = MonokernelBackend(preset_model("llama-3.2-1b", 0), max_context=min(contexts))
+contexts, max_context = json.loads(sys.argv[1]), int(sys.argv[3])
+be = MonokernelBackend(preset_model("llama-3.2-1b", 0), max_context=max(min(contexts), max_context))
+if max_context:  # older trees' measure() sizes the cache per context: size it for max_context instead
+    resize = be.resize_context
+    be.resize_context = lambda C: resize(max(C, max_context))
 rows = measure(be, contexts, ["monokernel"], runs=int(sys.argv[2]), log=lambda m: None)
 be.close()
 print(json.dumps([{k: r[k] for k in ("context", "tok_s", "tok_s_runs", "tokens")} for r in rows]))
 """
 
 
-def baseline(tree: str, contexts: list[int], runs: int) -> list[dict]:
+def baseline(tree: str, contexts: list[int], runs: int, max_context: int = 0) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
     for k in BUILD_KNOBS:
         env.pop(k, None)
-    out = subprocess.run([sys.executable, "-c", BASELINE, json.dumps(contexts), str(runs)], env=env,
+    out = subprocess.run([sys.executable, "-c", BASELINE, json.dumps(contexts), str(runs), str(max_context)], env=env,
                          capture_output=True, text=True, cwd=os.path.abspath(tree))
     if out.returncode != 0:
         raise SystemExit(f"baseline tree {tree} failed:\n{out.stderr[-3000:]}")
@@ -61,6 +64,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="1024", help="comma-separated contexts (tokens in the KV cache)")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--max-context", type=int, default=0,
+                    help="size the KV cache for this many tokens at every context (0: the context itself)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default=None, help="comma-separated variant indices")
     ap.add_argument("--baseline-tree", action="append", default=[],
@@ -77,7 +82,7 @@ def main() -> int:
     picks = [int(i) for i in args.only.split(",")] if args.only else range(len(VARIANTS))
     for tree in args.baseline_tree:
         t0 = time.perf_counter()
-        for r in baseline(tree, contexts, args.runs):
+        for r in baseline(tree, contexts, args.runs, args.max_context):
             same = ref.setdefault(r["context"], r["tokens"]) == r["tokens"]
             rows.append({"variant": f"baseline tree {tree}", "env": {}, "attrs": {}, "context": r["context"],
                          "tok_s": r["tok_s"], "tok_s_runs": r["tok_s_runs"], "tokens_equal_first_variant": same})
@@ -94,12 +99,13 @@ def main() -> int:
                 os.environ.pop(k, None)
             os.environ.update(env)
             t0 = time.perf_counter()
-            be, be_env = MonokernelBackend(model, max_context=min(contexts)), env
+            be, be_env = MonokernelBackend(model, max_context=max(min(contexts), args.max_context)), env
             base = {"fine": be.fine, "poll_sleep_ns": be.poll_sleep_ns}
             print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
         for k, v in {**base, **attrs}.items():
             setattr(be, k, v)
-        for r in measure(be, contexts, ["monokernel"], runs=args.runs, log=lambda m: None):
+        for r in measure(be, contexts, ["monokernel"], runs=args.runs, log=lambda m: None,
+                         max_context=args.max_context or None):
             C = r["context"]
             same = ref.setdefault(C, r["tokens"]) == r["tokens"]
             rows.append({"variant": name, "env": env, "attrs": attrs, "context": C, "tok_s": r["tok_s"],
@@ -117,7 +123,7 @@ def main() -> int:
                 f.write(f"export {names.get(k, k)}={v}\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"benchmark": "monokernel sweep", "model": "llama-3.2-1b preset (bf16)", "contexts": contexts,
+            json.dump({"benchmark": "monokernel sweep", "model": "llama-3.2-1b preset (bf16)", "contexts": contexts, "max_context": args.max_context or None,
                        "commit": git_commit(), "date": utc_now(), "gpu": os.environ.get("GPU_NAME", ""),
                        "results": rows}, f, indent=1)
     return 0

@@ -386,7 +386,7 @@ def bench_decode(args) -> int:
         rows = []
         try:
             for C in contexts:
-                be.resize_context(C)
+                be.resize_context(max(C, getattr(args, "max_context", None) or C))
                 real = C == contexts[0]
                 prompt = rng.integers(0, loaded.config.vocab_size, C - D.GEN)
                 if not real:
@@ -416,7 +416,8 @@ def bench_decode(args) -> int:
                     toks, ttfts, rates = D.timed_runs(once, D.RUNS, D.GEN, f"{label} at context {C}")
                     b = max(be.plan.rank_config(k).decode_bytes_per_token(2.0, context=C) for k in range(args.tp))
                     tok_s = statistics.median(rates)
-                    rows.append({"context": C, "path": label, "prompt": "real" if real else "synthetic-kv",
+                    rows.append({"context": C, "max_context": be.max_context, "path": label,
+                                 "prompt": "real" if real else "synthetic-kv",
                                  "ttft_ms": statistics.median(ttfts) * 1e3 if real else None, "tok_s": tok_s,
                                  "tok_s_runs": rates, "bytes_per_token_per_gpu": b, "roofline_tok_s": hbm / b,
                                  "pct_hbm": 100.0 * tok_s * b / hbm})

@@ -18,7 +18,9 @@
 // barriers and dependent latency even at 1K context.
 // Scores are in log2 units (q pre-scaled by log2(e)/sqrt(hd)) so the softmax uses exp2.
 // Splits that start past the sequence end write l = 0 and are skipped by the combine, so the grid can be
-// sized once for max_ctx (graph capture / monokernel) while *pos grows.
+// sized once for max_ctx (graph capture / monokernel) while *pos grows. The plan's `chunk` is the split
+// length at max_ctx; while the sequence is shorter each split takes he_attn_chunk(seq) positions instead,
+// so every split block has rows (a 1K sequence in a 4K cache: 16 splits of 64, not 4 of 256).
 // Requirements: hd % 8 == 0, hd ≤ 8·kWarpSize, the module compiled with HE_ATTN_LPR = attn_lanes(hd),
 // G ≤ kAttnMaxGroup; dynamic shared memory
 // = (G·hd + warps·G·(hd + 2)) · 4 bytes.
@@ -59,6 +61,13 @@ constexpr int kAttnLpr = HE_ATTN_LPR;
 static_assert(kAttnLpr >= 1 && kAttnLpr <= kWarpSize && (kAttnLpr & (kAttnLpr - 1)) == 0,
               "HE_ATTN_LPR: a power of two up to the warp width");
 
+// The split length for a `seq`-row sequence: the smallest multiple of 32 that covers it with nsplit splits,
+// capped by the plan's chunk (nsplit · chunk >= max_ctx >= seq). Both paths compute it the same way.
+HE_INLINE int he_attn_chunk(int seq, int nsplit, int chunk) {
+  const int c = ((seq + nsplit - 1) / nsplit + 31) / 32 * 32;
+  return c < chunk ? c : chunk;
+}
+
 // kG = num_heads / num_kv_heads as a template parameter: the per-lane state is kG·10 registers, and a
 // runtime bound of kAttnMaxGroup cost 155 registers (one block per SM) even for G = 4.
 //
@@ -81,6 +90,7 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   constexpr int U = kAttnUnroll;
   (void)nkv;
   const int t = he_thread_idx(), nt = he_block_dim(), nw = he_num_warps();
+  chunk = he_attn_chunk(seq, nsplit, chunk);
   const int start = split * chunk;
   const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
   if (n == 0) {  // nothing to attend in this split: mark it empty for the combine
