@@ -44,11 +44,11 @@ sweep_best() {
   [ -f "$OUT/best.env" ] && { cat "$OUT/best.env"; . "$OUT/best.env"; }
 }
 mk_tests() { run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs; }
-ab_sweep() { run ab_sweep 270 $PY scripts/mk_sweep.py --contexts 1024,8192,32768 ${ONLY:+--only "$ONLY"} \
+ab_sweep() { run ab_sweep 270 $PY scripts/mk_sweep.py --contexts 1024,8192,32768 ${ONLY+--only "$ONLY"} \
                $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/ab_sweep.json"
              # and at $AB_MAXCTX (a serving cache size, e.g. the Engine's 4096) with a 1K context, when given
              [ -n "${AB_MAXCTX:-}" ] && run ab_sweep_maxctx 120 $PY scripts/mk_sweep.py --contexts 1024 \
-               --max-context "$AB_MAXCTX" ${ONLY:+--only "$ONLY"} \
+               --max-context "$AB_MAXCTX" ${ONLY+--only "$ONLY"} \
                $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/ab_sweep_maxctx.json"; }
 preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"; }
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }

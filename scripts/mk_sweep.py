@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--max-context", type=int, default=0,
                     help="size the KV cache for this many tokens at every context (0: the context itself)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default=None, help="comma-separated variant indices")
+    ap.add_argument("--only", default=None, help="comma-separated variant indices (\"\": none, trees only)")
     ap.add_argument("--baseline-tree", action="append", default=[],
                     help="an older checkout (e.g. `git archive` of the last commit): its default build is "
                          "measured first, in a subprocess, and every variant's tokens are compared with the "
@@ -79,7 +79,7 @@ def main() -> int:
     model = preset_model("llama-3.2-1b", 0)
     contexts = [int(c) for c in args.contexts.split(",")]
     rows, be, be_env, ref = [], None, None, {}
-    picks = [int(i) for i in args.only.split(",")] if args.only else range(len(VARIANTS))
+    picks = [int(i) for i in args.only.split(",") if i.strip()] if args.only is not None else range(len(VARIANTS))
     for tree in args.baseline_tree:
         t0 = time.perf_counter()
         for r in baseline(tree, contexts, args.runs, args.max_context):
