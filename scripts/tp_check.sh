@@ -9,6 +9,7 @@
 #   final: the TP monokernel's tests, bench decode --tp 2 and the TP=1 bench at 1K/8K/32K, the TP=1 monokernel tests.
 #   plan: the TP monokernel's tests, bench --tp 2 at 1K/8K/32K, the same at 1K with HIPENGINE_ATTN_SPLIT_CAP=0
 #     (the attention plan before the split cap: an A/B in one call), TP=1 monokernel tests, per-op TP == TP=1.
+#   serve: as plan, but the second bench is 1K in a 4,096-token cache (the Engine's default) instead of the A/B.
 #   perop: the per-op TP path alone (all of tests/test_tp_executor.py, the per-op engine's GPU tests, bench
 #     --no-monokernel with the custom all-reduce and with NCCL, the TP=1 per-op baseline).
 # Every step is time-boxed (sums < 600 s: one device call). Kernels come from $HIPENGINE_CACHE (precompiled
@@ -68,7 +69,16 @@ case "$MODE" in
     run pytest_mk1 80 "$PY" -m pytest tests/test_monokernel_gpu.py -q -rs -x -p no:cacheprovider
     run pytest_tp_eq 110 "$PY" -m pytest tests/test_tp_executor.py -m multigpu -q -rs -s -p no:cacheprovider
     ;;
-  *) echo "unknown mode $MODE (mk|final|perop|plan)"; exit 2 ;;
+  serve)  # the figures of record at TP plus a serving cache size: tests, bench at 1K/8K/32K, 1K in a 4K cache
+    run pytest_tp_mk 140 "$PY" -m pytest tests/test_tp_monokernel.py -q -rs -s -x -p no:cacheprovider
+    run bench_tp_mk 140 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" \
+      --json "$OUT/decode_tp${TP}_mk.json" --plot "$OUT/decode_tp${TP}_mk.png"
+    run bench_tp_cache4k 70 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
+      --max-context 4096 --json "$OUT/decode_tp${TP}_cache4k.json"
+    run pytest_mk1 80 "$PY" -m pytest tests/test_monokernel_gpu.py -q -rs -x -p no:cacheprovider
+    run pytest_tp_eq 110 "$PY" -m pytest tests/test_tp_executor.py -m multigpu -q -rs -s -p no:cacheprovider
+    ;;
+  *) echo "unknown mode $MODE (mk|final|perop|plan|serve)"; exit 2 ;;
 esac
 
 # The test outcomes as JSON beside the benchmark JSON (commit from $HIPENGINE_COMMIT, as the benches take it).
