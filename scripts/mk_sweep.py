@@ -6,6 +6,11 @@ MonokernelBackend (the compile cache makes repeats cheap). Every variant must pr
 as the first at each context (none of the knobs may change a result): a difference is recorded and printed.
 Prints one line per variant and context and writes JSON (--json) with the commit, GPU and every figure, so
 the defaults in hipengine/gpu/monokernel.py can cite it.
+
+A/B against older trees in the same call: --baseline-tree DIR (repeatable; e.g. `git archive` of a commit
+under .carry/) measures each tree's default build first, each in its own process, with its own package and
+kernels; --only "" measures the trees alone (alternate them, "a b a b", to control for order).
+--max-context N sizes the KV cache for N tokens at every context (the Engine's default is 4096).
 """
 from __future__ import annotations
 

@@ -194,3 +194,12 @@ def test_unsupported_gguf_quant_is_one_line(tmp_path):
 
     p = _minimal_gguf(tmp_path / "q2k.gguf", "Q2_K")
     assert_one_line_error(run_cli("generate", "hi", "--model", p, "--device", "cpu"), "Q2_K")
+
+
+def test_bench_decode_max_context_smaller_than_context_is_refused(capsys):
+    """One line, exit 1, before any GPU is touched."""
+    from hipengine import cli
+
+    assert cli.main(["bench", "decode", "--shape", "llama-3.2-1b", "--context", "8192", "--max-context", "4096"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --max-context 4096 is smaller than --context 8192: the KV cache must hold the context"]

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..backend import SamplingParams
-from ..errors import HipEngineError, UnsupportedError
+from ..errors import HipEngineError, RequestError, UnsupportedError
 from . import git_commit, utc_now
 
 RUNS = 5
@@ -177,6 +177,10 @@ def _run(args) -> int:
     from ..gpu.runtime import get_runtime
     from .probe import measure_hbm_read_bandwidth
 
+    mc = getattr(args, "max_context", None)
+    if mc is not None and mc < max(args.context or DEFAULT_CONTEXTS):
+        raise RequestError(f"--max-context {mc} is smaller than --context {max(args.context or DEFAULT_CONTEXTS)}: "
+                           "the KV cache must hold the context")
     if getattr(args, "profile", False):  # the stage-profiling build of the monokernel (a few % slower)
         os.environ["HIPENGINE_MK_PROFILE"] = "1"
     if getattr(args, "tp", 1) != 1:  # tensor parallelism measures itself (same method)
