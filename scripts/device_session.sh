@@ -61,8 +61,9 @@ case "$MODE" in
   full) ops_tests; profile; mk_tests; preset1b; bench ;;   # + the 1B 512-position check + the decode bench
   final) bench; mk_tests ;;
   ab) ab_sweep; ops_tests; mk_tests; profile ;;
+  bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|ab|abtrees)"; exit 2 ;;
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|ab|abtrees|bench)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -n 30 "$f"; done
