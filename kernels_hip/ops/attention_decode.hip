@@ -61,10 +61,12 @@ constexpr int kAttnLpr = HE_ATTN_LPR;
 static_assert(kAttnLpr >= 1 && kAttnLpr <= kWarpSize && (kAttnLpr & (kAttnLpr - 1)) == 0,
               "HE_ATTN_LPR: a power of two up to the warp width");
 
-// The split length for a `seq`-row sequence: the smallest multiple of 32 that covers it with nsplit splits,
-// capped by the plan's chunk (nsplit · chunk >= max_ctx >= seq). Both paths compute it the same way.
+// The split length for a `seq`-row sequence: the smallest multiple of kAttnChunkAlign positions that covers
+// it with nsplit splits, capped by the plan's chunk (nsplit · chunk >= max_ctx >= seq; the host rounds plans
+// to the same multiple: ops.attention_plan). Both paths compute it the same way.
+constexpr int kAttnChunkAlign = 32;
 HE_INLINE int he_attn_chunk(int seq, int nsplit, int chunk) {
-  const int c = ((seq + nsplit - 1) / nsplit + 31) / 32 * 32;
+  const int c = ((seq + nsplit - 1) / nsplit + kAttnChunkAlign - 1) / kAttnChunkAlign * kAttnChunkAlign;
   return c < chunk ? c : chunk;
 }
 
