@@ -8,8 +8,7 @@
 #   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
-#           a $AB_MAXCTX-token cache when given), op tests,
-#           monokernel tests, stage profile at 1K/8K
+#           a $AB_MAXCTX-token cache when given), op tests, monokernel tests, stage profile at 1K/8K
 # Logs and JSON land in $OUT; kernels come from $HIPENGINE_CACHE (precompiled here with
 # `python scripts/precompile_mk.py`, carried as .mkcache) so little device time goes to NVRTC.
 set -uo pipefail

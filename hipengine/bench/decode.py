@@ -177,9 +177,10 @@ def _run(args) -> int:
     from ..gpu.runtime import get_runtime
     from .probe import measure_hbm_read_bandwidth
 
+    contexts = sorted(set(args.context or DEFAULT_CONTEXTS))
     mc = getattr(args, "max_context", None)
-    if mc is not None and mc < max(args.context or DEFAULT_CONTEXTS):
-        raise RequestError(f"--max-context {mc} is smaller than --context {max(args.context or DEFAULT_CONTEXTS)}: "
+    if mc is not None and mc < contexts[-1]:
+        raise RequestError(f"--max-context {mc} is smaller than --context {contexts[-1]}: "
                            "the KV cache must hold the context")
     if getattr(args, "profile", False):  # the stage-profiling build of the monokernel (a few % slower)
         os.environ["HIPENGINE_MK_PROFILE"] = "1"
@@ -187,7 +188,6 @@ def _run(args) -> int:
         from ..gpu.tp_executor import bench_decode
 
         return bench_decode(args)
-    contexts = sorted(set(args.context or DEFAULT_CONTEXTS))
     loaded, name = _load(args)
     rt = get_runtime(0)
     print(f"measuring HBM read bandwidth on {rt.name} ...", file=sys.stderr)
@@ -197,8 +197,7 @@ def _run(args) -> int:
     print(f"loaded {name} in {time.perf_counter() - t0:.1f} s; grid {grid_info(be)}", file=sys.stderr)
     paths = ["per-op"] if args.no_monokernel else ["monokernel", "per-op"]
     try:
-        rows = measure(be, contexts, paths, log=lambda m: print(m, file=sys.stderr),
-                       max_context=getattr(args, "max_context", None))
+        rows = measure(be, contexts, paths, log=lambda m: print(m, file=sys.stderr), max_context=mc)
         info = grid_info(be)
     finally:
         be.close()

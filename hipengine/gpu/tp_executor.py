@@ -391,9 +391,8 @@ def bench_decode(args) -> int:
                 prompt = rng.integers(0, loaded.config.vocab_size, C - D.GEN)
                 if not real:
                     for rk in be.ranks:
-                        per = rk.kv_layer_bytes * rk.config.num_layers
-                        rk.rt.memset(rk.k_cache, D.KV_FILL_BYTE, per)
-                        rk.rt.memset(rk.v_cache, D.KV_FILL_BYTE, per)
+                        D._fill_kv(rk)
+                b = max(be.plan.rank_config(k).decode_bytes_per_token(2.0, context=C) for k in range(args.tp))
                 same = []
                 for path in paths:
                     label = f"{path}-tp{args.tp}" + ("" if path == "monokernel" else f"-{allreduce}")
@@ -414,7 +413,6 @@ def bench_decode(args) -> int:
                         for rk in be.ranks:
                             reset_profile(rk)
                     toks, ttfts, rates = D.timed_runs(once, D.RUNS, D.GEN, f"{label} at context {C}")
-                    b = max(be.plan.rank_config(k).decode_bytes_per_token(2.0, context=C) for k in range(args.tp))
                     tok_s = statistics.median(rates)
                     rows.append({"context": C, "max_context": be.max_context, "path": label,
                                  "prompt": "real" if real else "synthetic-kv",

@@ -114,8 +114,8 @@ class TpMonokernelBackend(TpGpuBackend):
     def _finish(self) -> None:
         for rk in self.ranks:
             rk.stream.synchronize()
-        bad = [(r, int(rk.host_words[rk.W["status"]])) for r, rk in enumerate(self.ranks)
-               if int(rk.host_words[rk.W["status"]]) != 1]
+        statuses = [int(rk.host_words[rk.W["status"]]) for rk in self.ranks]
+        bad = [(r, s) for r, s in enumerate(statuses) if s != 1]
         if bad:
             what = "; ".join(f"rank {r} (GPU {self.devices[r]}): {MK_STATUS.get(s, f'unknown status {s}')}"
                              for r, s in bad)
