@@ -439,11 +439,20 @@ HE_INLINE void he_atomic_or_relaxed_block(he_u32* p, he_u32 v) { atomicOr(p, v);
 //   NVIDIA: %globaltimer (ns, updated every ~µs).  AMD: s_memrealtime, a constant 100 MHz counter.
 // he_cycles: this SM's / CU's cycle counter, for stage profiles inside one block (calibrated against
 //   he_clock_ns over whole steps by the host).
+// he_sm_id: which SM / CU this block runs on, for profiles only (tells a slow SM from a slow block).
+//   NVIDIA: %smid. AMD: XCC_ID (hwreg 20, gfx940+) and HW_ID's se/sh/cu fields (hwreg 4), packed
+//   as xcc << 8 | se << 5 | sh << 4 | cu — unique per CU, not dense.
 // ------------------------------------------------------------------------------------------------------
 #if HE_AMD
 HE_INLINE void he_sleep(unsigned ns) { (void)ns; __builtin_amdgcn_s_sleep(2); }
 HE_INLINE he_u64 he_clock_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
 HE_INLINE he_u64 he_cycles() { return __builtin_readcyclecounter(); }
+HE_INLINE he_u32 he_sm_id() {
+  // s_getreg simm16 = (bits - 1) << 11 | offset << 6 | register id
+  const he_u32 hw = __builtin_amdgcn_s_getreg((31 << 11) | 4);    // HW_ID: cu [11:8], sh [12], se [15:13]
+  const he_u32 xcc = __builtin_amdgcn_s_getreg((3 << 11) | 20);   // XCC_ID [3:0]
+  return (xcc << 8) | (((hw >> 13) & 7u) << 5) | (((hw >> 12) & 1u) << 4) | ((hw >> 8) & 15u);
+}
 #else
 HE_INLINE void he_sleep(unsigned ns) { __nanosleep(ns); }
 HE_INLINE he_u64 he_clock_ns() {
@@ -452,6 +461,11 @@ HE_INLINE he_u64 he_clock_ns() {
   return t;
 }
 HE_INLINE he_u64 he_cycles() { return clock64(); }
+HE_INLINE he_u32 he_sm_id() {
+  he_u32 id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
 #endif
 
 // Portable extern "C" kernel declaration; standalone kernels are `HE_KERNEL(256) name(args) {...}`.

@@ -432,7 +432,7 @@ class EmulatedRuntime:
                     P[t, h, sp, :hd] = e @ V[h // G, a:b]
                     P[t, h, sp, hd], P[t, h, sp, hd + 1] = m, e.sum()
 
-    def _k_attention_combine(self, grid, partial, nsplit, nh, hd, out):
+    def _k_attention_combine(self, grid, partial, pos, nsplit, nh, hd, out):
         T = grid[1]
         P = self._f32(partial, T * nh * nsplit * (hd + 2)).reshape(T, nh, nsplit, hd + 2).astype(np.float64)
         m, l = P[..., hd], P[..., hd + 1]

@@ -113,6 +113,13 @@ def profile_table(prof: dict, n_layers: int) -> str:
     for k, tot in prof["total_us"].items():
         per = n_layers if k not in ("select", "lm_head") else 1  # attn_split: work only (part of attention)
         out.append(f"    {k:10s} {prof['work_us'][k]:8.1f} {tot:8.1f} {tot / per:8.2f}")
+    blocks = prof.get("blocks", {}).get("work_us", {})
+    if blocks:
+        out.append(f"  every block's work, us per step: min / median / max (slowest SM) over {len(prof['blocks']['sm'])} blocks")
+        for k, col in blocks.items():
+            a = np.asarray(col)
+            out.append(f"    {k:10s} {a.min():8.1f} {np.median(a):8.1f} {a.max():8.1f} "
+                       f"(SM {prof['blocks']['sm'][int(a.argmax())]})")
     return "\n".join(out)
 
 

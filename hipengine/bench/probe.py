@@ -6,6 +6,9 @@
   copy        bytes/s of a device-to-device copy kernel, reads + writes counted.
   launch      µs per empty kernel: eager (back-to-back launches from Python on one stream) and inside a
               captured graph (the floor a monokernel-free design would pay per kernel).
+  per-SM read every SM streams its own slice at once (256 KiB, 512 KiB, 16 MiB each); the slowest SM's time
+              over the median's (a matvec split evenly over SMs ends with the slowest) and whether the slow
+              SMs are the same ones launch after launch.
   --peers     for every GPU pair: peer copy bandwidth (kernel push and driver copy) and the one-way latency of
               a flag written through peer-mapped memory (ping-pong of release/acquire stores at system scope).
 
@@ -107,6 +110,68 @@ def hbm_read(rt, nbytes: int | None = None, reps: int = REPS) -> dict:
 def measure_hbm_read_bandwidth(rt, nbytes: int | None = None, reps: int = REPS) -> float:
     """Measured HBM read bandwidth of ``rt``'s device in bytes/s (the decode roofline's numerator)."""
     return hbm_read(rt, nbytes, reps)["bytes_per_s"]
+
+
+SM_SLICES = (256 << 10, 512 << 10, 16 << 20)  # bytes per SM: a short matvec stage's share, gate/up's, steady
+SM_REPS = 40
+
+
+def per_sm_read(rt, slices=SM_SLICES, reps: int = SM_REPS) -> list[dict]:
+    """Every SM/CU streams its own slice at the same time (one block each); per SM, the median time over
+    ``reps`` launches. A matvec split statically over SMs ends with the slowest: ``max_over_median`` is what
+    that costs, and ``halves_corr`` (per-SM medians of the first vs the second half of the launches) says
+    whether the slow SMs are the same ones each time — a property of the SM, not noise."""
+    fn = _module(rt).function("probe_read_sm")
+    nb = rt.num_sms
+    smem = rt.max_shared_per_block  # > half an SM's shared memory: one block per SM
+    row = 5  # probe.hip kProbeSmRow
+    out = rt.malloc(8 * row * nb)
+    s = rt.stream()
+    res = []
+    try:
+        for per in slices:
+            n = per * nb
+            buf = rt.malloc(n)
+            try:
+                rt.memset(buf, 1, n)
+                expect = (per // 4 * 0x01010101) & 0xFFFFFFFF
+                # L2 would serve a second read of a small buffer: rotate over copies of >= 4x L2 in all
+                ncopy = max(1, -(-4 * rt.l2_bytes // n))
+                bufs = [buf] + [rt.malloc(n) for _ in range(ncopy - 1)]
+                for b in bufs[1:]:
+                    rt.memset(b, 1, n)
+                times = {}
+                for r in range(reps + 2):
+                    rt.launch(fn, nb, BLOCK, [bufs[r % ncopy], ctypes.c_uint64(per // 16), out], shared=smem, stream=s)
+                    s.synchronize()
+                    v = rt.download(out, (nb, row), np.uint64)
+                    if (v[:, 4] != expect).any():
+                        raise DeviceError("probe_read_sm checksum mismatch: kernel bug")
+                    if r < 2:
+                        continue  # warm-up
+                    for sm, cyc in zip(v[:, 0].tolist(), v[:, 1].tolist()):
+                        times.setdefault(int(sm), []).append(float(cyc))
+                for b in bufs[1:]:
+                    b.free()
+            finally:
+                buf.free()
+            sms = sorted(times)
+            med = np.array([statistics.median(times[k]) for k in sms])
+            h = reps // 2
+            a = np.array([statistics.median(times[k][:h]) for k in sms])
+            b = np.array([statistics.median(times[k][h:]) for k in sms])
+            corr = float(np.corrcoef(a, b)[0, 1]) if len(sms) > 2 and a.std() > 0 and b.std() > 0 else 0.0
+            res.append({"bytes_per_sm": per, "sms": len(sms), "sm_ids": sms,
+                        "cycles_median_per_sm": [round(x) for x in med.tolist()],
+                        "min_over_median": float(med.min() / np.median(med)),
+                        "max_over_median": float(med.max() / np.median(med)),
+                        "p90_over_median": float(np.percentile(med, 90) / np.median(med)),
+                        "halves_corr": corr})
+        return res
+    finally:
+        s.synchronize()
+        s.destroy()
+        out.free()
 
 
 def _copy_bps(rt, src, dst, nbytes: int, grid: int, reps: int, stream) -> float:
@@ -237,6 +302,11 @@ def probe(peers: bool = False, log=print) -> dict:
     result["launch"] = launch
     log(f"launch eager  {launch['eager_us']:8.2f} µs/kernel (host call {launch['eager_host_call_us']:.2f} µs)")
     log(f"launch graph  {launch['graph_us']:8.2f} µs/kernel")
+    result["per_sm_read"] = per_sm = per_sm_read(rt)
+    for r in per_sm:
+        log(f"per-SM read   {r['bytes_per_sm'] >> 10:6d} KiB each, all at once: slowest {r['max_over_median']:.3f}x, "
+            f"p90 {r['p90_over_median']:.3f}x, fastest {r['min_over_median']:.3f}x the median SM's time "
+            f"(same SMs slow run to run: corr {r['halves_corr']:.2f})")
     if peers:
         if n < 2:
             msg = f"--peers needs at least 2 GPUs; this machine has {n}"

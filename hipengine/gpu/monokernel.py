@@ -631,7 +631,11 @@ def barriers_per_token(cfg, fine: int = 3, tp: int = 1) -> int:
 # ---- stage profile (HIPENGINE_MK_PROFILE=1: a separate build with -DMK_PROFILE=1) --------------------------
 PROF_STAGES = ["select", "qkv", "attention", "combine", "o_proj", "gate_up", "down", "lm_head", "attn_split",
                "attn_q", "attn_loop", "attn_merge"]  # attn_*: block 0's attention items, stage start -> that point
-MK_PROF_WORDS = 2 * len(PROF_STAGES) + 3
+MK_PROF_HEADER = 2 * len(PROF_STAGES) + 3
+# + one row per block (decode.hip kMkProfMaxBlocks rows of kMkProfRow words): its work cycles per stage, its SM
+MK_PROF_MAX_BLOCKS = 2048
+MK_PROF_ROW = len(PROF_STAGES) + 1
+MK_PROF_WORDS = MK_PROF_HEADER + MK_PROF_MAX_BLOCKS * MK_PROF_ROW
 
 
 def profiling() -> bool:
@@ -644,13 +648,20 @@ def read_profile(backend: "MonokernelBackend") -> dict:
     Cycles are converted with the launch's own ns/cycle ratio."""
     if backend.prof_buf is None:
         raise DeviceError("stage profile needs HIPENGINE_MK_PROFILE=1 when the backend is built")
-    v = backend.rt.download(backend.prof_buf, (MK_PROF_WORDS,), np.uint64).astype(np.float64)
+    raw = backend.rt.download(backend.prof_buf, (MK_PROF_WORDS,), np.uint64)
+    v = raw[:MK_PROF_HEADER].astype(np.float64)
     n = len(PROF_STAGES)
     ns, cyc, steps = v[2 * n], v[2 * n + 1], max(v[2 * n + 2], 1.0)
     us = (ns / cyc / 1e3) if cyc else 0.0
+    nb = min(backend.grid, MK_PROF_MAX_BLOCKS)
+    rows = raw[MK_PROF_HEADER:MK_PROF_HEADER + nb * MK_PROF_ROW].reshape(nb, MK_PROF_ROW)
+    work = rows[:, :n].astype(np.float64) * us / steps  # per block, µs per step (block 0's clock rate)
     return {"steps": int(v[2 * n + 2]), "ghz": (cyc / ns) if ns else 0.0, "us_per_step": ns / steps / 1e3,
             "work_us": {k: v[i] * us / steps for i, k in enumerate(PROF_STAGES)},
-            "total_us": {k: v[n + i] * us / steps for i, k in enumerate(PROF_STAGES)}}
+            "total_us": {k: v[n + i] * us / steps for i, k in enumerate(PROF_STAGES)},
+            "blocks": {"sm": rows[:, n].astype(int).tolist(),
+                       "work_us": {k: [round(float(x), 3) for x in work[:, i]]
+                                   for i, k in enumerate(PROF_STAGES) if work[:, i].any()}}}
 
 
 def reset_profile(backend: "MonokernelBackend") -> None:

@@ -205,7 +205,7 @@ class Ops:
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
                         c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream)
         self.rt.launch(self.fn("attention_decode", "attention_combine", lanes), (nh, T), 128,
-                       [_p(partial), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)],
+                       [_p(partial), _p(pos), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)],
                        stream=stream)
 
     @staticmethod

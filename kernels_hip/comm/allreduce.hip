@@ -287,6 +287,9 @@ HE_INLINE bool ar_ll_block(const void* in, void* out, he_u64 nbytes, const ArPee
     }
   }
   // 2. receive and sum in rank order 0..world-1 (own contribution from `in`): identical bits everywhere.
+  // All four words of a source's pack are loaded before any is checked (independent volatile loads: one
+  // round trip when the round has landed, instead of four dependent ones); only words that do not carry
+  // `epoch` yet are polled.
   const char* mine = ar_base(T, rank) + T->off_ll + par * world * slot;
   for (he_u64 t = vb; t < ntiles; t += T->nblocks) {
     const he_u64 off = t * tile + (he_u64)tid * 16;
@@ -299,9 +302,16 @@ HE_INLINE bool ar_ll_block(const void* in, void* out, he_u64 nbytes, const ArPee
         v = he_load16((const char*)in + off);
       } else {
         const volatile he_u64* src = (const volatile he_u64*)(mine + (he_u64)s * slot + 2 * off);
-        if (!ar_ll_poll(src + 0, epoch, v.x, T, s) || !ar_ll_poll(src + 1, epoch, v.y, T, s) ||
-            !ar_ll_poll(src + 2, epoch, v.z, T, s) || !ar_ll_poll(src + 3, epoch, v.w, T, s))
-          return false;
+        he_u64 wd[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wd[j] = src[j];
+        he_u32 x[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if ((he_u32)(wd[j] >> 32) == epoch) x[j] = (he_u32)wd[j];
+          else if (!ar_ll_poll(src + j, epoch, x[j], T, s)) return false;
+        }
+        v = he_vec16{x[0], x[1], x[2], x[3]};
       }
       E::add(acc, v);
     }

@@ -341,6 +341,7 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
 // END GENERATED
 
 static_assert(sizeof(HeGridBarrier) == 16, "HeGridBarrier is 16 bytes (the host zeroes 16)");
+static_assert(kMkThreads == kAttnThreads, "the attention split plan assumes the per-op block size");
 
 // Weight dtype is a compile-time choice (-DMK_WEIGHT_F16=0|1, picked by the host from the model): one
 // instantiation of every body instead of two halves the (long) compile of this unit.
@@ -369,9 +370,13 @@ constexpr bool kMkTp = MK_TP != 0;
 // prof[k] work, prof[kMkProfN + k] total, prof[2N] ns, prof[2N + 1] cycles, prof[2N + 2] steps.
 // kProfAttnQ/Loop/Merge: block 0's attention items, from the stage start to the HE_ATTN_MARK points (q staged,
 // rows scored, warp states in shared memory); kProfAttnSplit to the item's partial written.
+// Then one row per block b < kMkProfMaxBlocks at prof + kMkProfHeader + b·kMkProfRow: that block's "work"
+// cycles per stage kind (thread 0, same marks as block 0's) and, last, the SM it ran on — so the host can
+// tell a slow block from a slow SM (hipengine/gpu/monokernel.py read_profile: "blocks").
 enum MkProfStage { kProfSelect, kProfQkv, kProfAttn, kProfCombine, kProfO, kProfGateUp, kProfDown, kProfHead,
                    kProfAttnSplit, kProfAttnQ, kProfAttnLoop, kProfAttnMerge, kMkProfN };
 #if MK_PROFILE
+constexpr int kMkProfHeader = 2 * kMkProfN + 3, kMkProfRow = kMkProfN + 1, kMkProfMaxBlocks = 2048;
 __device__ inline void mk_attn_mark(int k) {
   if (mk_prof_out != nullptr && he_block_idx() == 0 && he_thread_idx() == 0)
     mk_prof_out[kProfAttnQ + k] += he_cycles() - mk_prof_t;
@@ -379,23 +384,33 @@ __device__ inline void mk_attn_mark(int k) {
 #endif
 struct MkProf {
 #if MK_PROFILE
-  he_u64* out;
+  he_u64* out;  // block 0: the header; every block: its row (blk)
+  he_u64* blk;
   he_u64 t, t0, ns0;
-  bool on;
-  HE_INLINE explicit MkProf(he_u64* o) : out(o), t(0), t0(0), ns0(0) {
-    on = o != nullptr && he_block_idx() == 0 && he_thread_idx() == 0;
-    if (on) { t = t0 = he_cycles(); ns0 = he_clock_ns(); mk_prof_out = o; mk_prof_t = t; }
+  bool on, lead;
+  HE_INLINE explicit MkProf(he_u64* o) : out(o), blk(nullptr), t(0), t0(0), ns0(0) {
+    on = o != nullptr && he_thread_idx() == 0 && he_block_idx() < kMkProfMaxBlocks;
+    lead = on && he_block_idx() == 0;
+    if (!on) return;
+    blk = o + kMkProfHeader + (he_u64)he_block_idx() * kMkProfRow;
+    blk[kMkProfN] = he_sm_id();
+    t = t0 = he_cycles();
+    if (lead) { ns0 = he_clock_ns(); mk_prof_out = o; mk_prof_t = t; }
   }
-  HE_INLINE void work(int k) { if (on) out[k] += he_cycles() - t; }
+  HE_INLINE void work(int k) {
+    if (!on) return;
+    const he_u64 d = he_cycles() - t;
+    blk[k] += d;
+    if (lead) out[k] += d;
+  }
   HE_INLINE void done(int k) {
     if (!on) return;
     const he_u64 now = he_cycles();
-    out[kMkProfN + k] += now - t;
+    if (lead) { out[kMkProfN + k] += now - t; mk_prof_t = now; }
     t = now;
-    mk_prof_t = now;
   }
   HE_INLINE void finish(int steps) {
-    if (!on) return;
+    if (!lead) return;
     out[2 * kMkProfN] += he_clock_ns() - ns0;
     out[2 * kMkProfN + 1] += he_cycles() - t0;
     out[2 * kMkProfN + 2] += (he_u64)steps;
@@ -448,8 +463,8 @@ HE_INLINE HeMvPlain mk_head_op(const MkParams& p, const float* x) {
 // ---- attention --------------------------------------------------------------------------------------------
 // Combine heads [h0, h0 + n) into att, then count them on the heads-combined counter (acq_rel RMW at device
 // scope after he_sync_block, so every thread's att writes happen-before it; O-proj acquires the count).
-HE_INLINE void mk_combine(const MkParams& p, int h0, int n) {
-  he_attention_combine(p.partial + (he_i64)h0 * p.nsplit * (p.hd + 2), n, p.nsplit, p.hd, p.att + (he_i64)h0 * p.hd);
+HE_INLINE void mk_combine(const MkParams& p, int h0, int n, int seq) {
+  he_attention_combine(p.partial + (he_i64)h0 * p.nsplit * (p.hd + 2), n, p.nsplit, seq, p.hd, p.att + (he_i64)h0 * p.hd);
   he_sync_block();
   if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(p.attn_count + p.nkv + 1, (he_u32)n);
 }
@@ -464,7 +479,7 @@ HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
     // fine == 3: the last of this KV head's nsplit blocks to arrive (acq_rel counter at device scope: it
     // sees every split's partial) combines the whole group, one thread per (head, dim), no grid barrier.
     if (p.fine == 3 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit))
-      mk_combine(p, kvh * MK_ATTN_G, MK_ATTN_G);
+      mk_combine(p, kvh * MK_ATTN_G, MK_ATTN_G, pos + 1);
     he_sync_block();  // shared memory is reused by the next item
   }
 }
@@ -644,7 +659,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       mk_attention(p, L, pos, he_mk_smem, prof);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
-        for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1);
+        for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
       }
       // O-proj needs every head of att and nothing else of this stage, so it waits for the heads-combined
       // counter (nh more per layer) instead of a grid barrier: no grid-wide arrival, and blocks with no

@@ -70,6 +70,28 @@ HE_INLINE int he_attn_chunk(int seq, int nsplit, int chunk) {
   return c < chunk ? c : chunk;
 }
 
+// Split partials the combine loads per round trip (he_attention_combine).
+constexpr int kCombineBatch = 16;
+// The split's block size in both paths (ops.ATTN_THREADS, the monokernel's kMkThreads) and the rows such a
+// block scores in one batch (warps x rows per warp at once x kAttnUnroll: 128 at hd 64).
+constexpr int kAttnThreads = 256;
+constexpr int kAttnBatchRows = kAttnThreads / kAttnLpr * kAttnUnroll;
+
+// The splits a `seq`-row sequence uses: the plan's nsplit, or only the first kCombineBatch of them when the
+// plan has more and that many splits of at most one batch of rows each cover the sequence — each split still
+// takes one batch, and the combine folds one round trip of partials instead of several (a 1K sequence in a
+// 4K cache at TP=2: 16 splits of 64 rows instead of 32 of 32). The other splits are empty. The split blocks
+// and the combine compute it from the same seq, so both paths stay bit-identical.
+HE_INLINE int he_attn_splits(int seq, int nsplit) {
+  if (nsplit <= kCombineBatch) return nsplit;
+  return he_attn_chunk(seq, kCombineBatch, kAttnBatchRows + 1) <= kAttnBatchRows ? kCombineBatch : nsplit;
+}
+// The split length for `seq` rows under the plan (nsplit, chunk): he_attn_chunk over the splits in use.
+HE_INLINE int he_attn_len(int seq, int nsplit, int chunk) {
+  const int ns = he_attn_splits(seq, nsplit);
+  return ns < nsplit ? he_attn_chunk(seq, ns, kAttnBatchRows) : he_attn_chunk(seq, nsplit, chunk);
+}
+
 // kG = num_heads / num_kv_heads as a template parameter: the per-lane state is kG·10 registers, and a
 // runtime bound of kAttnMaxGroup cost 155 registers (one block per SM) even for G = 4.
 //
@@ -92,7 +114,7 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   constexpr int U = kAttnUnroll;
   (void)nkv;
   const int t = he_thread_idx(), nt = he_block_dim(), nw = he_num_warps();
-  chunk = he_attn_chunk(seq, nsplit, chunk);
+  chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
   const int start = split * chunk;
   const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
   if (n == 0) {  // nothing to attend in this split: mark it empty for the combine
@@ -285,21 +307,22 @@ HE_ATTN_KERNEL(8)
 // whole-group combine produce the same bits. (Measured on H200: a plain unrolled loop with the merge inside
 // was not batched by the compiler — 6.6 µs per combine instead of ~2.)
 // pr: partials of the first head (heads nsplit·(hd + 2) floats apart); out: heads hd floats apart.
-constexpr int kCombineBatch = 16;
-
-HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, int hd, float* out) {
+// nsplit: the plan's (partials of consecutive heads are nsplit·(hd + 2) floats apart); seq: the sequence
+// length the splits covered — only its he_attn_splits(seq, nsplit) splits are folded.
+HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, int seq, int hd, float* out) {
   const int t = he_thread_idx(), nt = he_block_dim();
   const int hs = nsplit * (hd + 2);  // floats per head of partials
+  const int ns = he_attn_splits(seq, nsplit);
   for (int i = t; i < nh_here * hd; i += nt) {
     const int g = i / hd, d = i % hd;
     const float* ph = pr + (he_i64)g * hs;
     float M = he_neg_inf(), L = 0.f, o = 0.f;
-    for (int s0 = 0; s0 < nsplit; s0 += kCombineBatch) {
+    for (int s0 = 0; s0 < ns; s0 += kCombineBatch) {
       float v[kCombineBatch], ms[kCombineBatch], ls[kCombineBatch];
 #pragma unroll
       for (int b = 0; b < kCombineBatch; ++b) {
         const float* e = ph + (s0 + b) * (hd + 2);
-        const bool ok = s0 + b < nsplit;
+        const bool ok = s0 + b < ns;
         v[b] = ok ? e[d] : 0.f;
         ms[b] = ok ? e[hd] : he_neg_inf();
         ls[b] = ok ? e[hd + 1] : 0.f;  // empty splits (l = 0) hold stale values: skipped below
@@ -323,10 +346,10 @@ HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, in
   }
 }
 
-HE_KERNEL(256) attention_combine(const float* __restrict__ partial, int nsplit, int nh, int hd,
-                                 float* __restrict__ out) {
+HE_KERNEL(256) attention_combine(const float* __restrict__ partial, const int* __restrict__ pos_p, int nsplit,
+                                 int nh, int hd, float* __restrict__ out) {
   const int h = he_block_idx(), tq = he_block_idx_y();
-  he_attention_combine(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), 1, nsplit, hd,
+  he_attention_combine(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), 1, nsplit, *pos_p + tq + 1, hd,
                        out + ((he_i64)tq * nh + h) * hd);
 }
 #endif

@@ -1,6 +1,7 @@
 // kernels_hip/ops/probe.hip — the machine's ceilings, measured by `hipengine bench probe`.
 //
 //   probe_read      : stream a large buffer once (HBM read bandwidth, the decode roofline's numerator).
+//   probe_read_sm   : every SM streams its own slice at once; per-SM time (static splits wait for the slowest).
 //   probe_copy      : read one buffer, write another (copy bandwidth; also peer reads/writes over NVLink/xGMI).
 //   probe_empty     : does nothing (launch overhead, eager and inside a graph).
 //   probe_pingpong  : one thread per GPU bouncing a counter through peer-mapped flags (one-way latency).
@@ -35,6 +36,44 @@ HE_KERNEL(1024) probe_read(const he_vec16* src, he_u64 n_vec, he_u32* out) {
 #pragma unroll
   for (int o = kWarpSize / 2; o > 0; o >>= 1) acc += (he_u32)he_shfl_xor_int((int)acc, o);
   if (he_lane_id() == 0) he_fetch_add_relaxed_device(out, acc);
+}
+
+// Per-SM read rate with every SM streaming at once: block b reads its own n_per_block vectors
+// src[b·n_per_block ...] (kProbeUnroll loads per thread in flight, like probe_read) and thread 0 writes
+// out[b·kProbeSmRow ...] = {SM id, cycles from the block's start to its end, wall-clock start, end (ns),
+// the 32-bit sum of its words}. The host launches one block per SM (shared memory sized to forbid a second)
+// and compares blocks: a static split of a matvec over SMs finishes with the slowest one.
+constexpr int kProbeSmRow = 5;
+HE_KERNEL(1024) probe_read_sm(const he_vec16* src, he_u64 n_per_block, he_u64* out) {
+  extern __shared__ he_u32 probe_sums[];  // [warps]; the launch's (large) dynamic size only sets occupancy
+  he_sync_block();
+  const he_u64 c0 = he_cycles(), t0 = he_clock_ns();
+  const he_vec16* p = src + (he_u64)he_block_idx() * n_per_block;
+  const int nt = he_block_dim();
+  he_u32 acc = 0;
+  he_u64 i = he_thread_idx();
+  for (; i + (kProbeUnroll - 1) * nt < n_per_block; i += kProbeUnroll * nt) {
+    he_vec16 v[kProbeUnroll];
+#pragma unroll
+    for (int u = 0; u < kProbeUnroll; ++u) v[u] = he_load16_stream(p + i + u * nt);
+#pragma unroll
+    for (int u = 0; u < kProbeUnroll; ++u) acc += he_vec16_sum(v[u]);
+  }
+  for (; i < n_per_block; i += nt) acc += he_vec16_sum(he_load16_stream(p + i));
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) acc += (he_u32)he_shfl_xor_int((int)acc, o);
+  if (he_lane_id() == 0) probe_sums[he_warp_id()] = acc;
+  he_sync_block();
+  if (he_thread_idx() == 0) {
+    he_u32 sum = 0;
+    for (int w = 0; w < he_num_warps(); ++w) sum += probe_sums[w];
+    he_u64* row = out + (he_u64)he_block_idx() * kProbeSmRow;
+    row[0] = he_sm_id();
+    row[1] = he_cycles() - c0;
+    row[2] = t0;
+    row[3] = he_clock_ns();
+    row[4] = sum;
+  }
 }
 
 // dst[0:n_vec] = src[0:n_vec]. src and dst may be on different GPUs (peer access enabled).
