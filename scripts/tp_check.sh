@@ -10,6 +10,8 @@
 #   plan: the TP monokernel's tests, bench --tp 2 at 1K/8K/32K, the same at 1K with HIPENGINE_ATTN_SPLIT_CAP=0
 #     (the attention plan before the split cap: an A/B in one call), TP=1 monokernel tests, per-op TP == TP=1.
 #   serve: as plan, but the second bench is 1K in a 4,096-token cache (the Engine's default) instead of the A/B.
+#   ab: this tree against $AB_TREE ($AB_COMMIT): single-GPU tests, stage profile and per-SM probe on both GPUs
+#     at once, then the all-reduce suite and TP=2 1K in a 4K cache for each tree.
 #   perop: the per-op TP path alone (all of tests/test_tp_executor.py, the per-op engine's GPU tests, bench
 #     --no-monokernel with the custom all-reduce and with NCCL, the TP=1 per-op baseline).
 # Every step is time-boxed (sums < 600 s: one device call). Kernels come from $HIPENGINE_CACHE (precompiled
@@ -78,7 +80,26 @@ case "$MODE" in
     run pytest_mk1 80 "$PY" -m pytest tests/test_monokernel_gpu.py -q -rs -x -p no:cacheprovider
     run pytest_tp_eq 110 "$PY" -m pytest tests/test_tp_executor.py -m multigpu -q -rs -s -p no:cacheprovider
     ;;
-  *) echo "unknown mode $MODE (mk|final|perop|plan|serve)"; exit 2 ;;
+  ab)  # this tree against $AB_TREE (`git archive` of a base commit under .carry/, commit in $AB_COMMIT): the
+       # single-GPU steps on both GPUs at once (op attention tests + the per-block stage profile on GPU 0; the
+       # monokernel tests + bench probe's per-SM read on GPU 1), then the 2-GPU A/B, each tree in its own
+       # process: the all-reduce suite (1K..64K) and TP=2 decode at 1K in a 4K cache (the Engine's default).
+    ( export CUDA_VISIBLE_DEVICES=0
+      run pytest_ops_attn 90 "$PY" -m pytest tests/test_ops_gpu.py -q -rs -x -k attention -p no:cacheprovider
+      run profile_1k 150 "$PY" -m hipengine bench decode --shape "$SHAPE" --context 1024 --profile \
+        --json "$OUT/profile_1k.json" ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      run pytest_mk1 150 "$PY" -m pytest tests/test_monokernel_gpu.py -q -rs -x -p no:cacheprovider
+      run probe 90 "$PY" -m hipengine bench probe --json "$OUT/probe.json" ) &
+    wait
+    run ar_new 70 "$PY" -m hipengine bench allreduce --tp "$TP" --sizes 1K..64K --json "$OUT/allreduce_new.json"
+    run ar_base 70 env -C "$AB_TREE" HIPENGINE_COMMIT="$AB_COMMIT" PYTHONPATH=. "$PY" -m hipengine bench allreduce --tp "$TP" --sizes 1K..64K --json "$OUT/allreduce_base.json"
+    run tp_cache4k_new 90 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
+      --max-context 4096 --json "$OUT/decode_tp${TP}_cache4k_new.json"
+    run tp_cache4k_base 90 env -C "$AB_TREE" HIPENGINE_COMMIT="$AB_COMMIT" PYTHONPATH=. "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
+      --max-context 4096 --json "$OUT/decode_tp${TP}_cache4k_base.json"
+    ;;
+  *) echo "unknown mode $MODE (mk|final|perop|plan|serve|ab)"; exit 2 ;;
 esac
 
 # The test outcomes as JSON beside the benchmark JSON (commit from $HIPENGINE_COMMIT, as the benches take it).
