@@ -12,6 +12,8 @@
 #   serve: as plan, but the second bench is 1K in a 4,096-token cache (the Engine's default) instead of the A/B.
 #   ab: this tree against $AB_TREE ($AB_COMMIT): single-GPU tests, stage profile and per-SM probe on both GPUs
 #     at once, then the all-reduce suite and TP=2 1K in a 4K cache for each tree.
+#   ab2: the TP monokernel's tests, then the TP=1 A/B over $AB_TREES ($AB_MAXCTX cache too) with the stage
+#     profile and bench probe on GPU 0 while GPU 1 runs the op tests.
 #   perop: the per-op TP path alone (all of tests/test_tp_executor.py, the per-op engine's GPU tests, bench
 #     --no-monokernel with the custom all-reduce and with NCCL, the TP=1 per-op baseline).
 # Every step is time-boxed (sums < 600 s: one device call). Kernels come from $HIPENGINE_CACHE (precompiled
@@ -99,7 +101,24 @@ case "$MODE" in
     run tp_cache4k_base 90 env -C "$AB_TREE" HIPENGINE_COMMIT="$AB_COMMIT" PYTHONPATH=. "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
       --max-context 4096 --json "$OUT/decode_tp${TP}_cache4k_base.json"
     ;;
-  *) echo "unknown mode $MODE (mk|final|perop|plan|serve|ab)"; exit 2 ;;
+  ab2)  # the TP=1 side of the same A/B, the TP monokernel's tests first (both GPUs), then GPU 0: the per-block
+        # stage profile, bench probe, and the monokernel A/B over the trees in $AB_TREES (scripts/mk_sweep.py:
+        # each tree in its own process, "base new base new" controls order) at 1K/8K/32K and at 1K in a
+        # $AB_MAXCTX cache; GPU 1 meanwhile: the op tests.
+    run pytest_tp_mk 140 "$PY" -m pytest tests/test_tp_monokernel.py -q -rs -s -x -p no:cacheprovider
+    ( export CUDA_VISIBLE_DEVICES=0
+      run profile_1k 60 "$PY" -m hipengine bench decode --shape "$SHAPE" --context 1024 --profile \
+        --json "$OUT/profile_1k.json"
+      run probe 40 "$PY" -m hipengine bench probe --json "$OUT/probe.json"
+      run ab_trees 240 "$PY" scripts/mk_sweep.py --contexts 1024,8192,32768 --only "" \
+        $(for t in $AB_TREES; do echo --baseline-tree "$t"; done) --json "$OUT/ab_trees.json"
+      run ab_trees_maxctx 120 "$PY" scripts/mk_sweep.py --contexts 1024 --max-context "${AB_MAXCTX:-32768}" \
+        --only "" $(for t in $AB_TREES; do echo --baseline-tree "$t"; done) --json "$OUT/ab_trees_maxctx.json" ) &
+    ( export CUDA_VISIBLE_DEVICES=1
+      run pytest_ops 100 "$PY" -m pytest tests/test_ops_gpu.py -q -rs -x -p no:cacheprovider ) &
+    wait
+    ;;
+  *) echo "unknown mode $MODE (mk|final|perop|plan|serve|ab|ab2)"; exit 2 ;;
 esac
 
 # The test outcomes as JSON beside the benchmark JSON (commit from $HIPENGINE_COMMIT, as the benches take it).
@@ -124,3 +143,5 @@ for f in "$OUT"/*.log; do
 done
 echo "==== summary ===="
 cat "$SUMMARY"
+# everything in one file: the device tool returns only a few files per call
+tar czf /tmp/tp_check_all.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/tp_check_all.tgz "$OUT/all.tgz"

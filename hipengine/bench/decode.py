@@ -113,13 +113,17 @@ def profile_table(prof: dict, n_layers: int) -> str:
     for k, tot in prof["total_us"].items():
         per = n_layers if k not in ("select", "lm_head") else 1  # attn_split: work only (part of attention)
         out.append(f"    {k:10s} {prof['work_us'][k]:8.1f} {tot:8.1f} {tot / per:8.2f}")
-    blocks = prof.get("blocks", {}).get("work_us", {})
-    if blocks:
-        out.append(f"  every block's work, us per step: min / median / max (slowest SM) over {len(prof['blocks']['sm'])} blocks")
-        for k, col in blocks.items():
+    blocks = prof.get("blocks", {})
+    if blocks.get("work_us"):
+        out.append(f"  every block, us per step from the stage start, median (max) over {len(blocks['sm'])} blocks: "
+                   "work mark, block's slowest warp, barrier arrival issued, exit; slowest SM by work")
+        for k, col in blocks["work_us"].items():
+            cells = []
+            for c in ("work_us", "sync_us", "arrive_us", "total_us"):
+                a = np.asarray(blocks.get(c, {}).get(k, [0.0]))
+                cells.append(f"{np.median(a):7.1f} ({a.max():7.1f})")
             a = np.asarray(col)
-            out.append(f"    {k:10s} {a.min():8.1f} {np.median(a):8.1f} {a.max():8.1f} "
-                       f"(SM {prof['blocks']['sm'][int(a.argmax())]})")
+            out.append(f"    {k:10s} " + " ".join(cells) + f"  SM {blocks['sm'][int(a.argmax())]}")
     return "\n".join(out)
 
 

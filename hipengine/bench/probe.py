@@ -114,9 +114,10 @@ def measure_hbm_read_bandwidth(rt, nbytes: int | None = None, reps: int = REPS) 
 
 SM_SLICES = (256 << 10, 512 << 10, 16 << 20)  # bytes per SM: a short matvec stage's share, gate/up's, steady
 SM_REPS = 40
+SM_BLOCK = 1024  # threads: 64 KiB in flight per SM (the monokernel's 8 warps x 8 KiB), enough to saturate HBM
 
 
-def per_sm_read(rt, slices=SM_SLICES, reps: int = SM_REPS) -> list[dict]:
+def per_sm_read(rt, slices=SM_SLICES, reps: int = SM_REPS, block: int = SM_BLOCK) -> list[dict]:
     """Every SM/CU streams its own slice at the same time (one block each); per SM, the median time over
     ``reps`` launches. A matvec split statically over SMs ends with the slowest: ``max_over_median`` is what
     that costs, and ``halves_corr`` (per-SM medians of the first vs the second half of the launches) says
@@ -140,15 +141,16 @@ def per_sm_read(rt, slices=SM_SLICES, reps: int = SM_REPS) -> list[dict]:
                 bufs = [buf] + [rt.malloc(n) for _ in range(ncopy - 1)]
                 for b in bufs[1:]:
                     rt.memset(b, 1, n)
-                times = {}
+                times, spans = {}, []
                 for r in range(reps + 2):
-                    rt.launch(fn, nb, BLOCK, [bufs[r % ncopy], ctypes.c_uint64(per // 16), out], shared=smem, stream=s)
+                    rt.launch(fn, nb, block, [bufs[r % ncopy], ctypes.c_uint64(per // 16), out], shared=smem, stream=s)
                     s.synchronize()
                     v = rt.download(out, (nb, row), np.uint64)
                     if (v[:, 4] != expect).any():
                         raise DeviceError("probe_read_sm checksum mismatch: kernel bug")
                     if r < 2:
                         continue  # warm-up
+                    spans.append(int(v[:, 3].max()) - int(v[:, 2].min()))  # first start to last end, ns
                     for sm, cyc in zip(v[:, 0].tolist(), v[:, 1].tolist()):
                         times.setdefault(int(sm), []).append(float(cyc))
                 for b in bufs[1:]:
@@ -161,12 +163,13 @@ def per_sm_read(rt, slices=SM_SLICES, reps: int = SM_REPS) -> list[dict]:
             a = np.array([statistics.median(times[k][:h]) for k in sms])
             b = np.array([statistics.median(times[k][h:]) for k in sms])
             corr = float(np.corrcoef(a, b)[0, 1]) if len(sms) > 2 and a.std() > 0 and b.std() > 0 else 0.0
-            res.append({"bytes_per_sm": per, "sms": len(sms), "sm_ids": sms,
+            res.append({"bytes_per_sm": per, "threads": block, "sms": len(sms), "sm_ids": sms,
                         "cycles_median_per_sm": [round(x) for x in med.tolist()],
                         "min_over_median": float(med.min() / np.median(med)),
                         "max_over_median": float(med.max() / np.median(med)),
                         "p90_over_median": float(np.percentile(med, 90) / np.median(med)),
-                        "halves_corr": corr})
+                        "halves_corr": corr,
+                        "all_sms_gbps": n / statistics.median(spans) if spans and statistics.median(spans) else None})
         return res
     finally:
         s.synchronize()
@@ -306,7 +309,7 @@ def probe(peers: bool = False, log=print) -> dict:
     for r in per_sm:
         log(f"per-SM read   {r['bytes_per_sm'] >> 10:6d} KiB each, all at once: slowest {r['max_over_median']:.3f}x, "
             f"p90 {r['p90_over_median']:.3f}x, fastest {r['min_over_median']:.3f}x the median SM's time "
-            f"(same SMs slow run to run: corr {r['halves_corr']:.2f})")
+            f"(same SMs slow run to run: corr {r['halves_corr']:.2f}); all SMs {r['all_sms_gbps'] or 0:.0f} GB/s")
     if peers:
         if n < 2:
             msg = f"--peers needs at least 2 GPUs; this machine has {n}"

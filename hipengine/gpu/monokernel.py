@@ -632,9 +632,11 @@ def barriers_per_token(cfg, fine: int = 3, tp: int = 1) -> int:
 PROF_STAGES = ["select", "qkv", "attention", "combine", "o_proj", "gate_up", "down", "lm_head", "attn_split",
                "attn_q", "attn_loop", "attn_merge"]  # attn_*: block 0's attention items, stage start -> that point
 MK_PROF_HEADER = 2 * len(PROF_STAGES) + 3
-# + one row per block (decode.hip kMkProfMaxBlocks rows of kMkProfRow words): its work cycles per stage, its SM
+# + one row per block (decode.hip kMkProfMaxBlocks rows of kMkProfRow words): per stage its cycles to the work
+# mark, to the block's slowest warp, to its barrier arrival issued, to the stage's exit (PROF_COLS); its SM
+PROF_COLS = ["work_us", "sync_us", "arrive_us", "total_us"]
 MK_PROF_MAX_BLOCKS = 2048
-MK_PROF_ROW = len(PROF_STAGES) + 1
+MK_PROF_ROW = len(PROF_COLS) * len(PROF_STAGES) + 1
 MK_PROF_WORDS = MK_PROF_HEADER + MK_PROF_MAX_BLOCKS * MK_PROF_ROW
 
 
@@ -655,13 +657,15 @@ def read_profile(backend: "MonokernelBackend") -> dict:
     us = (ns / cyc / 1e3) if cyc else 0.0
     nb = min(backend.grid, MK_PROF_MAX_BLOCKS)
     rows = raw[MK_PROF_HEADER:MK_PROF_HEADER + nb * MK_PROF_ROW].reshape(nb, MK_PROF_ROW)
-    work = rows[:, :n].astype(np.float64) * us / steps  # per block, µs per step (block 0's clock rate)
+    per = rows[:, :-1].astype(np.float64) * us / steps  # per block, µs per step (block 0's clock rate)
+    blocks = {"sm": rows[:, -1].astype(int).tolist()}
+    for c, col in enumerate(PROF_COLS):  # cumulative from the stage start: work <= sync <= arrive <= total
+        blocks[col] = {k: [round(float(x), 3) for x in per[:, c * n + i]]
+                       for i, k in enumerate(PROF_STAGES) if per[:, c * n + i].any()}
     return {"steps": int(v[2 * n + 2]), "ghz": (cyc / ns) if ns else 0.0, "us_per_step": ns / steps / 1e3,
             "work_us": {k: v[i] * us / steps for i, k in enumerate(PROF_STAGES)},
             "total_us": {k: v[n + i] * us / steps for i, k in enumerate(PROF_STAGES)},
-            "blocks": {"sm": rows[:, n].astype(int).tolist(),
-                       "work_us": {k: [round(float(x), 3) for x in work[:, i]]
-                                   for i, k in enumerate(PROF_STAGES) if work[:, i].any()}}}
+            "blocks": blocks}
 
 
 def reset_profile(backend: "MonokernelBackend") -> None:

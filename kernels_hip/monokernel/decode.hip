@@ -370,13 +370,16 @@ constexpr bool kMkTp = MK_TP != 0;
 // prof[k] work, prof[kMkProfN + k] total, prof[2N] ns, prof[2N + 1] cycles, prof[2N + 2] steps.
 // kProfAttnQ/Loop/Merge: block 0's attention items, from the stage start to the HE_ATTN_MARK points (q staged,
 // rows scored, warp states in shared memory); kProfAttnSplit to the item's partial written.
-// Then one row per block b < kMkProfMaxBlocks at prof + kMkProfHeader + b·kMkProfRow: that block's "work"
-// cycles per stage kind (thread 0, same marks as block 0's) and, last, the SM it ran on — so the host can
-// tell a slow block from a slow SM (hipengine/gpu/monokernel.py read_profile: "blocks").
+// Then one row per block b < kMkProfMaxBlocks at prof + kMkProfHeader + b·kMkProfRow, per stage kind (thread
+// 0's cycles, same marks as block 0's): work; for a grid barrier, from the work mark to every warp of the block
+// done (he_sync_block: the block's slowest warp), from there to the arrival issued (the release fence), and
+// the total to the barrier's exit; last, the SM it ran on — so the host can tell a slow block from a slow SM
+// and the barrier's own cost from waiting for others (hipengine/gpu/monokernel.py read_profile: "blocks").
 enum MkProfStage { kProfSelect, kProfQkv, kProfAttn, kProfCombine, kProfO, kProfGateUp, kProfDown, kProfHead,
                    kProfAttnSplit, kProfAttnQ, kProfAttnLoop, kProfAttnMerge, kMkProfN };
 #if MK_PROFILE
-constexpr int kMkProfHeader = 2 * kMkProfN + 3, kMkProfRow = kMkProfN + 1, kMkProfMaxBlocks = 2048;
+enum MkProfCol { kProfColWork, kProfColSync, kProfColArrive, kProfColTotal, kProfCols };
+constexpr int kMkProfHeader = 2 * kMkProfN + 3, kMkProfRow = kProfCols * kMkProfN + 1, kMkProfMaxBlocks = 2048;
 __device__ inline void mk_attn_mark(int k) {
   if (mk_prof_out != nullptr && he_block_idx() == 0 && he_thread_idx() == 0)
     mk_prof_out[kProfAttnQ + k] += he_cycles() - mk_prof_t;
@@ -393,7 +396,7 @@ struct MkProf {
     lead = on && he_block_idx() == 0;
     if (!on) return;
     blk = o + kMkProfHeader + (he_u64)he_block_idx() * kMkProfRow;
-    blk[kMkProfN] = he_sm_id();
+    blk[kProfCols * kMkProfN] = he_sm_id();
     t = t0 = he_cycles();
     if (lead) { ns0 = he_clock_ns(); mk_prof_out = o; mk_prof_t = t; }
   }
@@ -403,9 +406,14 @@ struct MkProf {
     blk[k] += d;
     if (lead) out[k] += d;
   }
+  // this block's column `col` of stage k += cycles since the stage started (work/sync/arrive marks)
+  HE_INLINE void mark(int col, int k) {
+    if (on) blk[col * kMkProfN + k] += he_cycles() - t;
+  }
   HE_INLINE void done(int k) {
     if (!on) return;
     const he_u64 now = he_cycles();
+    blk[kProfColTotal * kMkProfN + k] += now - t;
     if (lead) { out[kMkProfN + k] += now - t; mk_prof_t = now; }
     t = now;
   }
@@ -418,6 +426,7 @@ struct MkProf {
 #else
   HE_INLINE explicit MkProf(he_u64*) {}
   HE_INLINE void work(int) {}
+  HE_INLINE void mark(int, int) {}
   HE_INLINE void done(int) {}
   HE_INLINE void finish(int) {}
 #endif
@@ -569,7 +578,15 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
 
   auto barrier = [&](int stage) {  // `stage`: profile slot of the stage that just ended
     prof.work(stage);
+#if MK_PROFILE  // the barrier's phases: the block's slowest warp, the arrival (release fence), the wait
+    he_sync_block();
+    prof.mark(kProfColSync, stage);
+    he_grid_arrive(w);
+    prof.mark(kProfColArrive, stage);
+    const bool ok = he_grid_wait(w, epoch, nb);
+#else
     const bool ok = he_grid_barrier(w, epoch, nb);
+#endif
     prof.done(stage);
     return ok;
   };
