@@ -351,6 +351,8 @@ HE_INLINE void he_fence_seq_cst_system() { asm volatile("fence.sc.sys;" ::: "mem
 //   load_relaxed   : polling without ordering; follow a successful poll with an acquire fence or load.
 //   fetch_add_*    : returns the old value. acq_rel = both (arrival counters of barriers); relaxed = pure
 //                    counting (statistics, work queues whose items carry their own flags).
+//   red_add_release: add without reading the old value, release only (an arrival nobody waits on here: the
+//                    thread goes on without the round trip; its later acquire loads order the rest).
 // ------------------------------------------------------------------------------------------------------
 #if HE_AMD
 #define HE_AMD_SCOPE_device __HIP_MEMORY_SCOPE_AGENT
@@ -373,6 +375,9 @@ HE_INLINE void he_fence_seq_cst_system() { asm volatile("fence.sc.sys;" ::: "mem
   }                                                                                                     \
   HE_INLINE he_u32 he_fetch_add_relaxed_##scope(he_u32* p, he_u32 v) {                                 \
     return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, HE_AMD_SCOPE_##scope);                        \
+  }                                                                                                     \
+  HE_INLINE void he_red_add_release_##scope(he_u32* p, he_u32 v) {                                     \
+    (void)__hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, HE_AMD_SCOPE_##scope);                         \
   }                                                                                                     \
   HE_INLINE float he_atomic_add_f32_relaxed_##scope(float* p, float v) {                               \
     return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, HE_AMD_SCOPE_##scope);                        \
@@ -409,6 +414,10 @@ HE_INLINE void he_fence_seq_cst_system() { asm volatile("fence.sc.sys;" ::: "mem
     asm volatile("atom.relaxed." HE_PTX_SCOPE_##scope ".add.u32 %0, [%1], %2;"                          \
                  : "=r"(old) : "l"(p), "r"(v) : "memory");                                              \
     return old;                                                                                         \
+  }                                                                                                     \
+  HE_INLINE void he_red_add_release_##scope(he_u32* p, he_u32 v) {                                     \
+    asm volatile("red.release." HE_PTX_SCOPE_##scope ".global.add.u32 [%0], %1;" ::"l"(p), "r"(v)        \
+                 : "memory");                                                                           \
   }                                                                                                     \
   HE_INLINE float he_atomic_add_f32_relaxed_##scope(float* p, float v) {                               \
     float old;                                                                                          \

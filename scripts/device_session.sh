@@ -6,6 +6,8 @@
 #   quick : op tests, stage profile + bench at 1K/8K, monokernel tests, bench_ops
 #   full  : quick's tests + profile, the 1B preset's 512-position check, the decode bench at 1K/8K/32K
 #   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
+#   exp   : the sweep's variants $ONLY (compile-time experiments) at 1K/8K/32K, then the monokernel tests and the
+#           stage profile built with $EXP_DEFINES
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
 #           a $AB_MAXCTX-token cache when given), op tests, monokernel tests, stage profile at 1K/8K
@@ -62,10 +64,18 @@ case "$MODE" in
   ab) ab_sweep; ops_tests; mk_tests; profile ;;
   bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|ab|abtrees|bench)"; exit 2 ;;
+  exp)  # compile-time experiments: the sweep's variants $ONLY at 1K/8K/32K, then the monokernel tests and the
+        # stage profile of the build $EXP_DEFINES (HIPENGINE_MK_DEFINES syntax) — the expected winner
+    run exp_sweep 300 $PY scripts/mk_sweep.py --contexts 1024,8192,32768 --only "$ONLY" --json "$OUT/exp_sweep.json"
+    run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
+    run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
+      --context 1024 --profile --json "$OUT/exp_profile.json" ;;
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|ab|abtrees|bench|exp)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -n 30 "$f"; done
 echo "==== summary ===="
 cat "$SUMMARY"
+# everything in one file: the device tool returns only a few files per call
+tar czf /tmp/device_session_all.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/device_session_all.tgz "$OUT/all.tgz"
 exit $rc

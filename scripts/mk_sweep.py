@@ -32,8 +32,15 @@ VARIANTS = [  # name, build env, runtime attrs
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
     ("default again (drift check)", {}, {}),
+    # session 6: the barrier's arrival (docs/perf-log.md v22) — compile-time experiments (HIPENGINE_MK_DEFINES)
+    ("arrival as red.release", {"HIPENGINE_MK_DEFINES": "HE_ARRIVE_RED=1"}, {}),
+    ("red.release + next weights after the arrival",
+     {"HIPENGINE_MK_DEFINES": "HE_ARRIVE_RED=1,MK_DEFER_NEXT=1"}, {}),
+    ("red.release + deferred next + relaxed polls",
+     {"HIPENGINE_MK_DEFINES": "HE_ARRIVE_RED=1,MK_DEFER_NEXT=1,HE_POLL_RELAXED=1"}, {}),
+    ("next weights after the arrival", {"HIPENGINE_MK_DEFINES": "MK_DEFER_NEXT=1"}, {}),
 ]
-BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL")
+BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its
@@ -52,6 +59,15 @@ rows = measure(be, contexts, ["monokernel"], runs=int(sys.argv[2]), log=lambda m
 be.close()
 print(json.dumps([{k: r[k] for k in ("context", "tok_s", "tok_s_runs", "tokens")} for r in rows]))
 """
+
+
+def gpu_name() -> str:
+    from hipengine.gpu.runtime import get_runtime
+
+    try:
+        return get_runtime(0).name
+    except Exception:  # noqa: BLE001 — a label only
+        return ""
 
 
 def baseline(tree: str, contexts: list[int], runs: int, max_context: int = 0) -> list[dict]:
@@ -131,7 +147,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "monokernel sweep", "model": "llama-3.2-1b preset (bf16)", "contexts": contexts,
                        "max_context": args.max_context or None,
-                       "commit": git_commit(), "date": utc_now(), "gpu": os.environ.get("GPU_NAME", ""),
+                       "commit": git_commit(), "date": utc_now(), "gpu": os.environ.get("GPU_NAME") or gpu_name(),
                        "results": rows}, f, indent=1)
     return 0
 

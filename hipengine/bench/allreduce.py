@@ -19,7 +19,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import numpy as np
 
 from ..comm.allreduce import LL_MAX_BYTES, ONESHOT_MAX_BYTES, capture_graphs
 from ..errors import DeviceError, HipEngineError
+from . import git_commit
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[_k] = _v  # never NVLink multicast (see nccl.py)
@@ -67,17 +67,6 @@ def _inputs(world: int, n: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     # |x| <= 64 integers: any sum of <= 8 ranks is exact in float32 (and in bf16 up to 256).
     return [rng.integers(-64, 65, n).astype(np.float32) for _ in range(world)]
-
-
-def _git_commit() -> str:
-    try:
-        root = Path(__file__).resolve().parents[2]
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        # a copied tree without git objects answers "HEAD": fall back to what the caller says it sent
-        return out if re.fullmatch(r"[0-9a-f]{40}", out) else os.environ.get("HIPENGINE_COMMIT", "unknown")
-    except Exception:
-        return "unknown"
 
 
 class Harness:
@@ -233,7 +222,7 @@ def run_bench(tp: int, sizes: list[int], log=print) -> dict:
         rows.append(row)
         log(_fmt_row(row))
     info = {
-        "bench": "allreduce", "tp": tp, "dtype": "float32", "commit": _git_commit(),
+        "bench": "allreduce", "tp": tp, "dtype": "float32", "commit": git_commit(),
         "gpu": h.rts[0].name, "arch": h.rts[0].arch, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "nccl": (h.nccl.lib.path + " " + h.nccl.lib.version()) if h.nccl else f"unavailable: {h.nccl_error}",
         "auto_pick": {"ll_max_bytes": LL_MAX_BYTES, "oneshot_max_bytes_world_gt_2": ONESHOT_MAX_BYTES},

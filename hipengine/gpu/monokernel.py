@@ -257,7 +257,20 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["HE_KV_F16"] = 1
     if tp or ll_local():
         defines["MK_TP"] = 1
+    defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
+
+
+def extra_defines() -> dict:
+    """HIPENGINE_MK_DEFINES="NAME=1,OTHER=2": compile-time experiments of decode.hip / sync.h (e.g.
+    MK_DEFER_NEXT, HE_ARRIVE_RED, HE_POLL_RELAXED) for A/B sweeps; empty by default."""
+    out = {}
+    for item in filter(None, (x.strip() for x in os.environ.get("HIPENGINE_MK_DEFINES", "").split(","))):
+        name, _, val = item.partition("=")
+        if not name.isidentifier():
+            raise UnsupportedError(f"HIPENGINE_MK_DEFINES: {item!r} is not NAME=VALUE")
+        out[name] = int(val or 1)
+    return out
 
 
 def ll_local() -> bool:

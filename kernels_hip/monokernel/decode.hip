@@ -357,6 +357,14 @@ constexpr bool kMkF16 = MK_WEIGHT_F16 != 0;
 #define MK_TP 0
 #endif
 constexpr bool kMkTp = MK_TP != 0;
+// MK_DEFER_NEXT=1 (experiment, tp = 1 build): a matvec stage followed by a grid barrier requests the next
+// stage's first weights after its barrier arrival instead of at the end of its loop, so the arrival's release
+// fence does not wait for those loads. (At tp > 1 O-proj / down-proj end in an LL push, no fence: unchanged.)
+#ifndef MK_DEFER_NEXT
+#define MK_DEFER_NEXT 0
+#endif
+constexpr bool kMkDefer = MK_DEFER_NEXT != 0;
+constexpr bool kMkDeferOD = kMkDefer && !kMkTp;
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -377,8 +385,8 @@ constexpr bool kMkTp = MK_TP != 0;
 // and the barrier's own cost from waiting for others (hipengine/gpu/monokernel.py read_profile: "blocks").
 enum MkProfStage { kProfSelect, kProfQkv, kProfAttn, kProfCombine, kProfO, kProfGateUp, kProfDown, kProfHead,
                    kProfAttnSplit, kProfAttnQ, kProfAttnLoop, kProfAttnMerge, kMkProfN };
-#if MK_PROFILE
 enum MkProfCol { kProfColWork, kProfColSync, kProfColArrive, kProfColTotal, kProfCols };
+#if MK_PROFILE
 constexpr int kMkProfHeader = 2 * kMkProfN + 3, kMkProfRow = kProfCols * kMkProfN + 1, kMkProfMaxBlocks = 2048;
 __device__ inline void mk_attn_mark(int k) {
   if (mk_prof_out != nullptr && he_block_idx() == 0 && he_thread_idx() == 0)
@@ -475,7 +483,7 @@ HE_INLINE HeMvPlain mk_head_op(const MkParams& p, const float* x) {
 HE_INLINE void mk_combine(const MkParams& p, int h0, int n, int seq) {
   he_attention_combine(p.partial + (he_i64)h0 * p.nsplit * (p.hd + 2), n, p.nsplit, seq, p.hd, p.att + (he_i64)h0 * p.hd);
   he_sync_block();
-  if (he_thread_idx() == 0) he_fetch_add_acq_rel_device(p.attn_count + p.nkv + 1, (he_u32)n);
+  if (he_thread_idx() == 0) he_arrive_add(p.attn_count + p.nkv + 1, (he_u32)n);
 }
 
 HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof) {
@@ -576,19 +584,32 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   he_mv_begin(mk_qkv_op(p, p.layers[0], pos, p.x), s, mk_o_op(p, p.layers[0], 1u));
   MkProf prof(p.prof);
 
-  auto barrier = [&](int stage) {  // `stage`: profile slot of the stage that just ended
+  // Grid barrier after `stage` (its profile slot), in two halves so that MK_DEFER_NEXT can request the next
+  // matvec's first weights between this block's arrival (release fence) and its wait.
+  auto arrive = [&](int stage) {
     prof.work(stage);
 #if MK_PROFILE  // the barrier's phases: the block's slowest warp, the arrival (release fence), the wait
     he_sync_block();
     prof.mark(kProfColSync, stage);
+#endif
     he_grid_arrive(w);
     prof.mark(kProfColArrive, stage);
+  };
+  auto wait = [&](int stage) {
     const bool ok = he_grid_wait(w, epoch, nb);
-#else
-    const bool ok = he_grid_barrier(w, epoch, nb);
-#endif
     prof.done(stage);
     return ok;
+  };
+  auto barrier = [&](int stage) {
+#if MK_PROFILE
+    arrive(stage);
+    return wait(stage);
+#else
+    prof.work(stage);
+    const bool ok = he_grid_barrier(w, epoch, nb);
+    prof.done(stage);
+    return ok;
+#endif
   };
   // The LL gather that replaces the grid barrier after `stage` (profile: the stage's work, then its total).
   auto gather = [&](int stage, int region, he_u32 ep, float* out) {
@@ -665,14 +686,20 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         qx = he_mk_smem;
       }
       // QKV refills with the O-proj's first weights, held in registers through attention.
-      he_mv_finish<kMkF16>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
+      he_mv_finish<kMkF16, kMkDefer>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
+      if (kMkDefer) {
+        arrive(kProfQkv);
+        he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
+        if (!wait(kProfQkv)) return;
+      }
       if (p.qk_norm) {
-        if (!barrier(kProfQkv)) return;
+        if (!kMkDefer && !barrier(kProfQkv)) return;
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
           he_qk_norm_rope_head(p.qkv, L.q_norm, L.k_norm, p.eps, p.cos_t, p.sin_t, pos, p.q, L.k_cache, L.v_cache,
                                p.max_ctx, p.nh, p.nkv, p.hd, head, scratch);
+        if (kMkDefer && !barrier(kProfQkv)) return;
       }
-      if (!barrier(kProfQkv)) return;
+      if (!kMkDefer && !barrier(kProfQkv)) return;
       mk_attention(p, L, pos, he_mk_smem, prof);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
@@ -687,24 +714,41 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(p.fine == 2 ? kProfCombine : kProfAttn);
       ++ep_o;
-      he_mv_finish<kMkF16>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
+      he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
       // gate/up's input: tp > 1, the O-proj's sum over ranks gathered by every block (no grid barrier; block
       // 0 keeps it in p.xb for the down-proj's residual); else x, published by the barrier.
       const float* gx = p.x;
       if (tp) {
         if (!gather(kProfO, kMkLlO, ep_o, lead ? p.xb : nullptr)) return;
         gx = he_mk_smem;
+      } else if (kMkDeferOD) {
+        arrive(kProfO);
+        he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
+        if (!wait(kProfO)) return;
       } else if (!barrier(kProfO)) {
         return;
       }
-      he_mv_finish<kMkF16>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
-      if (!barrier(kProfGateUp)) return;
+      he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
+      if (kMkDefer) {
+        arrive(kProfGateUp);
+        he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
+        if (!wait(kProfGateUp)) return;
+      } else if (!barrier(kProfGateUp)) {
+        return;
+      }
       ++ep_d;
       if (l + 1 < p.n_layers)
-        he_mv_finish<kMkF16>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
+        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
       else
-        he_mv_finish<kMkF16>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
-      if (!tp && !barrier(kProfDown)) return;  // tp > 1: the next stage gathers instead
+        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
+      if (kMkDeferOD && !tp) {
+        arrive(kProfDown);
+        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+        else he_mv_fill_next(mk_head_op(p, p.x), s);
+        if (!wait(kProfDown)) return;
+      } else if (!tp && !barrier(kProfDown)) {
+        return;  // tp > 1: the next stage gathers instead
+      }
     }
     const float* hx = p.x;
     if (tp) {
@@ -712,8 +756,14 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       hx = he_mk_smem;
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
-    he_mv_finish<kMkF16>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
-    if (!barrier(kProfHead)) return;
+    he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
+    if (kMkDefer) {
+      arrive(kProfHead);
+      he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
+      if (!wait(kProfHead)) return;
+    } else if (!barrier(kProfHead)) {
+      return;
+    }
     pos += 1;
     steps += 1;
     if (p.mode & kMkModeOneStep) break;
