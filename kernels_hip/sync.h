@@ -37,8 +37,8 @@ constexpr he_u32 kStatusPeerTimeout = 5;  // tensor parallelism: a peer GPU's wo
 constexpr int kPollsPerClock = 64;
 
 // Shared state of one grid barrier, in device memory, zeroed by the host before the launch.
-//   count  : total arrivals since the launch, monotone (never reset). Arrival is a fetch_add with acq_rel at
-//            device scope (release: publishes this block's stage outputs; the RMWs form a release sequence,
+//   count  : total arrivals since the launch, monotone (never reset). Arrival is an add with release at
+//            device scope (publishes this block's stage outputs; the RMWs form a release sequence,
 //            so a reader that observes the final value synchronises with every arriver). Barrier k (k = 1,
 //            2, ...) is open once count >= k * nblocks: waiters poll count itself with device-scope ACQUIRE
 //            loads. Polling the counter rather than a separate "epoch" word that the last arriver writes
@@ -72,29 +72,14 @@ HE_INLINE void he_report_error(const HeWaitCtx& w, he_u32 code) {
 
 HE_INLINE bool he_aborted(const HeWaitCtx& w) { return he_load_relaxed_device(&w.bar->abort) != 0u; }
 
-// HE_POLL_RELAXED=1 (experiment): poll with relaxed loads and order the success with one acquire fence.
-#ifndef HE_POLL_RELAXED
-#define HE_POLL_RELAXED 0
-#endif
-#if HE_POLL_RELAXED
-HE_INLINE bool he_poll_geq(const he_u32* flag, he_u32 target) {
-  if ((int)(he_load_relaxed_device(flag) - target) < 0) return false;
-  he_fence_acq_rel_device();  // acquire: pairs with the releases that produced the observed value
-  return true;
-}
-#define HE_POLL_GEQ(flag, target) he_poll_geq(flag, target)
-#else
-#define HE_POLL_GEQ(flag, target) ((int)(he_load_acquire_device(flag) - (target)) >= 0)
-#endif
-
 // Wait (one thread) until *flag >= target, comparing with wrap-around so monotone 32-bit counters may wrap.
 // Acquire at device scope on success (the flag's writer used a device-scope release). Returns false on
 // timeout (after reporting `code`) or when another block aborted.
 HE_INLINE bool he_wait_geq_device(const HeWaitCtx& w, const he_u32* flag, he_u32 target, he_u32 code) {
-  if (HE_POLL_GEQ(flag, target)) return true;
+  if ((int)(he_load_acquire_device(flag) - target) >= 0) return true;
   const he_u64 t0 = he_clock_ns();
   for (int polls = 0;; ++polls) {
-    if (HE_POLL_GEQ(flag, target)) return true;
+    if ((int)(he_load_acquire_device(flag) - target) >= 0) return true;
     if (he_aborted(w)) return false;
     if (w.sleep_ns) he_sleep(w.sleep_ns);
     if (polls % kPollsPerClock == 0 && he_clock_ns() - t0 > w.timeout_ns) {
@@ -111,23 +96,15 @@ HE_INLINE bool he_wait_geq_device(const HeWaitCtx& w, const he_u32* flag, he_u32
 //
 // Split in two so a caller can overlap the wait with independent work (the monokernel requests the next
 // stage's weights between the two): he_grid_arrive() then he_grid_wait(); he_grid_barrier() is both.
-// HE_ARRIVE_RED=1 (experiment): the arrival is a release-only reduction (red.release): thread 0 does not wait
-// for the atomic's round trip (nor order its later loads after it — its poll's acquire does that) before polling.
-#ifndef HE_ARRIVE_RED
-#define HE_ARRIVE_RED 0
-#endif
-HE_INLINE void he_arrive_add(he_u32* counter, he_u32 v) {  // one thread: publish with a device-scope release
-#if HE_ARRIVE_RED
-  he_red_add_release_device(counter, v);
-#else
-  he_fetch_add_acq_rel_device(counter, v);
-#endif
-}
+// One thread publishes with a device-scope release: a release-only reduction (red.release), so the thread
+// does not wait for the atomic's reply (nor order its later loads after it: its poll's acquire does that).
+// The last block to arrive then polls at once; an acq_rel fetch_add here measured 0.3-1% slower
+// (docs/perf-log.md v22).
+HE_INLINE void he_arrive_add(he_u32* counter, he_u32 v) { he_red_add_release_device(counter, v); }
 
 HE_INLINE void he_grid_arrive(const HeWaitCtx& w) {
   he_sync_block();  // every thread's stage outputs happen-before thread 0's release below (block scope)
-  // release RMW at device scope (acq_rel, or release-only with HE_ARRIVE_RED): publishes this block's
-  // outputs to whoever acquires a later value.
+  // release RMW at device scope: publishes this block's outputs to whoever acquires a later value.
   if (he_thread_idx() == 0) he_arrive_add(&w.bar->count, 1u);
 }
 

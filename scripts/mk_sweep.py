@@ -32,13 +32,8 @@ VARIANTS = [  # name, build env, runtime attrs
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
     ("default again (drift check)", {}, {}),
-    # session 6: the barrier's arrival (docs/perf-log.md v22) — compile-time experiments (HIPENGINE_MK_DEFINES)
-    ("arrival as red.release", {"HIPENGINE_MK_DEFINES": "HE_ARRIVE_RED=1"}, {}),
-    ("red.release + next weights after the arrival",
-     {"HIPENGINE_MK_DEFINES": "HE_ARRIVE_RED=1,MK_DEFER_NEXT=1"}, {}),
-    ("red.release + deferred next + relaxed polls",
-     {"HIPENGINE_MK_DEFINES": "HE_ARRIVE_RED=1,MK_DEFER_NEXT=1,HE_POLL_RELAXED=1"}, {}),
-    ("next weights after the arrival", {"HIPENGINE_MK_DEFINES": "MK_DEFER_NEXT=1"}, {}),
+    # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED were variants here via
+    # HIPENGINE_MK_DEFINES: the first two are now the default, the third was slower; docs/perf-log.md v22)
 ]
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES")
 

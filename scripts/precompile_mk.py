@@ -2,8 +2,8 @@
 variants a device session uses, on this CPU machine (NVRTC only), so device time is not spent compiling.
 Usage: HIPENGINE_CACHE=$PWD/.mkcache python scripts/precompile_mk.py [variant ...]
 Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unroll8, 2blk, 1b, 1b-profile,
-1b-tp, 1b-tp-profile, 1b-red, 1b-red-defer, 1b-red-defer-relaxed, 1b-defer (the 1b-*: llama-3.2-1b only,
-bf16, group 4; -tp: the LL exchange build, MK_TP=1; -red/-defer/-relaxed: mk_sweep's compile-time experiments)."""
+1b-tp, 1b-tp-profile (the last six: llama-3.2-1b only, bf16, group 4; -tp: the LL exchange build, MK_TP=1).
+Compile-time experiments: set HIPENGINE_MK_DEFINES for the run (it is part of the build)."""
 from __future__ import annotations
 
 import os
@@ -19,12 +19,6 @@ VARIANTS = {
     "1b-profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False,), (4,)),
     "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,)),  # the tensor-parallel build (MK_TP=1)
     "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,)),
-    # scripts/mk_sweep.py's compile-time experiments (HIPENGINE_MK_DEFINES), llama-3.2-1b
-    "1b-red": ({"HIPENGINE_MK_DEFINES": "HE_ARRIVE_RED=1"}, (False,), (4,)),
-    "1b-red-defer": ({"HIPENGINE_MK_DEFINES": "HE_ARRIVE_RED=1,MK_DEFER_NEXT=1"}, (False,), (4,)),
-    "1b-red-defer-relaxed": ({"HIPENGINE_MK_DEFINES": "HE_ARRIVE_RED=1,MK_DEFER_NEXT=1,HE_POLL_RELAXED=1"},
-                             (False,), (4,)),
-    "1b-defer": ({"HIPENGINE_MK_DEFINES": "MK_DEFER_NEXT=1"}, (False,), (4,)),
 }
 
 

@@ -6,7 +6,8 @@
 #     2. the multigpu test of tests/test_tp_executor.py: per-op TP=2 == TP=1 for 256 tokens (custom, NCCL);
 #     3. bench decode --tp 2 at 1K/8K/32K: monokernel and per-op TP on the same shards (JSON + PNG);
 #     4. tests/test_monokernel_gpu.py: the single-GPU monokernel (its kernel gained the TP paths).
-#   final: the TP monokernel's tests, bench decode --tp 2 and the TP=1 bench at 1K/8K/32K, the TP=1 monokernel tests.
+#   final: the TP monokernel's tests and per-op TP == TP=1, then bench decode --tp 2 and the TP=1 bench at 1K/8K/32K
+#     and at 1K in a 4K cache.
 #   plan: the TP monokernel's tests, bench --tp 2 at 1K/8K/32K, the same at 1K with HIPENGINE_ATTN_SPLIT_CAP=0
 #     (the attention plan before the split cap: an A/B in one call), TP=1 monokernel tests, per-op TP == TP=1.
 #   serve: as plan, but the second bench is 1K in a 4,096-token cache (the Engine's default) instead of the A/B.
@@ -46,13 +47,18 @@ case "$MODE" in
       --json "$OUT/decode_tp${TP}_mk.json" --plot "$OUT/decode_tp${TP}_mk.png"
     run pytest_mk1 100 "$PY" -m pytest tests/test_monokernel_gpu.py -q -rs -x -p no:cacheprovider
     ;;
-  final)  # the figures of record: TP=2 and TP=1 decode benches (JSON + PNG) and both paths' GPU tests
+  final)  # the figures of record: both TP paths' GPU tests, then TP=2 and TP=1 decode benches (JSON + PNG) at
+          # 1K/8K/32K and at 1K in a 4K cache (the Engine's default)
     run pytest_tp_mk 150 "$PY" -m pytest tests/test_tp_monokernel.py -q -rs -s -x -p no:cacheprovider
+    run pytest_tp_eq 120 "$PY" -m pytest tests/test_tp_executor.py -m multigpu -q -rs -s -p no:cacheprovider
     run bench_tp_mk 150 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" \
       --json "$OUT/decode_tp${TP}_mk.json" --plot "$OUT/decode_tp${TP}_mk.png"
-    run bench_tp1 150 "$PY" -m hipengine bench decode --shape "$SHAPE" --context 1024 --context 8192 \
+    run bench_tp_cache4k 70 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
+      --max-context 4096 --json "$OUT/decode_tp${TP}_cache4k.json"
+    run bench_tp1 120 "$PY" -m hipengine bench decode --shape "$SHAPE" --context 1024 --context 8192 \
       --context 32768 --json "$OUT/decode_tp1.json" --plot "$OUT/decode_tp1.png"
-    run pytest_mk1 100 "$PY" -m pytest tests/test_monokernel_gpu.py -q -rs -x -p no:cacheprovider
+    run bench_tp1_cache4k 50 "$PY" -m hipengine bench decode --shape "$SHAPE" --context 1024 --max-context 4096 \
+      --json "$OUT/decode_tp1_cache4k.json"
     ;;
   perop)
     run pytest_tp 200 "$PY" -m pytest tests/test_tp_executor.py -q -rs -s -p no:cacheprovider

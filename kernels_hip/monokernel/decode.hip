@@ -357,14 +357,12 @@ constexpr bool kMkF16 = MK_WEIGHT_F16 != 0;
 #define MK_TP 0
 #endif
 constexpr bool kMkTp = MK_TP != 0;
-// MK_DEFER_NEXT=1 (experiment, tp = 1 build): a matvec stage followed by a grid barrier requests the next
-// stage's first weights after its barrier arrival instead of at the end of its loop, so the arrival's release
-// fence does not wait for those loads. (At tp > 1 O-proj / down-proj end in an LL push, no fence: unchanged.)
-#ifndef MK_DEFER_NEXT
-#define MK_DEFER_NEXT 0
-#endif
-constexpr bool kMkDefer = MK_DEFER_NEXT != 0;
-constexpr bool kMkDeferOD = kMkDefer && !kMkTp;
+// A matvec stage followed by a grid barrier requests the next stage's first weights after its barrier
+// arrival, not at the end of its loop: the arrival's release would otherwise wait for those loads too
+// (+3-4% at 1K/8K on H200, docs/perf-log.md v22). At tp > 1 the O-proj / down-proj end in an LL push with no
+// fence, and keep the stream's own refill (kMkDeferOD).
+constexpr bool kMkDefer = true;
+constexpr bool kMkDeferOD = !kMkTp;
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -687,19 +685,15 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       }
       // QKV refills with the O-proj's first weights, held in registers through attention.
       he_mv_finish<kMkF16, kMkDefer>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
-      if (kMkDefer) {
-        arrive(kProfQkv);
-        he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
-        if (!wait(kProfQkv)) return;
-      }
-      if (p.qk_norm) {
-        if (!kMkDefer && !barrier(kProfQkv)) return;
+      arrive(kProfQkv);
+      he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
+      if (!wait(kProfQkv)) return;
+      if (p.qk_norm) {  // raw q|k|v published: per-head norm + RoPE + append, then one more barrier
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
           he_qk_norm_rope_head(p.qkv, L.q_norm, L.k_norm, p.eps, p.cos_t, p.sin_t, pos, p.q, L.k_cache, L.v_cache,
                                p.max_ctx, p.nh, p.nkv, p.hd, head, scratch);
-        if (kMkDefer && !barrier(kProfQkv)) return;
+        if (!barrier(kProfQkv)) return;
       }
-      if (!kMkDefer && !barrier(kProfQkv)) return;
       mk_attention(p, L, pos, he_mk_smem, prof);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
@@ -729,13 +723,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         return;
       }
       he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
-      if (kMkDefer) {
-        arrive(kProfGateUp);
-        he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
-        if (!wait(kProfGateUp)) return;
-      } else if (!barrier(kProfGateUp)) {
-        return;
-      }
+      arrive(kProfGateUp);
+      he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
+      if (!wait(kProfGateUp)) return;
       ++ep_d;
       if (l + 1 < p.n_layers)
         he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
@@ -757,13 +747,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
     he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
-    if (kMkDefer) {
-      arrive(kProfHead);
-      he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
-      if (!wait(kProfHead)) return;
-    } else if (!barrier(kProfHead)) {
-      return;
-    }
+    arrive(kProfHead);
+    he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
+    if (!wait(kProfHead)) return;
     pos += 1;
     steps += 1;
     if (p.mode & kMkModeOneStep) break;
