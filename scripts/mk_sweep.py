@@ -32,6 +32,7 @@ VARIANTS = [  # name, build env, runtime attrs
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
     ("default again (drift check)", {}, {}),
+    ("warp-major unit order", {"HIPENGINE_MK_DEFINES": "HE_MV_WARP_MAJOR=1"}, {}),
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED were variants here via
     # HIPENGINE_MK_DEFINES: the first two are now the default, the third was slower; docs/perf-log.md v22)
 ]

@@ -15,6 +15,8 @@
 #     at once, then the all-reduce suite and TP=2 1K in a 4K cache for each tree.
 #   ab2: the TP monokernel's tests, then the TP=1 A/B over $AB_TREES ($AB_MAXCTX cache too) with the stage
 #     profile and bench probe on GPU 0 while GPU 1 runs the op tests.
+#   exp: a compile-time experiment ($EXP_DEFINES) as a candidate default: sweep A/B ($ONLY) on GPU 0 beside the TP=1
+#     bench on GPU 1, then the TP monokernel's tests and TP=2 benches, all built with it.
 #   perop: the per-op TP path alone (all of tests/test_tp_executor.py, the per-op engine's GPU tests, bench
 #     --no-monokernel with the custom all-reduce and with NCCL, the TP=1 per-op baseline).
 # Every step is time-boxed (sums < 600 s: one device call). Kernels come from $HIPENGINE_CACHE (precompiled
@@ -124,7 +126,26 @@ case "$MODE" in
       run pytest_ops 100 "$PY" -m pytest tests/test_ops_gpu.py -q -rs -x -p no:cacheprovider ) &
     wait
     ;;
-  *) echo "unknown mode $MODE (mk|final|perop|plan|serve|ab|ab2)"; exit 2 ;;
+  exp)  # a compile-time experiment ($EXP_DEFINES, HIPENGINE_MK_DEFINES syntax) measured as a candidate default:
+        # GPU 0 the monokernel sweep's variants $ONLY at 1K/8K/32K (A/B in one process) while GPU 1 runs the TP=1
+        # bench with it; then the TP monokernel's tests and TP=2 benches with it (1K/8K/32K, 1K in a 4K cache)
+    ( export CUDA_VISIBLE_DEVICES=0
+      run exp_sweep 200 "$PY" scripts/mk_sweep.py --contexts 1024,8192,32768 --only "$ONLY" \
+        --json "$OUT/exp_sweep.json" ) &
+    ( export CUDA_VISIBLE_DEVICES=1 HIPENGINE_MK_DEFINES="$EXP_DEFINES"
+      run exp_bench_tp1 120 "$PY" -m hipengine bench decode --shape "$SHAPE" --context 1024 --context 8192 \
+        --context 32768 --json "$OUT/exp_decode_tp1.json" --plot "$OUT/exp_decode_tp1.png"
+      run exp_bench_tp1_cache4k 50 "$PY" -m hipengine bench decode --shape "$SHAPE" --context 1024 \
+        --max-context 4096 --json "$OUT/exp_decode_tp1_cache4k.json" ) &
+    wait
+    export HIPENGINE_MK_DEFINES="$EXP_DEFINES"
+    run pytest_tp_mk 150 "$PY" -m pytest tests/test_tp_monokernel.py -q -rs -s -x -p no:cacheprovider
+    run exp_bench_tp 150 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" \
+      --json "$OUT/exp_decode_tp${TP}.json" --plot "$OUT/exp_decode_tp${TP}.png"
+    run exp_bench_tp_cache4k 70 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
+      --max-context 4096 --json "$OUT/exp_decode_tp${TP}_cache4k.json"
+    ;;
+  *) echo "unknown mode $MODE (mk|final|perop|plan|serve|ab|ab2|exp)"; exit 2 ;;
 esac
 
 # The test outcomes as JSON beside the benchmark JSON (commit from $HIPENGINE_COMMIT, as the benches take it).
