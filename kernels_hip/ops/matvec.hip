@@ -129,18 +129,7 @@ struct HeMvNone {
 };
 
 HE_INLINE int he_mv_stride() { return he_grid_dim() * he_num_warps(); }
-// HE_MV_WARP_MAJOR=1 (experiment): number the warps warp-major (w · blocks + b), so a stage whose units do not
-// fill a whole last round (QKV: 1,536 units on 1,056 warps; down: 1,024) spreads the extra round / the idle
-// warps over every SM instead of giving whole blocks two rounds or none. A unit's sum does not depend on
-// which warp computes it: results are unchanged.
-#ifndef HE_MV_WARP_MAJOR
-#define HE_MV_WARP_MAJOR 0
-#endif
-#if HE_MV_WARP_MAJOR
-HE_INLINE int he_mv_first() { return he_warp_id() * he_grid_dim() + he_block_idx(); }
-#else
 HE_INLINE int he_mv_first() { return he_block_idx() * he_num_warps() + he_warp_id(); }
-#endif
 
 template <int kRows>
 HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
