@@ -476,7 +476,7 @@ HE_INLINE HeMvPlain mk_head_op(const MkParams& p, const float* x) {
 }
 
 // ---- attention --------------------------------------------------------------------------------------------
-// Combine heads [h0, h0 + n) into att, then count them on the heads-combined counter (acq_rel RMW at device
+// Combine heads [h0, h0 + n) into att, then count them on the heads-combined counter (release add at device
 // scope after he_sync_block, so every thread's att writes happen-before it; O-proj acquires the count).
 HE_INLINE void mk_combine(const MkParams& p, int h0, int n, int seq) {
   he_attention_combine(p.partial + (he_i64)h0 * p.nsplit * (p.hd + 2), n, p.nsplit, seq, p.hd, p.att + (he_i64)h0 * p.hd);
@@ -582,8 +582,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   he_mv_begin(mk_qkv_op(p, p.layers[0], pos, p.x), s, mk_o_op(p, p.layers[0], 1u));
   MkProf prof(p.prof);
 
-  // Grid barrier after `stage` (its profile slot), in two halves so that MK_DEFER_NEXT can request the next
-  // matvec's first weights between this block's arrival (release fence) and its wait.
+  // Grid barrier after `stage` (its profile slot), in two halves so that a matvec stage can request the next
+  // stage's first weights between this block's arrival (its release) and its wait (kMkDefer). `barrier` is
+  // both halves at once; the production build spells it he_grid_barrier, the same code (and the SASS measured).
   auto arrive = [&](int stage) {
     prof.work(stage);
 #if MK_PROFILE  // the barrier's phases: the block's slowest warp, the arrival (release fence), the wait
