@@ -188,3 +188,19 @@ def test_tp_monokernel_refuses_to_launch_sampling():
     with pytest.raises(UnsupportedError, match="per-op TP path"):
         list(be.generate_from_state(0, 0, SamplingParams(max_tokens=8, temperature=0.7)))
     assert log == []
+
+
+def test_extra_defines_parse_and_reach_the_build(monkeypatch):
+    """HIPENGINE_MK_DEFINES: NAME=VALUE items (VALUE defaults to 1) go into the monokernel's defines; a
+    malformed item is one clear error, not a compiler failure later."""
+    from hipengine.errors import UnsupportedError
+
+    monkeypatch.setenv("HIPENGINE_MK_DEFINES", "MK_FOO=2, MK_BAR")
+    assert mk.extra_defines() == {"MK_FOO": 2, "MK_BAR": 1}
+    assert mk.compile_args("nvidia", False, 4)["defines"]["MK_FOO"] == 2
+    monkeypatch.setenv("HIPENGINE_MK_DEFINES", "")
+    assert mk.extra_defines() == {}
+    for bad in ("not a name=1", "MK_FOO=abc"):
+        monkeypatch.setenv("HIPENGINE_MK_DEFINES", bad)
+        with pytest.raises(UnsupportedError, match="HIPENGINE_MK_DEFINES"):
+            mk.extra_defines()

@@ -267,8 +267,8 @@ def extra_defines() -> dict:
     out = {}
     for item in filter(None, (x.strip() for x in os.environ.get("HIPENGINE_MK_DEFINES", "").split(","))):
         name, _, val = item.partition("=")
-        if not name.isidentifier():
-            raise UnsupportedError(f"HIPENGINE_MK_DEFINES: {item!r} is not NAME=VALUE")
+        if not name.isidentifier() or not (val or "1").lstrip("-").isdigit():
+            raise UnsupportedError(f"HIPENGINE_MK_DEFINES: {item!r} is not NAME=INTEGER")
         out[name] = int(val or 1)
     return out
 
