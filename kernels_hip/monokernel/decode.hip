@@ -363,6 +363,12 @@ constexpr bool kMkTp = MK_TP != 0;
 // fence, and keep the stream's own refill (kMkDeferOD).
 constexpr bool kMkDefer = true;
 constexpr bool kMkDeferOD = !kMkTp;
+// MK_FILL_O_LATE=1 (experiment): the O-proj's first weights are requested after this block's attention splits
+// instead of at the QKV barrier, so the splits' K/V loads do not queue behind 8 MB of O-proj weights.
+#ifndef MK_FILL_O_LATE
+#define MK_FILL_O_LATE 0
+#endif
+constexpr bool kMkFillOLate = MK_FILL_O_LATE != 0;
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -687,7 +693,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // QKV refills with the O-proj's first weights, held in registers through attention.
       he_mv_finish<kMkF16, kMkDefer>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
       arrive(kProfQkv);
-      he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
+      if (!kMkFillOLate) he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
       if (!wait(kProfQkv)) return;
       if (p.qk_norm) {  // raw q|k|v published: per-head norm + RoPE + append, then one more barrier
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
@@ -696,6 +702,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         if (!barrier(kProfQkv)) return;
       }
       mk_attention(p, L, pos, he_mk_smem, prof);
+      if (kMkFillOLate) he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
