@@ -32,10 +32,9 @@ VARIANTS = [  # name, build env, runtime attrs
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
     ("default again (drift check)", {}, {}),
-    ("O-proj weights requested after the attention splits", {"HIPENGINE_MK_DEFINES": "MK_FILL_O_LATE=1"}, {}),
-    # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR were
-    # variants here via HIPENGINE_MK_DEFINES: the first two are now the default, the others were slower and are
-    # gone from the kernels; docs/perf-log.md v22, v23)
+    # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
+    # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,
+    # the others were slower and are gone from the kernels; docs/perf-log.md v22-v24)
 ]
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES")
 

@@ -30,9 +30,11 @@
 // need no change to run on the persistent grid.
 //
 // Weights before activations: a matvec stage's weights never depend on the step's activations, so each
-// warp's weight stream (ops/matvec.hip) runs on from one matvec stage into the next: when a warp finishes
-// its part of a stage it already holds (or has in flight) the first two batches of its part of the next,
-// and the barrier, attention or token selection in between only delay their use.
+// warp's weight stream (ops/matvec.hip) runs on from one matvec stage into the next: the first two batches
+// of its part of the next stage are requested as soon as this block has arrived at the barrier in between
+// (after the arrival's release, which would otherwise wait for them: v22), or for the O-proj once this
+// block's attention splits are done (v24), so the barrier, the combine chain or token selection only delay
+// their use.
 //
 // Coherence of data rewritten inside the kernel (activations, partials, logits, KV rows): read with plain
 // loads after a grid barrier / counter acquire (sync.h). Pointers come from the parameter block, and the op
@@ -44,7 +46,7 @@
 #include "port.h"
 #include "sync.h"
 // 16-byte loads per lane per row per batch of the matvec stream (the host passes HIPENGINE_MK_UNROLL; the
-// per-op kernels default to 4 too). The stream stays in registers through attention at 4.
+// per-op kernels default to 4 too).
 #ifndef HE_MATVEC_UNROLL
 #define HE_MATVEC_UNROLL 4
 #endif
@@ -363,12 +365,7 @@ constexpr bool kMkTp = MK_TP != 0;
 // fence, and keep the stream's own refill (kMkDeferOD).
 constexpr bool kMkDefer = true;
 constexpr bool kMkDeferOD = !kMkTp;
-// MK_FILL_O_LATE=1 (experiment): the O-proj's first weights are requested after this block's attention splits
-// instead of at the QKV barrier, so the splits' K/V loads do not queue behind 8 MB of O-proj weights.
-#ifndef MK_FILL_O_LATE
-#define MK_FILL_O_LATE 0
-#endif
-constexpr bool kMkFillOLate = MK_FILL_O_LATE != 0;
+
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -690,11 +687,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         if (!gather(kProfDown, kMkLlD, ep_d, lead ? p.x : nullptr)) return;
         qx = he_mk_smem;
       }
-      // QKV refills with the O-proj's first weights, held in registers through attention.
+      // QKV's stream stops at its end; the O-proj's first weights are requested after the attention splits.
       he_mv_finish<kMkF16, kMkDefer>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
-      arrive(kProfQkv);
-      if (!kMkFillOLate) he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
-      if (!wait(kProfQkv)) return;
+      if (!barrier(kProfQkv)) return;
       if (p.qk_norm) {  // raw q|k|v published: per-head norm + RoPE + append, then one more barrier
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
           he_qk_norm_rope_head(p.qkv, L.q_norm, L.k_norm, p.eps, p.cos_t, p.sin_t, pos, p.q, L.k_cache, L.v_cache,
@@ -702,7 +697,10 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         if (!barrier(kProfQkv)) return;
       }
       mk_attention(p, L, pos, he_mk_smem, prof);
-      if (kMkFillOLate) he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
+      // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
+      // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
+      // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).
+      he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
