@@ -262,8 +262,9 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
 
 
 def extra_defines() -> dict:
-    """HIPENGINE_MK_DEFINES="NAME=1,OTHER=2": compile-time experiments of decode.hip / sync.h (e.g.
-    MK_DEFER_NEXT, HE_ARRIVE_RED, HE_POLL_RELAXED) for A/B sweeps; empty by default."""
+    """HIPENGINE_MK_DEFINES="NAME=1,OTHER=2": extra -D for the monokernel build, for A/B sweeps of a kernel
+    change kept behind a define while it is measured (scripts/mk_sweep.py variants; session 6's v22-v24 were
+    measured this way); empty by default."""
     out = {}
     for item in filter(None, (x.strip() for x in os.environ.get("HIPENGINE_MK_DEFINES", "").split(","))):
         name, _, val = item.partition("=")
