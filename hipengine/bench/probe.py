@@ -132,15 +132,14 @@ def per_sm_read(rt, slices=SM_SLICES, reps: int = SM_REPS, block: int = SM_BLOCK
     try:
         for per in slices:
             n = per * nb
-            buf = rt.malloc(n)
+            expect = (per // 4 * 0x01010101) & 0xFFFFFFFF
+            # L2 would serve a second read of a small buffer: rotate over copies of >= 4x L2 in all
+            ncopy = max(1, -(-4 * rt.l2_bytes // n))
+            bufs = []
             try:
-                rt.memset(buf, 1, n)
-                expect = (per // 4 * 0x01010101) & 0xFFFFFFFF
-                # L2 would serve a second read of a small buffer: rotate over copies of >= 4x L2 in all
-                ncopy = max(1, -(-4 * rt.l2_bytes // n))
-                bufs = [buf] + [rt.malloc(n) for _ in range(ncopy - 1)]
-                for b in bufs[1:]:
-                    rt.memset(b, 1, n)
+                for _ in range(ncopy):
+                    bufs.append(rt.malloc(n))
+                    rt.memset(bufs[-1], 1, n)
                 times, spans = {}, []
                 for r in range(reps + 2):
                     rt.launch(fn, nb, block, [bufs[r % ncopy], ctypes.c_uint64(per // 16), out], shared=smem, stream=s)
@@ -153,23 +152,23 @@ def per_sm_read(rt, slices=SM_SLICES, reps: int = SM_REPS, block: int = SM_BLOCK
                     spans.append(int(v[:, 3].max()) - int(v[:, 2].min()))  # first start to last end, ns
                     for sm, cyc in zip(v[:, 0].tolist(), v[:, 1].tolist()):
                         times.setdefault(int(sm), []).append(float(cyc))
-                for b in bufs[1:]:
-                    b.free()
             finally:
-                buf.free()
+                for b in bufs:
+                    b.free()
             sms = sorted(times)
             med = np.array([statistics.median(times[k]) for k in sms])
             h = reps // 2
             a = np.array([statistics.median(times[k][:h]) for k in sms])
             b = np.array([statistics.median(times[k][h:]) for k in sms])
             corr = float(np.corrcoef(a, b)[0, 1]) if len(sms) > 2 and a.std() > 0 and b.std() > 0 else 0.0
+            span = statistics.median(spans)
             res.append({"bytes_per_sm": per, "threads": block, "sms": len(sms), "sm_ids": sms,
                         "cycles_median_per_sm": [round(x) for x in med.tolist()],
                         "min_over_median": float(med.min() / np.median(med)),
                         "max_over_median": float(med.max() / np.median(med)),
                         "p90_over_median": float(np.percentile(med, 90) / np.median(med)),
                         "halves_corr": corr,
-                        "all_sms_gbps": n / statistics.median(spans) if spans and statistics.median(spans) else None})
+                        "all_sms_gbps": n / span if span else None})
         return res
     finally:
         s.synchronize()
