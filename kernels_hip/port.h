@@ -441,6 +441,73 @@ HE_INLINE void he_atomic_or_relaxed_block(he_u32* p, he_u32 v) { atomicOr(p, v);
 #endif
 
 // ------------------------------------------------------------------------------------------------------
+// Asynchronous bulk copies, global -> shared memory, completing on a shared-memory barrier (the matvec
+// stream's shared-memory ring, ops/matvec.hip HeMvRing). kHasBulkCopy says whether the target has the engine:
+//   NVIDIA sm_90+: the TMA's cp.async.bulk (one instruction per contiguous run of up to 1 MiB, no registers,
+//     issued by one lane) and mbarrier: a 64-bit shared word whose phase completes when its expected
+//     arrivals have arrived AND the bytes announced with expect_tx have landed (complete_tx). A copy belongs
+//     to the async proxy: a generic release / fence does not wait for it (v22's arrival waited for register
+//     loads in flight; it does not wait for these).
+//   AMD gfx942: no such engine (global_load_lds moves 4 bytes per lane through the VGPR path's issue slots);
+//     kHasBulkCopy is false, the callers keep the register stream and these functions are never reached.
+// he_mbar_init(bar, n)        phase 0 open, n arrivals expected per phase (one thread; then he_mbar_init_fence)
+// he_mbar_expect_arrive(bar, bytes)  one arrival + `bytes` more to land before the phase completes
+// he_bulk_load(dst, src, bytes, bar) copy `bytes` (multiple of 16, both addresses 16-byte aligned)
+// he_mbar_try_wait(bar, parity)       true once the phase of that parity has completed (acquire, block
+//                                     scope: the copied bytes are visible to the waiting thread)
+// he_load16_shared(p)         16 bytes from shared memory (a ring slot)
+// he_dynamic_smem_bytes()     dynamic shared memory of this launch (the ring sits at its end)
+// he_sync_warp()              the warp's lanes meet (and order their shared-memory accesses)
+// ------------------------------------------------------------------------------------------------------
+#if HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kHasBulkCopy = true;
+HE_INLINE he_u32 he_smem_addr(const void* p) { return (he_u32)__cvta_generic_to_shared(p); }
+HE_INLINE void he_mbar_init(he_u64* bar, he_u32 n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(he_smem_addr(bar)), "r"(n) : "memory");
+}
+HE_INLINE void he_mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+HE_INLINE void he_mbar_expect_arrive(he_u64* bar, he_u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(he_smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+HE_INLINE void he_bulk_load(void* dst, const void* src, he_u32 bytes, he_u64* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(he_smem_addr(dst)), "l"(src), "r"(bytes), "r"(he_smem_addr(bar)) : "memory");
+}
+HE_INLINE bool he_mbar_try_wait(he_u64* bar, he_u32 parity) {
+  he_u32 ok;
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(ok) : "r"(he_smem_addr(bar)), "r"(parity) : "memory");
+  return ok != 0;
+}
+HE_INLINE he_vec16 he_load16_shared(const void* p) {  // ld.shared: the generic path's window check saved
+  he_vec16 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(he_smem_addr(p)));  // volatile: stays after the slot's he_mbar_try_wait
+  return v;
+}
+HE_INLINE he_u32 he_dynamic_smem_bytes() {
+  he_u32 n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+#else
+constexpr bool kHasBulkCopy = false;
+HE_INLINE void he_mbar_init(he_u64*, he_u32) { __builtin_trap(); }
+HE_INLINE void he_mbar_init_fence() { __builtin_trap(); }
+HE_INLINE void he_mbar_expect_arrive(he_u64*, he_u32) { __builtin_trap(); }
+HE_INLINE void he_bulk_load(void*, const void*, he_u32, he_u64*) { __builtin_trap(); }
+HE_INLINE bool he_mbar_try_wait(he_u64*, he_u32) { __builtin_trap(); return true; }
+HE_INLINE he_vec16 he_load16_shared(const void* p) { return *(const he_vec16*)p; }
+HE_INLINE he_u32 he_dynamic_smem_bytes() { __builtin_trap(); return 0; }
+#endif
+#if HE_AMD
+HE_INLINE void he_sync_warp() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront"); __builtin_amdgcn_wave_barrier(); __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront"); }
+#else
+HE_INLINE void he_sync_warp() { __syncwarp(); }
+#endif
+
+// ------------------------------------------------------------------------------------------------------
 // Waiting. he_sleep backs a polling loop off so spinning threads leave issue slots and memory bandwidth to
 // the threads doing work. The argument is a hint in nanoseconds; AMD's s_sleep takes an immediate (units of
 // 64 clocks), so it sleeps a fixed short time (~0.1 µs at 2.1 GHz) per call whatever the hint.

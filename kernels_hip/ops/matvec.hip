@@ -254,6 +254,170 @@ HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvStream<kRows>& s) {
   he_mv_fill_b(nxt, nxt, s.p, s);
 }
 
+// ---- the stream through a shared-memory ring (targets with an async bulk copy: port.h kHasBulkCopy) ----------
+// The same unit sequence as HeMvStream, consumed in the same column order with the same he_mv_consume (so the
+// sums are bit-identical), but the weights travel HBM -> shared memory by bulk copies instead of into
+// registers: each warp owns kDepth slots of one batch (kRows rows x kMatvecBatch weights, 4 KiB for bf16 at
+// kRows 2) and keeps every free slot requested, up to kDepth batches ahead of the one it consumes, across the
+// end of the op into the next one. The depth no longer costs registers (the register stream holds 2 batches
+// in 64 registers per lane), and the requests belong to the async proxy, so a release at a grid barrier does
+// not wait for them. Lane 0 issues a slot's copies (one per row) and announces their bytes on the slot's
+// mbarrier; every lane waits on its phase, reads the batch, and the warp meets (he_sync_warp) before the slot
+// is requested again. Positions are per batch (HeMvPos.c0 steps by kMatvecBatch): a unit has ceil(in / B)
+// batches, the last one partial (only `in` columns are copied; consume skips the rest, as for a pair's
+// padding in HeMvStream).
+//   he_mv_ring_init(s, base)   this warp's slots and barriers in the block's ring at `base` (he_mv_ring_bytes)
+//   he_mv_begin / he_mv_finish / he_mv_fill_next / he_mv_drain: as for HeMvStream; he_mv_drain waits for
+//   every copy still in flight (before the block exits: its shared memory must not be written after that).
+// The copies' waits need no timeout: a slot's phase completes when its own copies land (a faulting copy
+// aborts the kernel), never on another agent's progress.
+template <int kRows, int kDepth>
+struct HeMvRing {
+  static_assert(kDepth >= 1 && kDepth <= (int)(8 * sizeof(he_u32)), "ring depth: one phase bit per slot in a word");
+  static constexpr int kSlotBytes = kRows * kMatvecBatch * (int)sizeof(he_u16);
+  char* slots;       // this warp's kDepth slots
+  he_u64* bars;      // one mbarrier per slot
+  HeMvPos p;         // the next batch to consume
+  HeMvPos q;         // the next batch to request
+  he_u32 busy;       // batches requested and not yet consumed (<= kDepth)
+  int cs, qs;        // slot of p / of q
+  he_u32 phase;      // bit k: parity of slot k's next phase to wait for
+};
+
+// Bytes of a block's ring: every warp's slots, then their barriers (the host sizes dynamic shared memory
+// with the same formula: hipengine/gpu/monokernel.py ring_bytes).
+template <int kRows, int kDepth>
+__device__ constexpr int he_mv_ring_bytes(int warps) {
+  return warps * kDepth * (HeMvRing<kRows, kDepth>::kSlotBytes + (int)sizeof(he_u64));
+}
+
+template <int kRows, int kDepth>
+HE_INLINE void he_mv_ring_init(HeMvRing<kRows, kDepth>& s, void* base) {
+  const int w = he_warp_id();
+  char* b = (char*)base;
+  s.slots = b + (he_i64)w * kDepth * HeMvRing<kRows, kDepth>::kSlotBytes;
+  s.bars = (he_u64*)(b + (he_i64)he_num_warps() * kDepth * HeMvRing<kRows, kDepth>::kSlotBytes) + w * kDepth;
+  if (he_lane_id() == 0) {
+    for (int k = 0; k < kDepth; ++k) he_mbar_init(&s.bars[k], 1u);  // one arrival (lane 0's) per phase
+    he_mbar_init_fence();                                           // visible to the copy engine
+  }
+  he_sync_warp();
+  s.busy = 0;
+  s.cs = s.qs = 0;
+  s.phase = 0;
+}
+
+// The batch after p: the unit's next kMatvecBatch columns, then the warp's next unit, then nxt's first.
+template <class Op, class Next>
+HE_INLINE void he_mv_advance_batch(HeMvPos& p, const Op& op, const Next& nxt) {
+  p.c0 += kMatvecBatch;
+  if (p.c0 >= (p.nx ? nxt.in : op.in)) { p.c0 = 0; p.u += he_mv_stride(); }
+  he_mv_norm(p, op);
+}
+
+// Request batch (u, c0) of op into the slot at q (lane 0; every lane advances the slot).
+template <class Op, int kRows, int kDepth>
+HE_INLINE void he_mv_ring_issue(const Op& op, int u, int c0, HeMvRing<kRows, kDepth>& s) {
+  if (he_lane_id() == 0) {
+    const he_u16* rp[kRows];
+    op.rows(u, rp);
+    const int cols = op.in - c0 < kMatvecBatch ? op.in - c0 : kMatvecBatch;
+    const he_u32 bytes = (he_u32)cols * (he_u32)sizeof(he_u16);
+    char* dst = s.slots + (he_i64)s.qs * HeMvRing<kRows, kDepth>::kSlotBytes;
+    he_mbar_expect_arrive(&s.bars[s.qs], (he_u32)kRows * bytes);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      he_bulk_load(dst + (he_i64)r * kMatvecBatch * sizeof(he_u16), rp[r] + c0, bytes, &s.bars[s.qs]);
+  }
+  s.qs = s.qs + 1 == kDepth ? 0 : s.qs + 1;
+  s.busy += 1;
+}
+
+// Request batches while slots are free: op's, then (kNext) nxt's, never past nxt.
+template <bool kNext, class Op, class Next, int kRows, int kDepth>
+HE_INLINE void he_mv_ring_fill(const Op& op, const Next& nxt, HeMvRing<kRows, kDepth>& s) {
+  while (s.busy < (he_u32)kDepth) {
+    if (!s.q.nx) {
+      he_mv_ring_issue(op, s.q.u, s.q.c0, s);
+    } else {
+      if (!kNext || s.q.u >= nxt.units()) return;
+      he_mv_ring_issue(nxt, s.q.u, s.q.c0, s);
+    }
+    he_mv_advance_batch(s.q, op, nxt);
+  }
+}
+
+template <class Op, class Next, int kRows, int kDepth>
+HE_INLINE void he_mv_begin(const Op& op, HeMvRing<kRows, kDepth>& s, const Next& nxt) {
+  s.p = HeMvPos{he_mv_first(), 0, false};
+  he_mv_norm(s.p, op);
+  s.q = s.p;
+  he_mv_ring_fill<true>(op, nxt, s);
+}
+
+// Wait for the batch at the consumer's slot (acquire: its bytes are visible) and advance the slot.
+template <int kRows, int kDepth>
+HE_INLINE const char* he_mv_ring_take(HeMvRing<kRows, kDepth>& s) {
+  const int k = s.cs;
+  while (!he_mbar_try_wait(&s.bars[k], (s.phase >> k) & 1u)) {
+  }
+  s.phase ^= 1u << k;
+  s.cs = k + 1 == kDepth ? 0 : k + 1;
+  return s.slots + (he_i64)k * HeMvRing<kRows, kDepth>::kSlotBytes;
+}
+
+template <bool kF16, bool kDefer = false, class Op, class Next, int kRows, int kDepth>
+HE_INLINE void he_mv_finish(const Op& op, HeMvRing<kRows, kDepth>& s, float* xs, float* scratch, const Next& nxt) {
+  he_mv_norm(s.p, op);  // positions carried over from the previous op, now relative to this one
+  he_mv_norm(s.q, op);
+  he_mv_ring_fill<!kDefer>(op, nxt, s);  // (a warp with nothing requested yet: its first batches)
+  he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
+  const int lane = he_lane_id();
+  float acc[kRows][2];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
+  while (!s.p.nx) {
+    const he_vec16* src = (const he_vec16*)he_mv_ring_take(s);
+    he_vec16 w[kRows][kMatvecUnroll];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int k = 0; k < kMatvecUnroll; ++k)
+        w[r][k] = he_load16_shared(src + r * (kMatvecBatch / 8) + k * (kMatvecSweep / 8) + lane);
+    he_mv_consume<kF16>(w, s.p.c0, op.in, xs, acc);
+    he_sync_warp();  // every lane has read the slot: it may be requested again
+    s.busy -= 1;
+    he_mv_ring_fill<!kDefer>(op, nxt, s);
+    HeMvPos n = s.p;
+    he_mv_advance_batch(n, op, nxt);
+    if (n.nx || n.u != s.p.u) {  // the unit's last batch: reduce over the warp, store, restart
+      float sum[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        sum[r] = he_warp_sum(acc[r][0] + acc[r][1]);
+        acc[r][0] = acc[r][1] = 0.f;
+      }
+      op.epi(s.p.u, sum);
+    }
+    s.p = n;
+  }
+  s.p.nx = false;  // both positions are in nxt now (or past its units): relative to it from here on
+  s.q.nx = false;
+}
+
+template <class Next, int kRows, int kDepth>
+HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvRing<kRows, kDepth>& s) {
+  he_mv_norm(s.q, nxt);
+  he_mv_ring_fill<false>(nxt, HeMvNone{0}, s);
+}
+
+template <int kRows, int kDepth>
+HE_INLINE void he_mv_drain(HeMvRing<kRows, kDepth>& s) {
+  for (; s.busy > 0; s.busy -= 1) he_mv_ring_take(s);
+}
+template <int kRows>
+HE_INLINE void he_mv_drain(HeMvStream<kRows>&) {}
+
 HE_INLINE float he_silu(float g) { return g / (1.f + he_exp(-g)); }
 
 // ---- y = W·x (+ residual) ------------------------------------------------------------------------------
