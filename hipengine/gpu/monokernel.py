@@ -402,9 +402,9 @@ class MonokernelBackend(GpuBackend):
             raise UnsupportedError("the monokernel needs one weight dtype (all bf16 or all fp16); "
                                    "use --no-monokernel for mixed-dtype models")
         self.ll_local = ll_local()
-        self.ring = ring_depth(rt.vendor, rt.arch, cfg, rt.warp_size, rt.max_shared_per_block)
+        self.ring_depth = ring_depth(rt.vendor, rt.arch, cfg, rt.warp_size, rt.max_shared_per_block)
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads,
-                                                        self.kv_f16, cfg.head_dim, tp=self.mk_tp, ring=self.ring))
+                                                        self.kv_f16, cfg.head_dim, tp=self.mk_tp, ring=self.ring_depth))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
@@ -429,8 +429,8 @@ class MonokernelBackend(GpuBackend):
         with the attention split count)."""
         rt, cfg = self.rt, self.config
         self.smem = general_smem(cfg, rt.warp_size)
-        if self.ring:  # the ring follows the general area, 128-byte aligned (the kernel finds it from the end)
-            self.smem = (self.smem + 127) // 128 * 128 + ring_bytes(self.ring, rt.warp_size)
+        if self.ring_depth:  # the ring follows the general area, 128-byte aligned (the kernel finds it from the end)
+            self.smem = (self.smem + 127) // 128 * 128 + ring_bytes(self.ring_depth, rt.warp_size)
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
