@@ -673,7 +673,7 @@ def grid_info(backend: MonokernelBackend) -> dict:
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1),
-            "ll_exchange": backend._ll_on()}
+            "ll_exchange": backend._ll_on(), "ring_depth": getattr(backend, "ring_depth", 0)}
 
 
 def ll_words(world: int, d: int) -> int:
