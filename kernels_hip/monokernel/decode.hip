@@ -386,6 +386,17 @@ using MkStream = typename MkStreamOf<kMkRing>::T;
 #define MK_RING_EAGER 0
 #endif
 constexpr bool kMkEager = kMkRing > 0 && MK_RING_EAGER != 0;
+// MK_RING_PRE=n (experiment): a deferred request (after a barrier arrival or the attention splits) fills only
+// n slots; the stage tops the ring up to its depth once it starts (past the barrier).
+#ifndef MK_RING_PRE
+#define MK_RING_PRE 0
+#endif
+template <class Next>
+HE_INLINE void mk_fill_next(const Next& nxt, HeMvStream<2>& s) { he_mv_fill_next(nxt, s); }
+template <class Next, int D>
+HE_INLINE void mk_fill_next(const Next& nxt, HeMvRing<2, D>& s) {
+  he_mv_fill_next(nxt, s, MK_RING_PRE > 0 && MK_RING_PRE < D ? MK_RING_PRE : D);
+}
 HE_INLINE void mk_stream_init(HeMvStream<2>&, float*) {}
 template <int D>
 HE_INLINE void mk_stream_init(HeMvRing<2, D>& s, float* smem) {
@@ -734,7 +745,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
       // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).
-      he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
+      mk_fill_next(mk_o_op(p, L, ep_o + 1), s);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
@@ -757,14 +768,14 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         gx = he_mk_smem;
       } else if (kMkDeferOD) {
         arrive(kProfO);
-        he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
+        mk_fill_next(mk_gate_up_op(p, L, p.x), s);
         if (!wait(kProfO)) return;
       } else if (!barrier(kProfO)) {
         return;
       }
       he_mv_finish<kMkF16, kMkDefer && !kMkEager>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       arrive(kProfGateUp);
-      he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
+      mk_fill_next(mk_down_op(p, L, ep_d + 1), s);
       if (!wait(kProfGateUp)) return;
       ++ep_d;
       if (l + 1 < p.n_layers)
@@ -773,8 +784,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         he_mv_finish<kMkF16, kMkDeferOD && !kMkEager>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
       if (kMkDeferOD && !tp) {
         arrive(kProfDown);
-        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-        else he_mv_fill_next(mk_head_op(p, p.x), s);
+        if (l + 1 < p.n_layers) mk_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+        else mk_fill_next(mk_head_op(p, p.x), s);
         if (!wait(kProfDown)) return;
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
@@ -788,7 +799,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     // The LM head refills with the next step's first QKV weights (held through token selection).
     he_mv_finish<kMkF16, kMkDefer && !kMkEager>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
     arrive(kProfHead);
-    he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
+    mk_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     if (!wait(kProfHead)) return;
     pos += 1;
     steps += 1;

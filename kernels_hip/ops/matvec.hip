@@ -333,10 +333,10 @@ HE_INLINE void he_mv_ring_issue(const Op& op, int u, int c0, HeMvRing<kRows, kDe
   s.busy += 1;
 }
 
-// Request batches while slots are free: op's, then (kNext) nxt's, never past nxt.
+// Request batches while slots are free (at most `most` in use): op's, then (kNext) nxt's, never past nxt.
 template <bool kNext, class Op, class Next, int kRows, int kDepth>
-HE_INLINE void he_mv_ring_fill(const Op& op, const Next& nxt, HeMvRing<kRows, kDepth>& s) {
-  while (s.busy < (he_u32)kDepth) {
+HE_INLINE void he_mv_ring_fill(const Op& op, const Next& nxt, HeMvRing<kRows, kDepth>& s, int most = kDepth) {
+  while (s.busy < (he_u32)most) {
     if (!s.q.nx) {
       he_mv_ring_issue(op, s.q.u, s.q.c0, s);
     } else {
@@ -405,10 +405,12 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvRing<kRows, kDepth>& s, float* xs,
   s.q.nx = false;
 }
 
+// `most`: batches in flight after the call (the monokernel may request fewer than kDepth at a barrier
+// arrival; he_mv_finish tops the ring up when the stage starts).
 template <class Next, int kRows, int kDepth>
-HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvRing<kRows, kDepth>& s) {
+HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvRing<kRows, kDepth>& s, int most = kDepth) {
   he_mv_norm(s.q, nxt);
-  he_mv_ring_fill<false>(nxt, HeMvNone{0}, s);
+  he_mv_ring_fill<false>(nxt, HeMvNone{0}, s, most);
 }
 
 template <int kRows, int kDepth>
