@@ -8,8 +8,6 @@
 #   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
 #   exp   : the sweep's variants $ONLY (compile-time experiments) at 1K/8K/32K, then the monokernel tests and the
 #           stage profile built with $EXP_DEFINES
-#   ring  : the sweep's variants $ONLY (ring depths among them) at 1K/8K/32K, the monokernel tests and the stage
-#           profile with HIPENGINE_MK_RING=$RING
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
 #           a $AB_MAXCTX-token cache when given), op tests, monokernel tests, stage profile at 1K/8K
@@ -72,13 +70,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  ring)  # the shared-memory ring stream (HIPENGINE_MK_RING): sweep variants $ONLY at 1K/8K/32K, then the
-         # monokernel tests and the stage profile at depth $RING
-    run ring_sweep 330 $PY scripts/mk_sweep.py --contexts 1024,8192,32768 --only "$ONLY" --json "$OUT/ring_sweep.json"
-    run ring_mk_tests 150 env HIPENGINE_MK_RING="$RING" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
-    run ring_profile 80 env HIPENGINE_MK_RING="$RING" $PY -m hipengine bench decode --shape llama-3.2-1b \
-      --context 1024 --profile --json "$OUT/ring_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|ab|abtrees|bench|exp|ring)"; exit 2 ;;
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|ab|abtrees|bench|exp)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -n 30 "$f"; done

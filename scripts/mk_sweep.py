@@ -31,18 +31,12 @@ VARIANTS = [  # name, build env, runtime attrs
     ("fine 2 (barrier + one head per block)", {}, {"fine": 2}),
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
-    ("ring 5 (shared-memory stream, 5 batches/warp: the most beside 32 KiB of x staging)", {"HIPENGINE_MK_RING": "5"}, {}),
-    ("ring 5, 1 batch requested at an arrival", {"HIPENGINE_MK_RING": "5", "HIPENGINE_MK_DEFINES": "MK_RING_PRE=1"}, {}),
-    ("ring 5, 2 batches requested at an arrival", {"HIPENGINE_MK_RING": "5", "HIPENGINE_MK_DEFINES": "MK_RING_PRE=2"}, {}),
-    ("ring 5, 3 batches requested at an arrival", {"HIPENGINE_MK_RING": "5", "HIPENGINE_MK_DEFINES": "MK_RING_PRE=3"}, {}),
-    ("ring 5, next stage requested inside the loop", {"HIPENGINE_MK_RING": "5", "HIPENGINE_MK_DEFINES": "MK_RING_EAGER=1"}, {}),
     ("default again (drift check)", {}, {}),
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
     # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,
     # the others were slower and are gone from the kernels; docs/perf-log.md v22-v24)
 ]
-BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
-               "HIPENGINE_MK_RING")
+BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its

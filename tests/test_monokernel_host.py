@@ -204,25 +204,3 @@ def test_extra_defines_parse_and_reach_the_build(monkeypatch):
         monkeypatch.setenv("HIPENGINE_MK_DEFINES", bad)
         with pytest.raises(UnsupportedError, match="HIPENGINE_MK_DEFINES"):
             mk.extra_defines()
-
-
-def test_ring_depth_fits_the_device_and_needs_the_bulk_copy_engine(monkeypatch):
-    """HIPENGINE_MK_RING: granted on NVIDIA sm_90+ only (port.h kHasBulkCopy), clamped to the shared memory
-    left beside the general area, and passed to the build as MK_RING; the size formula is the kernel's."""
-    from hipengine.presets import PRESETS
-
-    cfg = PRESETS["llama-3.2-1b"]
-    monkeypatch.setenv("HIPENGINE_MK_RING", "5")
-    # 8 warps x (2 rows x 4 x 32 x 8 bf16 weights = 4 KiB + an 8-byte mbarrier) per slot
-    assert mk.ring_bytes(1, 32, unroll=4) == 8 * (4096 + 8)
-    assert mk.ring_depth("nvidia", "sm_90", cfg, 32, mk.SM90_MAX_SHARED) == 5
-    assert mk.ring_depth("nvidia", "sm_80", cfg, 32, 166912) == 0
-    assert mk.ring_depth("amd", "gfx942", cfg, 64, 65536) == 0
-    # what fits: 232448 - 6144 (static) - 32 KiB general = 5.9 slots of 32,832 B
-    assert mk.ring_depth("nvidia", "sm_90", cfg, 32, mk.SM90_MAX_SHARED, want=16) == 5
-    assert mk.ring_depth("nvidia", "sm_90", cfg, 32, 120000) == 2
-    assert mk.general_smem(cfg, 32) == 4 * cfg.intermediate_size
-    assert mk.compile_args("nvidia", False, 4, ring=6)["defines"]["MK_RING"] == 6
-    assert "MK_RING" not in mk.compile_args("nvidia", False, 4)["defines"]
-    monkeypatch.setenv("HIPENGINE_MK_RING", "0")
-    assert mk.ring_depth("nvidia", "sm_90", cfg, 32, mk.SM90_MAX_SHARED) == 0

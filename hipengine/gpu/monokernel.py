@@ -238,7 +238,7 @@ def write_layout(path=None) -> None:
 
 
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
-                 tp: bool = False, ring: int = 0) -> dict:
+                 tp: bool = False) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row from
     head_dim, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
     parallelism — ``tp`` or HIPENGINE_MK_LL=1). HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments
@@ -257,8 +257,6 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["HE_KV_F16"] = 1
     if tp or ll_local():
         defines["MK_TP"] = 1
-    if ring:
-        defines["MK_RING"] = int(ring)
     defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
 
@@ -274,44 +272,6 @@ def extra_defines() -> dict:
             raise UnsupportedError(f"HIPENGINE_MK_DEFINES: {item!r} is not NAME=INTEGER")
         out[name] = int(val or 1)
     return out
-
-
-def ring_request() -> int:
-    """HIPENGINE_MK_RING: depth (weight batches per warp) of the matvec stream's shared-memory ring on targets
-    with a bulk-copy engine (NVIDIA sm_90+); 0 keeps the stream in registers. Clamped to what fits beside the
-    general shared memory (ring_depth)."""
-    return int(os.environ.get("HIPENGINE_MK_RING", "0"))
-
-
-def general_smem(cfg, warp_size: int) -> int:
-    """Bytes of the monokernel's general dynamic shared memory: the largest of the matvec x staging, the
-    attention split's (ops.attention) and the sampling history bitmap; the ring (if any) follows it."""
-    G = cfg.num_heads // cfg.num_kv_heads
-    nw = THREADS // warp_size
-    return max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),
-               (G * cfg.head_dim + nw * G * (cfg.head_dim + 2)) * 4,
-               4 * ((cfg.vocab_size + 31) // 32))
-
-
-RING_ROWS = 2           # rows per matvec unit (HeMvRing<2, D>)
-RING_STATIC_SLACK = 6144  # the kernel's static shared memory (5,792 B on sm_90: scratch, sampling sums) fits in this
-
-
-def ring_bytes(depth: int, warp_size: int, unroll: int | None = None) -> int:
-    """Shared memory of a ring of `depth` batches per warp (ops/matvec.hip he_mv_ring_bytes): per warp and
-    slot, RING_ROWS rows x unroll x warp_size x 8 two-byte weights, and one 8-byte mbarrier."""
-    unroll = matvec_unroll() if unroll is None else unroll
-    return (THREADS // warp_size) * depth * (RING_ROWS * unroll * warp_size * 8 * 2 + 8)
-
-
-def ring_depth(vendor: str, arch: str, cfg, warp_size: int, max_shared: int, want: int | None = None) -> int:
-    """The ring depth a build gets: the request (ring_request) on NVIDIA sm_90+ (the bulk-copy engine; port.h
-    kHasBulkCopy), at most what fits in max_shared beside the general area; 0 elsewhere."""
-    want = ring_request() if want is None else want
-    if want <= 0 or vendor != "nvidia" or not arch.startswith("sm_") or int(arch[3:5]) < 90:
-        return 0
-    room = max_shared - RING_STATIC_SLACK - (general_smem(cfg, warp_size) + 127) // 128 * 128
-    return max(0, min(want, room // ring_bytes(1, warp_size)))
 
 
 def ll_local() -> bool:
@@ -335,17 +295,9 @@ def matvec_unroll() -> int:
     return int(os.environ.get("HIPENGINE_MK_UNROLL", "4"))
 
 
-# sm_90's opt-in shared memory per block (every Hopper part): what precompile sizes the ring for.
-SM90_MAX_SHARED = 232448
-
-
-def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_dim: int = 64,
-               config=None) -> list[str]:
+def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_dim: int = 64) -> list[str]:
     """Fill the compile cache for an NVIDIA arch without a GPU (NVRTC only): the per-op modules and the
-    monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling.
-    ``config``: the model whose shared-memory ring depth the monokernel build takes (ring_depth; default the
-    llama-3.2-1b preset)."""
-    from ..presets import PRESETS
+    monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling."""
     from . import backend_cuda as bc, compiler
     from .executor import kv_defines
     from .ops import attn_lanes
@@ -361,8 +313,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
 
     ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]
     jobs = [(f"ops/{n}", {"defines": op_defines(n, f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
-    ring = ring_depth("nvidia", arch, config or PRESETS["llama-3.2-1b"], 32, SM90_MAX_SHARED)
-    jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, ring=ring))
+    jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim))
              for f16 in f16_variants for g in groups]
     done = []
     for src, kw in jobs:
@@ -402,9 +353,8 @@ class MonokernelBackend(GpuBackend):
             raise UnsupportedError("the monokernel needs one weight dtype (all bf16 or all fp16); "
                                    "use --no-monokernel for mixed-dtype models")
         self.ll_local = ll_local()
-        self.ring_depth = ring_depth(rt.vendor, rt.arch, cfg, rt.warp_size, rt.max_shared_per_block)
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads,
-                                                        self.kv_f16, cfg.head_dim, tp=self.mk_tp, ring=self.ring_depth))
+                                                        self.kv_f16, cfg.head_dim, tp=self.mk_tp))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
@@ -428,9 +378,11 @@ class MonokernelBackend(GpuBackend):
         """Shared memory, occupancy and grid for the current max_context (the combine's shared memory grows
         with the attention split count)."""
         rt, cfg = self.rt, self.config
-        self.smem = general_smem(cfg, rt.warp_size)
-        if self.ring_depth:  # the ring follows the general area, 128-byte aligned (the kernel finds it from the end)
-            self.smem = (self.smem + 127) // 128 * 128 + ring_bytes(self.ring_depth, rt.warp_size)
+        G = cfg.num_heads // cfg.num_kv_heads
+        nw = THREADS // rt.warp_size
+        self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),  # matvec x staging
+                        (G * cfg.head_dim + nw * G * (cfg.head_dim + 2)) * 4,       # attention (ops.attention)
+                        4 * ((cfg.vocab_size + 31) // 32))                           # sampling history bitmap
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
@@ -673,7 +625,7 @@ def grid_info(backend: MonokernelBackend) -> dict:
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1),
-            "ll_exchange": backend._ll_on(), "ring_depth": getattr(backend, "ring_depth", 0)}
+            "ll_exchange": backend._ll_on()}
 
 
 def ll_words(world: int, d: int) -> int:

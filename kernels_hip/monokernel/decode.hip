@@ -366,49 +366,6 @@ constexpr bool kMkTp = MK_TP != 0;
 constexpr bool kMkDefer = true;
 constexpr bool kMkDeferOD = !kMkTp;
 
-// The weight stream's storage (-DMK_RING=depth from the host, hipengine/gpu/monokernel.py ring_depth): 0 keeps
-// it in registers (HeMvStream: 2 batches per warp); depth D > 0 streams through a shared-memory ring of D
-// batches per warp filled by bulk copies (HeMvRing; targets with port.h kHasBulkCopy only — elsewhere the
-// host passes 0). The ring sits at the end of the dynamic shared memory, after the general area.
-#ifndef MK_RING
-#define MK_RING 0
-#endif
-constexpr int kMkRing = kHasBulkCopy ? MK_RING : 0;
-template <int D>
-struct MkStreamOf { using T = HeMvRing<2, D>; };
-template <>
-struct MkStreamOf<0> { using T = HeMvStream<2>; };
-using MkStream = typename MkStreamOf<kMkRing>::T;
-// MK_RING_EAGER=1 (experiment): the ring requests the next stage's first batches inside the stage's loop as
-// slots free up, not after the barrier arrival (a bulk copy is not waited for by the arrival's release); the
-// O-proj's stay requested after the attention splits (v24). he_mv_fill_next then only tops up free slots.
-#ifndef MK_RING_EAGER
-#define MK_RING_EAGER 0
-#endif
-constexpr bool kMkEager = kMkRing > 0 && MK_RING_EAGER != 0;
-// MK_RING_PRE=n (experiment): a deferred request (after a barrier arrival or the attention splits) fills only
-// n slots; the stage tops the ring up to its depth once it starts (past the barrier).
-#ifndef MK_RING_PRE
-#define MK_RING_PRE 0
-#endif
-template <class Next>
-HE_INLINE void mk_fill_next(const Next& nxt, HeMvStream<2>& s) { he_mv_fill_next(nxt, s); }
-template <class Next, int D>
-HE_INLINE void mk_fill_next(const Next& nxt, HeMvRing<2, D>& s) {
-  he_mv_fill_next(nxt, s, MK_RING_PRE > 0 && MK_RING_PRE < D ? MK_RING_PRE : D);
-}
-HE_INLINE void mk_stream_init(HeMvStream<2>&, float*) {}
-template <int D>
-HE_INLINE void mk_stream_init(HeMvRing<2, D>& s, float* smem) {
-  he_mv_ring_init(s, (char*)smem + he_dynamic_smem_bytes() - he_mv_ring_bytes<2, D>(he_num_warps()));
-}
-// Every exit from the kernel (the end of the loop, or an error return) first waits for the ring's copies
-// still in flight: the block's shared memory must not be written after it has exited.
-struct MkDrain {
-  MkStream& s;
-  HE_INLINE ~MkDrain() { he_mv_drain(s); }
-};
-
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -624,9 +581,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   // The weight stream (ops/matvec.hip): one per warp for the whole launch. Each matvec stage consumes its
   // part and refills from the next stage's descriptor, so the next stage's first weights are in flight
   // before the barrier that publishes its input (the issue's "weights before the activation").
-  MkStream s;
-  mk_stream_init(s, he_mk_smem);
-  MkDrain drain{s};
+  HeMvStream<2> s;
   he_mv_begin(mk_qkv_op(p, p.layers[0], pos, p.x), s, mk_o_op(p, p.layers[0], 1u));
   MkProf prof(p.prof);
 
@@ -745,7 +700,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
       // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).
-      mk_fill_next(mk_o_op(p, L, ep_o + 1), s);
+      he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
@@ -759,7 +714,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(p.fine == 2 ? kProfCombine : kProfAttn);
       ++ep_o;
-      he_mv_finish<kMkF16, kMkDeferOD && !kMkEager>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
+      he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
       // gate/up's input: tp > 1, the O-proj's sum over ranks gathered by every block (no grid barrier; block
       // 0 keeps it in p.xb for the down-proj's residual); else x, published by the barrier.
       const float* gx = p.x;
@@ -768,24 +723,24 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         gx = he_mk_smem;
       } else if (kMkDeferOD) {
         arrive(kProfO);
-        mk_fill_next(mk_gate_up_op(p, L, p.x), s);
+        he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
         if (!wait(kProfO)) return;
       } else if (!barrier(kProfO)) {
         return;
       }
-      he_mv_finish<kMkF16, kMkDefer && !kMkEager>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
+      he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       arrive(kProfGateUp);
-      mk_fill_next(mk_down_op(p, L, ep_d + 1), s);
+      he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
       if (!wait(kProfGateUp)) return;
       ++ep_d;
       if (l + 1 < p.n_layers)
-        he_mv_finish<kMkF16, kMkDeferOD && !kMkEager>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
+        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
       else
-        he_mv_finish<kMkF16, kMkDeferOD && !kMkEager>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
+        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
       if (kMkDeferOD && !tp) {
         arrive(kProfDown);
-        if (l + 1 < p.n_layers) mk_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-        else mk_fill_next(mk_head_op(p, p.x), s);
+        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+        else he_mv_fill_next(mk_head_op(p, p.x), s);
         if (!wait(kProfDown)) return;
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
@@ -797,9 +752,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       hx = he_mk_smem;
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
-    he_mv_finish<kMkF16, kMkDefer && !kMkEager>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
+    he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
     arrive(kProfHead);
-    mk_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
+    he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     if (!wait(kProfHead)) return;
     pos += 1;
     steps += 1;
