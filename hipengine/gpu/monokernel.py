@@ -247,9 +247,9 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
     cap = os.environ.get("HIPENGINE_MK_MAXRREG")
     if cap and vendor == "nvidia":
         opts.append(f"--maxrregcount={int(cap)}")
-    from .ops import attn_defines
+    from .ops import attn_lanes
 
-    defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), **attn_defines(head_dim),
+    defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), "HE_ATTN_LPR": attn_lanes(head_dim),
                "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll()}
     if profiling():
         defines["MK_PROFILE"] = 1
@@ -300,7 +300,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling."""
     from . import backend_cuda as bc, compiler
     from .executor import kv_defines
-    from .ops import attn_defines
+    from .ops import attn_lanes
     from .runtime import KERNELS_DIR
 
     # fp16-weight models (GGUF) also keep an fp16 KV cache (GpuBackend.kv_f16): their op modules differ;
@@ -308,7 +308,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     def op_defines(name: str, f16: bool):
         d = dict(kv_defines(f16) or {})
         if name == "attention_decode.hip":
-            d.update(attn_defines(head_dim))
+            d["HE_ATTN_LPR"] = attn_lanes(head_dim)
         return d or None
 
     ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]

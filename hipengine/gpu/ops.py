@@ -77,23 +77,7 @@ def attention_blocks_per_sm() -> float:
 
 
 ATTN_COMBINE_BATCH = 16  # attention_decode.hip kCombineBatch: split partials the combine loads per round trip
-
-
-def attn_unroll() -> int:
-    """Rows per lane group per batch of the attention split (attention_decode.hip kAttnUnroll, define
-    HE_ATTN_UNROLL): HIPENGINE_ATTN_UNROLL, default 4. The per-op kernels and the monokernel take the same
-    value (it shapes the online softmax's rounding), and so does the split plan."""
-    return int(os.environ.get("HIPENGINE_ATTN_UNROLL", "4"))
-
-
-def attn_defines(hd: int) -> dict:
-    """Compile-time defines of attention_decode.hip (and of the monokernel's copy of its body) for head_dim
-    hd: lanes per row, and the unroll when it is not the source's default (so default builds keep their
-    cache keys)."""
-    d = {"HE_ATTN_LPR": attn_lanes(hd)}
-    if attn_unroll() != 4:
-        d["HE_ATTN_UNROLL"] = attn_unroll()
-    return d
+ATTN_UNROLL = 4          # attention_decode.hip kAttnUnroll: rows per lane group per batch
 
 
 def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm: float | None = None,
@@ -113,7 +97,7 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
     chunk = min(512, max(32, (chunk + 31) // 32 * 32))
     nsplit = math.ceil(max_ctx / chunk)
     if nsplit > ATTN_COMBINE_BATCH and os.environ.get("HIPENGINE_ATTN_SPLIT_CAP", "1") != "0":
-        one_batch = ATTN_THREADS // attn_lanes(head_dim) * attn_unroll()
+        one_batch = ATTN_THREADS // attn_lanes(head_dim) * ATTN_UNROLL
         c2 = (math.ceil(max_ctx / ATTN_COMBINE_BATCH) + 31) // 32 * 32
         if c2 <= one_batch:
             chunk, nsplit = c2, math.ceil(max_ctx / c2)
@@ -216,7 +200,7 @@ class Ops:
         if not 1 <= G <= ATTN_MAX_GROUP or nh % nkv or hd % 8 or hd > 8 * self.rt.warp_size:
             raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
         shared = (G * hd + (ATTN_THREADS // self.rt.warp_size) * G * (hd + 2)) * 4
-        lanes = attn_defines(hd)
+        lanes = {"HE_ATTN_LPR": attn_lanes(hd)}
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
                         c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream)

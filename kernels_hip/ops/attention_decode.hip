@@ -34,12 +34,7 @@
 #endif
 
 constexpr int kAttnMaxGroup = 8;
-// Rows of K and of V loaded per lane group before use (the host passes HE_ATTN_UNROLL: ops.attn_unroll; both
-// paths must agree — the batch is the online softmax's rescaling unit, so it shapes the rounding).
-#ifndef HE_ATTN_UNROLL
-#define HE_ATTN_UNROLL 4
-#endif
-constexpr int kAttnUnroll = HE_ATTN_UNROLL;
+constexpr int kAttnUnroll = 4;  // rows of K and of V loaded per lane group before use
 
 // Online-softmax state of one lane for the G heads of a group: running max m (log2 units), running sum l,
 // and 8 dims of the unnormalised output. Merging two states is associative, so lane groups, warps and
