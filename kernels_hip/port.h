@@ -477,37 +477,5 @@ HE_INLINE he_u32 he_sm_id() {
 }
 #endif
 
-// Watching an LL word ({payload, epoch} in one 8-byte store, comm/allreduce.hip) that another GPU will
-// write: kLlWatchLoads loads of it are kept in flight, started kLlWatchGap cycles apart and each reissued as
-// soon as it has been checked, so the new value is seen within about a quarter of a load's round trip of
-// landing — a loop of one load at a time sees it up to a whole round trip (~0.3-0.7 µs) later. Only for
-// relaxed (volatile) loads: an acquire load orders the loads after it, so acquire polls cannot overlap.
-// Returns true with the word once its high half is `epoch`; `give_up()` is asked every 64 loads (it reads
-// the clock / abort flags and reports) and ends the watch with false.
-constexpr int kLlWatchLoads = 4;
-constexpr int kLlWatchGap = 128;  // cycles: 4 x 128 ≈ an L2 round trip under light load
-HE_INLINE void he_spin_cycles(he_u64 n) {
-  const he_u64 t = he_cycles();
-  while (he_cycles() - t < n) {
-  }
-}
-template <class GiveUp>
-HE_INLINE bool he_ll_watch(const volatile he_u64* p, he_u32 epoch, he_u64& v, GiveUp give_up) {
-  he_u64 w[kLlWatchLoads];
-#pragma unroll
-  for (int k = 0; k < kLlWatchLoads; ++k) {
-    w[k] = *p;
-    if (k + 1 < kLlWatchLoads) he_spin_cycles(kLlWatchGap);
-  }
-  for (int rounds = 1;; ++rounds) {
-#pragma unroll
-    for (int k = 0; k < kLlWatchLoads; ++k) {
-      if ((he_u32)(w[k] >> 32) == epoch) { v = w[k]; return true; }
-      w[k] = *p;
-    }
-    if (rounds % (64 / kLlWatchLoads) == 0 && give_up()) return false;
-  }
-}
-
 // Portable extern "C" kernel declaration; standalone kernels are `HE_KERNEL(256) name(args) {...}`.
 #define HE_KERNEL(max_threads) extern "C" __global__ void HE_LAUNCH_BOUNDS(max_threads)

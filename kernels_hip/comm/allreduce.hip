@@ -250,19 +250,20 @@ HE_INLINE bool ar_oneshot_residual_rmsnorm_block(const void* partial, float* res
 // volatile accesses: every poll is a fresh load that bypasses non-coherent caches (PTX: ld.volatile has
 // relaxed.sys semantics; AMD: glc loads of fine-grained memory), and the compiler keeps each 8-byte
 // access whole.
-// The wait itself is port.h's he_ll_watch (several polls in flight).
 HE_INLINE bool ar_ll_poll(const volatile he_u64* p, he_u32 epoch, he_u32& word, const ArPeerTable* T, int src) {
+  he_u64 v = *p;
+  if ((he_u32)(v >> 32) == epoch) { word = (he_u32)v; return true; }
   he_u32* status = (he_u32*)T->status;
   const he_u64 t0 = he_clock_ns();
-  he_u64 v = 0;
-  const bool ok = he_ll_watch(p, epoch, v, [&]() {
-    if (he_load_relaxed_device(status) != 0) return true;  // another thread timed out: give up too
-    if (he_clock_ns() - t0 <= T->timeout_ns) return false;
-    he_store_relaxed_system(status, kArStatusTimeout | ((he_u32)kArKindOneshot << 8) | (he_u32)src);
-    return true;
-  });
-  word = (he_u32)v;
-  return ok;
+  while (true) {
+    v = *p;
+    if ((he_u32)(v >> 32) == epoch) { word = (he_u32)v; return true; }
+    if (he_load_relaxed_device(status) != 0) return false;  // another thread timed out: give up too
+    if (he_clock_ns() - t0 > T->timeout_ns) {
+      he_store_relaxed_system(status, kArStatusTimeout | ((he_u32)kArKindOneshot << 8) | (he_u32)src);
+      return false;
+    }
+  }
 }
 
 template <class E>

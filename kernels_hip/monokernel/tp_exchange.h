@@ -66,16 +66,20 @@ struct MkMvOut : HeMvPlain {
 };
 
 // Spin on one LL word until it carries `epoch` (volatile: every poll is a fresh load past the non-coherent
-// caches; port.h he_ll_watch keeps several in flight). False on timeout (reported) or when another block
-// gave up.
+// caches). False on timeout (reported) or when another block gave up.
 HE_INLINE bool mk_ll_wait(const HeWaitCtx& w, const volatile he_u64* p, he_u32 epoch, he_u64& v) {
   const he_u64 t0 = he_clock_ns();
-  return he_ll_watch(p, epoch, v, [&]() {
-    if (he_aborted(w)) return true;
-    if (he_clock_ns() - t0 <= w.timeout_ns) return false;
-    he_report_error(w, kStatusPeerTimeout);
-    return true;
-  });
+  for (int polls = 1;; ++polls) {
+    v = *p;
+    if ((he_u32)(v >> 32) == epoch) return true;
+    if (polls % kPollsPerClock == 0) {
+      if (he_aborted(w)) return false;
+      if (he_clock_ns() - t0 > w.timeout_ns) {
+        he_report_error(w, kStatusPeerTimeout);
+        return false;
+      }
+    }
+  }
 }
 
 // xs[i] = sum over ranks s = 0..world-1 of region[s][i], i < d (whole block; `out`, when not null, gets the
