@@ -17,8 +17,8 @@
 #     profile and bench probe on GPU 0 while GPU 1 runs the op tests.
 #   exp: a compile-time experiment ($EXP_DEFINES) as a candidate default: sweep A/B ($ONLY) on GPU 0 beside the TP=1
 #     bench on GPU 1, then the TP monokernel's tests and TP=2 benches, all built with it.
-#   llwatch: the LL waits' in-flight polls against $AB_TREE: all-reduce + TP monokernel tests, all-reduce suite and
-#     TP=2 decode at 1K for each tree.
+#   arab: an all-reduce / LL change against $AB_TREE: all-reduce + TP monokernel tests, all-reduce suite and TP=2
+#     decode at 1K for each tree.
 #   perop: the per-op TP path alone (all of tests/test_tp_executor.py, the per-op engine's GPU tests, bench
 #     --no-monokernel with the custom all-reduce and with NCCL, the TP=1 per-op baseline).
 # Every step is time-boxed (sums < 600 s: one device call). Kernels come from $HIPENGINE_CACHE (precompiled
@@ -128,8 +128,8 @@ case "$MODE" in
       run pytest_ops 100 "$PY" -m pytest tests/test_ops_gpu.py -q -rs -x -p no:cacheprovider ) &
     wait
     ;;
-  llwatch)  # the LL waits' polls in flight (port.h he_ll_watch), this tree against $AB_TREE ($AB_COMMIT): the
-            # all-reduce and TP monokernel GPU tests, then the all-reduce suite and TP=2 decode at 1K for each tree
+  arab)  # an all-reduce / LL change, this tree against $AB_TREE ($AB_COMMIT): the all-reduce and TP monokernel
+         # GPU tests, then the all-reduce suite and TP=2 decode at 1K for each tree (v27 was measured this way)
     run pytest_ar 90 "$PY" -m pytest tests/test_allreduce_gpu.py -q -rs -x -p no:cacheprovider
     run pytest_tp_mk 120 "$PY" -m pytest tests/test_tp_monokernel.py -q -rs -x -p no:cacheprovider
     run ar_new 60 "$PY" -m hipengine bench allreduce --tp "$TP" --sizes 1K..64K --json "$OUT/allreduce_new.json"
