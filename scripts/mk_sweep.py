@@ -31,6 +31,7 @@ VARIANTS = [  # name, build env, runtime attrs
     ("fine 2 (barrier + one head per block)", {}, {"fine": 2}),
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
+    ("attention q held in registers (HE_ATTN_Q_REGS)", {"HIPENGINE_MK_DEFINES": "HE_ATTN_Q_REGS=1"}, {}),
     ("default again (drift check)", {}, {}),
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
     # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,

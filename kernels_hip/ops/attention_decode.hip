@@ -35,6 +35,9 @@
 
 constexpr int kAttnMaxGroup = 8;
 constexpr int kAttnUnroll = 4;  // rows of K and of V loaded per lane group before use
+#ifndef HE_ATTN_Q_REGS
+#define HE_ATTN_Q_REGS 0
+#endif
 
 // Online-softmax state of one lane for the G heads of a group: running max m (log2 units), running sum l,
 // and 8 dims of the unnormalised output. Merging two states is associative, so lane groups, warps and
@@ -149,9 +152,17 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   he_sync_block();
   HE_ATTN_MARK(0);  // q staged
   // This lane's 8 dims of head g's q: qs[g·hd + qoff ...] (read from shared memory at each use: holding all
-  // heads' slices in registers spilled the monokernel, which keeps the O-proj's weights live through here).
+  // heads' slices in registers spilled the monokernel, which kept the O-proj's weights live through here
+  // until v24). HE_ATTN_Q_REGS=1 (experiment) holds them in registers: the same values, the same products.
   // Lanes past the row's end read head 0's first dims, finite, against their zero K.
   const int qoff = dim_ok ? sub * 8 : 0;
+  float qr[HE_ATTN_Q_REGS ? kG : 1][8];
+  if (HE_ATTN_Q_REGS) {
+#pragma unroll
+    for (int g = 0; g < (HE_ATTN_Q_REGS ? kG : 1); ++g)
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) qr[g][jj] = qs[g * hd + qoff + jj];
+  }
 
   float m[kG], l[kG], o[kG][8];
 #pragma unroll
@@ -176,7 +187,7 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
         for (int g = 0; g < kG; ++g) {
           float d = 0.f;
 #pragma unroll
-          for (int jj = 0; jj < 8; ++jj) d += kf[jj] * qs[g * hd + qoff + jj];
+          for (int jj = 0; jj < 8; ++jj) d += kf[jj] * (HE_ATTN_Q_REGS ? qr[HE_ATTN_Q_REGS ? g : 0][jj] : qs[g * hd + qoff + jj]);
 #pragma unroll
           for (int x = kL / 2; x > 0; x >>= 1) d += he_shfl_xor(d, x);
           s[j][g] = ok ? d : he_neg_inf();
