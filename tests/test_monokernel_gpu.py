@@ -36,6 +36,27 @@ def tiny(tmp_path_factory):
     be.close()
 
 
+def test_long_context_build_greedy_identical(tmp_path):
+    """A KV cache of LONG_CONTEXT tokens selects the long-context build (q in registers in the split); it
+    must still give the per-op path's tokens, and resizing below the threshold returns to the short build."""
+    from hipengine.gpu.monokernel import LONG_CONTEXT, MonokernelBackend
+    from hipengine.loader import load_model
+    from tiny_models import save_tiny_model
+
+    path, _ = save_tiny_model("llama", tmp_path, seed=7, max_position_embeddings=LONG_CONTEXT)
+    be = MonokernelBackend(load_model(path, progress=False), max_context=LONG_CONTEXT)
+    try:
+        assert be.q_regs
+        prompt = np.array([5, 17, 99, 42, 7, 250, 31, 8, 64], np.int64)
+        params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+        assert _mono(be, prompt, params) == _per_op(be, prompt, params)
+        be.resize_context(1024)
+        assert not be.q_regs
+        assert _mono(be, prompt, params) == _per_op(be, prompt, params)
+    finally:
+        be.close()
+
+
 def test_tiny_greedy_identical_256(tiny):
     prompt = np.array([5, 17, 99, 42, 7, 250, 31, 8, 64], np.int64)
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)

@@ -238,10 +238,10 @@ def write_layout(path=None) -> None:
 
 
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
-                 tp: bool = False) -> dict:
+                 tp: bool = False, q_regs: bool = False) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row from
     head_dim, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
-    parallelism — ``tp`` or HIPENGINE_MK_LL=1). HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments
+    parallelism — ``tp`` or HIPENGINE_MK_LL=1, the long-context build ``q_regs``: q_regs_build). HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments
     only: the launch bound from MK_MIN_BLOCKS already sets 255 at one block per SM)."""
     opts = []
     cap = os.environ.get("HIPENGINE_MK_MAXRREG")
@@ -257,6 +257,8 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["HE_KV_F16"] = 1
     if tp or ll_local():
         defines["MK_TP"] = 1
+    if q_regs:
+        defines["HE_ATTN_Q_REGS"] = 1
     defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
 
@@ -272,6 +274,22 @@ def extra_defines() -> dict:
             raise UnsupportedError(f"HIPENGINE_MK_DEFINES: {item!r} is not NAME=INTEGER")
         out[name] = int(val or 1)
     return out
+
+
+LONG_CONTEXT = 8192  # KV caches from this many tokens get the long-context build (q_regs_build)
+
+
+def q_regs_build(max_context: int, tp: bool) -> bool:
+    """Whether the monokernel is built with the attention split's q slices held in registers
+    (HE_ATTN_Q_REGS): for KV caches of LONG_CONTEXT tokens or more, where each split runs several batches per
+    warp. Same results either way (same values, same products); measured on H200 in one process: +9% at 32K,
+    +2% at 8K, but -1.2% at 1K, where the split is one batch and the larger body only costs (docs/perf-log.md
+    v28). Not in the LL-exchange (TP) build, where it has not been measured. HIPENGINE_MK_QREGS=0|1 forces
+    the choice (A/B, tests)."""
+    forced = os.environ.get("HIPENGINE_MK_QREGS", "")
+    if forced:
+        return forced != "0"
+    return not tp and max_context >= LONG_CONTEXT
 
 
 def ll_local() -> bool:
@@ -313,8 +331,10 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
 
     ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]
     jobs = [(f"ops/{n}", {"defines": op_defines(n, f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
-    jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim))
-             for f16 in f16_variants for g in groups]
+    # both attention builds (short and long KV caches: q_regs_build), except where the long one never applies
+    longs = sorted({q_regs_build(n, ll_local()) for n in (LONG_CONTEXT - 1, LONG_CONTEXT)})
+    jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q))
+             for f16 in f16_variants for g in groups for q in longs]
     done = []
     for src, kw in jobs:
         path, text = compiler.resolve_source(src)
@@ -353,10 +373,8 @@ class MonokernelBackend(GpuBackend):
             raise UnsupportedError("the monokernel needs one weight dtype (all bf16 or all fp16); "
                                    "use --no-monokernel for mixed-dtype models")
         self.ll_local = ll_local()
-        self.module = rt.compile(SOURCE, **compile_args(rt.vendor, f16.pop(), cfg.num_heads // cfg.num_kv_heads,
-                                                        self.kv_f16, cfg.head_dim, tp=self.mk_tp))
-        self.fn = self.module.function(KERNEL)
-        self._check_layout()
+        self.w_f16 = f16.pop()
+        self._build()
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
         # Default from the H200 sweep (docs/perf-log.md): the last split block of each KV head combines its group.
         self.fine = int(os.environ.get("HIPENGINE_MK_FINE", "3"))
@@ -394,6 +412,16 @@ class MonokernelBackend(GpuBackend):
         self.blocks_per_sm = min(occ, want)
         self.grid = rt.num_sms * self.blocks_per_sm
         self.occupancy = occ
+
+    def _build(self) -> None:
+        """Compile (or take from the cache) the build for the current max_context — the long-context build
+        from LONG_CONTEXT tokens (q_regs_build) — and load its kernel."""
+        rt, cfg = self.rt, self.config
+        self.q_regs = q_regs_build(self.max_context, self.mk_tp or self.ll_local)
+        self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
+                                                        self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs))
+        self.fn = self.module.function(KERNEL)
+        self._check_layout()
 
     def _check_layout(self) -> None:
         """NVRTC cannot static_assert offsets: ask the compiled code for them once (a 1-thread kernel)."""
@@ -598,6 +626,8 @@ class MonokernelBackend(GpuBackend):
         self._alloc_state()
         if self.hostmem is not None:
             self.hostmem.free()
+        if q_regs_build(self.max_context, self.mk_tp or self.ll_local) != self.q_regs:
+            self._build()  # the cache crossed LONG_CONTEXT: the other attention build
         self._size_launch()
         self._setup_buffers()
         self.pos = 0
@@ -625,7 +655,7 @@ def grid_info(backend: MonokernelBackend) -> dict:
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1),
-            "ll_exchange": backend._ll_on()}
+            "ll_exchange": backend._ll_on(), "q_regs": getattr(backend, "q_regs", False)}
 
 
 def ll_words(world: int, d: int) -> int:
