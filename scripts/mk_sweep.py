@@ -31,13 +31,15 @@ VARIANTS = [  # name, build env, runtime attrs
     ("fine 2 (barrier + one head per block)", {}, {"fine": 2}),
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
-    ("attention q held in registers (HE_ATTN_Q_REGS)", {"HIPENGINE_MK_DEFINES": "HE_ATTN_Q_REGS=1"}, {}),
+    ("long-context build at every context (q in registers)", {"HIPENGINE_MK_QREGS": "1"}, {}),
+    ("short-context build at every context", {"HIPENGINE_MK_QREGS": "0"}, {}),
     ("default again (drift check)", {}, {}),
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
     # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,
     # the others were slower and are gone from the kernels; docs/perf-log.md v22-v24)
 ]
-BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES")
+BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
+               "HIPENGINE_MK_QREGS")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its

@@ -208,14 +208,13 @@ def test_extra_defines_parse_and_reach_the_build(monkeypatch):
 
 def test_long_context_build_choice(monkeypatch):
     """KV caches from LONG_CONTEXT tokens get the build with the attention split's q in registers
-    (HE_ATTN_Q_REGS), except the LL-exchange (TP) build; HIPENGINE_MK_QREGS forces either way."""
+    (HE_ATTN_Q_REGS), at any tp; HIPENGINE_MK_QREGS forces either way."""
     monkeypatch.delenv("HIPENGINE_MK_QREGS", raising=False)
-    assert not mk.q_regs_build(mk.LONG_CONTEXT - 1, tp=False)
-    assert mk.q_regs_build(mk.LONG_CONTEXT, tp=False) and mk.q_regs_build(32768, tp=False)
-    assert not mk.q_regs_build(32768, tp=True)
+    assert not mk.q_regs_build(mk.LONG_CONTEXT - 1)
+    assert mk.q_regs_build(mk.LONG_CONTEXT) and mk.q_regs_build(32768)
     monkeypatch.setenv("HIPENGINE_MK_QREGS", "1")
-    assert mk.q_regs_build(1024, tp=False) and mk.q_regs_build(1024, tp=True)
+    assert mk.q_regs_build(1024)
     monkeypatch.setenv("HIPENGINE_MK_QREGS", "0")
-    assert not mk.q_regs_build(32768, tp=False)
+    assert not mk.q_regs_build(32768)
     assert mk.compile_args("nvidia", False, 4, q_regs=True)["defines"]["HE_ATTN_Q_REGS"] == 1
     assert "HE_ATTN_Q_REGS" not in mk.compile_args("nvidia", False, 4)["defines"]

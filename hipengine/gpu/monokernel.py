@@ -241,8 +241,9 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
                  tp: bool = False, q_regs: bool = False) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row from
     head_dim, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
-    parallelism — ``tp`` or HIPENGINE_MK_LL=1, the long-context build ``q_regs``: q_regs_build). HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments
-    only: the launch bound from MK_MIN_BLOCKS already sets 255 at one block per SM)."""
+    parallelism — ``tp`` or HIPENGINE_MK_LL=1 — and the long-context build ``q_regs``: q_regs_build).
+    HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments only: the launch bound from MK_MIN_BLOCKS
+    already sets 255 at one block per SM)."""
     opts = []
     cap = os.environ.get("HIPENGINE_MK_MAXRREG")
     if cap and vendor == "nvidia":
@@ -279,17 +280,16 @@ def extra_defines() -> dict:
 LONG_CONTEXT = 8192  # KV caches from this many tokens get the long-context build (q_regs_build)
 
 
-def q_regs_build(max_context: int, tp: bool) -> bool:
+def q_regs_build(max_context: int) -> bool:
     """Whether the monokernel is built with the attention split's q slices held in registers
     (HE_ATTN_Q_REGS): for KV caches of LONG_CONTEXT tokens or more, where each split runs several batches per
     warp. Same results either way (same values, same products); measured on H200 in one process: +9% at 32K,
-    +2% at 8K, but -1.2% at 1K, where the split is one batch and the larger body only costs (docs/perf-log.md
-    v28). Not in the LL-exchange (TP) build, where it has not been measured. HIPENGINE_MK_QREGS=0|1 forces
-    the choice (A/B, tests)."""
+    +2% at 8K, but -1.2% at 1K, where the split is one batch and the larger body only costs; at TP=2 +5% at
+    32K, equal at 8K (docs/perf-log.md v28). HIPENGINE_MK_QREGS=0|1 forces the choice (A/B, tests)."""
     forced = os.environ.get("HIPENGINE_MK_QREGS", "")
     if forced:
         return forced != "0"
-    return not tp and max_context >= LONG_CONTEXT
+    return max_context >= LONG_CONTEXT
 
 
 def ll_local() -> bool:
@@ -331,8 +331,8 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
 
     ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]
     jobs = [(f"ops/{n}", {"defines": op_defines(n, f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
-    # both attention builds (short and long KV caches: q_regs_build), except where the long one never applies
-    longs = sorted({q_regs_build(n, ll_local()) for n in (LONG_CONTEXT - 1, LONG_CONTEXT)})
+    # both attention builds (short and long KV caches: q_regs_build; one of them when HIPENGINE_MK_QREGS forces it)
+    longs = sorted({q_regs_build(n) for n in (LONG_CONTEXT - 1, LONG_CONTEXT)})
     jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q))
              for f16 in f16_variants for g in groups for q in longs]
     done = []
@@ -417,7 +417,7 @@ class MonokernelBackend(GpuBackend):
         """Compile (or take from the cache) the build for the current max_context — the long-context build
         from LONG_CONTEXT tokens (q_regs_build) — and load its kernel."""
         rt, cfg = self.rt, self.config
-        self.q_regs = q_regs_build(self.max_context, self.mk_tp or self.ll_local)
+        self.q_regs = q_regs_build(self.max_context)
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs))
         self.fn = self.module.function(KERNEL)
@@ -626,7 +626,7 @@ class MonokernelBackend(GpuBackend):
         self._alloc_state()
         if self.hostmem is not None:
             self.hostmem.free()
-        if q_regs_build(self.max_context, self.mk_tp or self.ll_local) != self.q_regs:
+        if q_regs_build(self.max_context) != self.q_regs:
             self._build()  # the cache crossed LONG_CONTEXT: the other attention build
         self._size_launch()
         self._setup_buffers()

@@ -35,6 +35,7 @@
 
 constexpr int kAttnMaxGroup = 8;
 constexpr int kAttnUnroll = 4;  // rows of K and of V loaded per lane group before use
+// q slices in registers instead of shared memory (the monokernel's long-context build; see the split body).
 #ifndef HE_ATTN_Q_REGS
 #define HE_ATTN_Q_REGS 0
 #endif
@@ -151,10 +152,12 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   for (int i = t; i < G * hd; i += nt) qs[i] = q[(he_i64)(kvh * G) * hd + i] * qscale;
   he_sync_block();
   HE_ATTN_MARK(0);  // q staged
-  // This lane's 8 dims of head g's q: qs[g·hd + qoff ...] (read from shared memory at each use: holding all
-  // heads' slices in registers spilled the monokernel, which kept the O-proj's weights live through here
-  // until v24). HE_ATTN_Q_REGS=1 (experiment) holds them in registers: the same values, the same products.
-  // Lanes past the row's end read head 0's first dims, finite, against their zero K.
+  // This lane's 8 dims of head g's q: qs[g·hd + qoff ...], read from shared memory at each use — or, with
+  // HE_ATTN_Q_REGS=1, held in registers for the whole item: the same values and the same products, so both
+  // forms give the same bits. Registers pay where a warp scores several batches (long KV caches: the
+  // monokernel's long-context build, hipengine/gpu/monokernel.py q_regs_build) and cost where it scores one
+  // (docs/perf-log.md v28); the per-op kernels keep shared memory (more registers would halve their blocks
+  // per SM). Lanes past the row's end read head 0's first dims, finite, against their zero K.
   const int qoff = dim_ok ? sub * 8 : 0;
   float qr[HE_ATTN_Q_REGS ? kG : 1][8];
   if (HE_ATTN_Q_REGS) {
