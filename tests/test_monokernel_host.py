@@ -208,10 +208,11 @@ def test_extra_defines_parse_and_reach_the_build(monkeypatch):
 
 def test_long_context_build_choice(monkeypatch):
     """KV caches from LONG_CONTEXT tokens get the build with the attention split's q in registers
-    (HE_ATTN_Q_REGS), at any tp; HIPENGINE_MK_QREGS forces either way."""
+    (HE_ATTN_Q_REGS), at any tp, on NVIDIA; HIPENGINE_MK_QREGS forces either way."""
     monkeypatch.delenv("HIPENGINE_MK_QREGS", raising=False)
     assert not mk.q_regs_build(mk.LONG_CONTEXT - 1)
     assert mk.q_regs_build(mk.LONG_CONTEXT) and mk.q_regs_build(32768)
+    assert not mk.q_regs_build(32768, "amd")  # not measured there yet
     monkeypatch.setenv("HIPENGINE_MK_QREGS", "1")
     assert mk.q_regs_build(1024)
     monkeypatch.setenv("HIPENGINE_MK_QREGS", "0")

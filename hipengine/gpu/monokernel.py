@@ -280,16 +280,17 @@ def extra_defines() -> dict:
 LONG_CONTEXT = 8192  # KV caches from this many tokens get the long-context build (q_regs_build)
 
 
-def q_regs_build(max_context: int) -> bool:
+def q_regs_build(max_context: int, vendor: str = "nvidia") -> bool:
     """Whether the monokernel is built with the attention split's q slices held in registers
     (HE_ATTN_Q_REGS): for KV caches of LONG_CONTEXT tokens or more, where each split runs several batches per
     warp. Same results either way (same values, same products); measured on H200 in one process: +9% at 32K,
     +2% at 8K, but -1.2% at 1K, where the split is one batch and the larger body only costs; at TP=2 +5% at
-    32K, equal at 8K (docs/perf-log.md v28). HIPENGINE_MK_QREGS=0|1 forces the choice (A/B, tests)."""
+    32K, equal at 8K (docs/perf-log.md v28). NVIDIA only until it is measured on AMD: the gfx942 build of it
+    reports 84 VGPR spills against the default's 20. HIPENGINE_MK_QREGS=0|1 forces the choice (A/B, tests)."""
     forced = os.environ.get("HIPENGINE_MK_QREGS", "")
     if forced:
         return forced != "0"
-    return max_context >= LONG_CONTEXT
+    return vendor == "nvidia" and max_context >= LONG_CONTEXT
 
 
 def ll_local() -> bool:
@@ -417,7 +418,7 @@ class MonokernelBackend(GpuBackend):
         """Compile (or take from the cache) the build for the current max_context — the long-context build
         from LONG_CONTEXT tokens (q_regs_build) — and load its kernel."""
         rt, cfg = self.rt, self.config
-        self.q_regs = q_regs_build(self.max_context)
+        self.q_regs = q_regs_build(self.max_context, rt.vendor)
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs))
         self.fn = self.module.function(KERNEL)
@@ -626,7 +627,7 @@ class MonokernelBackend(GpuBackend):
         self._alloc_state()
         if self.hostmem is not None:
             self.hostmem.free()
-        if q_regs_build(self.max_context) != self.q_regs:
+        if q_regs_build(self.max_context, self.rt.vendor) != self.q_regs:
             self._build()  # the cache crossed LONG_CONTEXT: the other attention build
         self._size_launch()
         self._setup_buffers()
