@@ -108,3 +108,14 @@ def test_monokernel_tensor_parallel_build_compiles(tmp_path, monkeypatch):
     unit.write_text('#define MK_TP 1\n#include "monokernel/decode.hip"\n')
     for r in check.check_all(_targets(), [unit]):
         assert r.ok, f"{r.target}: {r.message}"
+
+
+@pytest.mark.parametrize("tp", [0, 1])
+def test_monokernel_long_context_build_compiles(tmp_path, monkeypatch, tp):
+    """The long-context build (HE_ATTN_Q_REGS=1: the split's q slices in registers, hipengine/gpu/monokernel.py
+    q_regs_build), alone and with the LL exchange (MK_TP=1), compiles warnings-as-errors for both targets."""
+    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
+    unit = tmp_path / f"decode_qregs_tp{tp}.hip"
+    unit.write_text(f'#define HE_ATTN_Q_REGS 1\n#define MK_TP {tp}\n#include "monokernel/decode.hip"\n')
+    for r in check.check_all(_targets(), [unit]):
+        assert r.ok, f"{r.target}: {r.message}"
