@@ -41,6 +41,13 @@ run() {  # run NAME SECONDS CMD... : log to $OUT/NAME.log, time-boxed
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - t0))s" | tee -a "$SUMMARY"
 }
+# ab_run NAME SECONDS CMD... : CMD in this tree (log NAME_new) and in $AB_TREE as commit $AB_COMMIT (NAME_base);
+# @TAG@ in the arguments becomes "new" / "base" (output file names)
+ab_run() {
+  local name=$1 limit=$2; shift 2
+  run "${name}_new" "$limit" "${@//@TAG@/new}"
+  run "${name}_base" "$limit" env -C "$AB_TREE" HIPENGINE_COMMIT="$AB_COMMIT" PYTHONPATH=. "${@//@TAG@/base}"
+}
 
 nvidia-smi topo -m >"$OUT/topo.txt" 2>&1 || rocm-smi --showtopo >"$OUT/topo.txt" 2>&1 || true
 case "$MODE" in
@@ -104,12 +111,9 @@ case "$MODE" in
       run pytest_mk1 150 "$PY" -m pytest tests/test_monokernel_gpu.py -q -rs -x -p no:cacheprovider
       run probe 90 "$PY" -m hipengine bench probe --json "$OUT/probe.json" ) &
     wait
-    run ar_new 70 "$PY" -m hipengine bench allreduce --tp "$TP" --sizes 1K..64K --json "$OUT/allreduce_new.json"
-    run ar_base 70 env -C "$AB_TREE" HIPENGINE_COMMIT="$AB_COMMIT" PYTHONPATH=. "$PY" -m hipengine bench allreduce --tp "$TP" --sizes 1K..64K --json "$OUT/allreduce_base.json"
-    run tp_cache4k_new 90 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
-      --max-context 4096 --json "$OUT/decode_tp${TP}_cache4k_new.json"
-    run tp_cache4k_base 90 env -C "$AB_TREE" HIPENGINE_COMMIT="$AB_COMMIT" PYTHONPATH=. "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
-      --max-context 4096 --json "$OUT/decode_tp${TP}_cache4k_base.json"
+    ab_run ar 70 "$PY" -m hipengine bench allreduce --tp "$TP" --sizes 1K..64K --json "$OUT/allreduce_@TAG@.json"
+    ab_run tp_cache4k 90 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
+      --max-context 4096 --json "$OUT/decode_tp${TP}_cache4k_@TAG@.json"
     ;;
   ab2)  # the TP=1 side of the same A/B, the TP monokernel's tests first (both GPUs), then GPU 0: the per-block
         # stage profile, bench probe, and the monokernel A/B over the trees in $AB_TREES (scripts/mk_sweep.py:
@@ -132,10 +136,9 @@ case "$MODE" in
          # GPU tests, then the all-reduce suite and TP=2 decode at 1K for each tree (v27 was measured this way)
     run pytest_ar 90 "$PY" -m pytest tests/test_allreduce_gpu.py -q -rs -x -p no:cacheprovider
     run pytest_tp_mk 120 "$PY" -m pytest tests/test_tp_monokernel.py -q -rs -x -p no:cacheprovider
-    run ar_new 60 "$PY" -m hipengine bench allreduce --tp "$TP" --sizes 1K..64K --json "$OUT/allreduce_new.json"
-    run ar_base 60 env -C "$AB_TREE" HIPENGINE_COMMIT="$AB_COMMIT" PYTHONPATH=. "$PY" -m hipengine bench allreduce --tp "$TP" --sizes 1K..64K --json "$OUT/allreduce_base.json"
-    run tp_new 80 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 --json "$OUT/decode_tp${TP}_new.json"
-    run tp_base 80 env -C "$AB_TREE" HIPENGINE_COMMIT="$AB_COMMIT" PYTHONPATH=. "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 --json "$OUT/decode_tp${TP}_base.json"
+    ab_run ar 60 "$PY" -m hipengine bench allreduce --tp "$TP" --sizes 1K..64K --json "$OUT/allreduce_@TAG@.json"
+    ab_run tp 80 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
+      --json "$OUT/decode_tp${TP}_@TAG@.json"
     ;;
   exp)  # a compile-time experiment ($EXP_DEFINES, HIPENGINE_MK_DEFINES syntax) measured as a candidate default:
         # GPU 0 the monokernel sweep's variants $ONLY at 1K/8K/32K (A/B in one process) while GPU 1 runs the TP=1
