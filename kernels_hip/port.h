@@ -479,3 +479,28 @@ HE_INLINE he_u32 he_sm_id() {
 
 // Portable extern "C" kernel declaration; standalone kernels are `HE_KERNEL(256) name(args) {...}`.
 #define HE_KERNEL(max_threads) extern "C" __global__ void HE_LAUNCH_BOUNDS(max_threads)
+
+// ------------------------------------------------------------------------------------------------------
+// Launch overlap between consecutive kernels of one stream (the per-op path's decode step).
+// NVIDIA sm_90+: programmatic dependent launch. A kernel launched with the host's `pdl` flag
+// (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION) may start while the kernel before it in the stream
+// is still running, once every block of that one has called he_pdl_trigger() (or exited).
+//   he_pdl_trigger(): this block lets the next kernel start launching (it orders and publishes nothing).
+//   he_pdl_wait():    returns once the previous kernel has completed and its memory writes are visible —
+//                     the same guarantee as plain stream order. Returns at once when the kernel was not
+//                     launched with the flag. Before it a kernel may only READ data no kernel of the step
+//                     writes (weights, tables); every other load and every store comes after it.
+// Each kernel of kernels_hip/ops calls he_pdl_trigger() first and he_pdl_wait() before its first access to
+// step data (tests/test_port_rules.py checks that every kernel there has the wait). AMD has no such launch:
+// kernels run in stream order and both calls are empty.
+// ------------------------------------------------------------------------------------------------------
+#if HE_AMD
+HE_INLINE void he_pdl_trigger() {}
+HE_INLINE void he_pdl_wait() {}
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+HE_INLINE void he_pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+HE_INLINE void he_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+#else
+HE_INLINE void he_pdl_trigger() {}
+HE_INLINE void he_pdl_wait() {}
+#endif

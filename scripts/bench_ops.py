@@ -5,7 +5,9 @@ the same run.
 Method: validate once (the op tests do the full job; here a spot check), warm up, capture `reps` launches into
 a graph (launch overhead from Python would otherwise dominate a 2 µs kernel), time graph replays with device
 events, report the median. Weight / KV buffers rotate over copies totalling > 240 MB so the 60 MB L2 never
-holds them. Usage: PYTHONPATH=. python3 scripts/bench_ops.py [--json out.json] [--skip-decode]
+holds them. Each figure is taken as the engine launches (programmatic dependent launch where the runtime has
+it: consecutive kernels overlap, Ops.pdl) and with plain stream order (`*_no_pdl`).
+Usage: PYTHONPATH=. python3 scripts/bench_ops.py [--json out.json] [--skip-decode]
 """
 from __future__ import annotations
 
@@ -70,6 +72,19 @@ def hbm_read_bw(rt, stream) -> tuple[float, str]:
     return n_vec * 16 / t, "probe_read (2 GiB)"
 
 
+def timed_pdl(rt, ops, stream, launch, **kw) -> tuple[float, float]:
+    """(seconds per launch as the engine launches it — programmatic dependent launch where the runtime has it,
+    Ops.pdl —, seconds with plain stream order): consecutive launches of a graph overlap only with the first."""
+    t = timed(rt, stream, launch, **kw)
+    if not ops.pdl:
+        return t, t
+    ops.pdl = False
+    try:
+        return t, timed(rt, stream, launch, **kw)
+    finally:
+        ops.pdl = True
+
+
 def copies_for(nbytes: int) -> int:
     return max(1, math.ceil(ROTATE_BYTES / nbytes))
 
@@ -98,18 +113,17 @@ def bench_matvecs(rt, ops, stream, hbm) -> list[dict]:
         for b in bufs:
             rt.memset(b, 0x3C, b.nbytes)  # bf16 0x3C3C ≈ 0.0115: finite values
         # spot check against numpy on the first copy (all weights equal -> y = w * sum(x))
-        def launch(i, bufs=bufs, kind=kind, rows=rows, inn=inn, threads=O.MATVEC_THREADS):
+        def launch(i, bufs=bufs, kind=kind, rows=rows, inn=inn):
             w = bufs[i % len(bufs)]
             if kind == "qkv":
                 ops.matvec_qkv(w, x, y, kc, vc, cos_b, sin_b, pos, max_ctx=256, q_dim=2048, kv_dim=512, hd=64,
-                               inn=inn, gamma=g, eps=1e-5, rope=True, stream=stream, threads=threads)
+                               inn=inn, gamma=g, eps=1e-5, rope=True, stream=stream)
             elif kind == "gate_up":
-                ops.matvec_gate_up(w, w.ptr + rows * inn * 2, x, y, rows, inn, gamma=g, eps=1e-5, stream=stream,
-                                   threads=threads)
+                ops.matvec_gate_up(w, w.ptr + rows * inn * 2, x, y, rows, inn, gamma=g, eps=1e-5, stream=stream)
             elif kind == "mv_res":
-                ops.matvec(w, x, y, rows, inn, residual=y, stream=stream, threads=threads)
+                ops.matvec(w, x, y, rows, inn, residual=y, stream=stream)
             else:
-                ops.matvec(w, x, y, rows, inn, stream=stream, threads=threads)
+                ops.matvec(w, x, y, rows, inn, stream=stream)
 
         if kind == "mv":
             launch(0)
@@ -118,39 +132,14 @@ def bench_matvecs(rt, ops, stream, hbm) -> list[dict]:
             wv = float(O.from_bf16(np.array([0x3C3C], np.uint16))[0])
             xs = rt.download(x, inn, np.float32).astype(np.float64).sum()
             assert np.allclose(got, wv * xs, rtol=1e-3, atol=1e-3), f"{name}: wrong result"
-        t = timed(rt, stream, launch)
+        t, t_plain = timed_pdl(rt, ops, stream, launch)
         moved = wbytes + inn * 4 + rows * 4
-        sweep = {}
-        for th in (128, 512):  # block-size sweep: the default is MATVEC_THREADS
-            sweep[th] = moved / timed(rt, stream, lambda i, th=th: launch(i, threads=th), trials=5) / 1e9
         rows_out.append(dict(op=name, rows=rows, inn=inn, us=t * 1e6, gbps=moved / t / 1e9,
-                             pct_hbm=100 * moved / t / hbm, gbps_by_threads=sweep))
+                             pct_hbm=100 * moved / t / hbm, pdl=ops.pdl, us_no_pdl=t_plain * 1e6,
+                             pct_hbm_no_pdl=100 * moved / t_plain / hbm))
         for b in bufs:
             b.free()
     return rows_out
-
-
-def bench_unroll(rt, stream, hbm) -> list[dict]:
-    """The same matvecs compiled with other load depths (HE_MATVEC_UNROLL), default block size."""
-    out = []
-    for unroll in (2,):
-        ops_u = O.Ops(rt, defines={"HE_MATVEC_UNROLL": unroll})
-        for name, rows, inn in (("o-proj 2048->2048", 2048, 2048), ("down 8192->2048", 2048, 8192),
-                                ("lm head 2048->128256", 128256, 2048)):
-            n = copies_for(rows * inn * 2)
-            bufs = [rt.malloc(rows * inn * 2) for _ in range(n)]
-            for b in bufs:
-                rt.memset(b, 0x3C, b.nbytes)
-            x, y = rt.malloc(inn * 4), rt.malloc(rows * 4)
-            rt.memset(x, 0, inn * 4)
-            t = timed(rt, stream, lambda i, bufs=bufs, rows=rows, inn=inn, x=x, y=y:
-                      ops_u.matvec(bufs[i % len(bufs)], x, y, rows, inn, stream=stream), trials=5)
-            moved = rows * inn * 2
-            out.append(dict(op=f"{name} unroll {unroll}", us=t * 1e6, gbps=moved / t / 1e9,
-                            pct_hbm=100 * moved / t / hbm))
-            for b in bufs + [x, y]:
-                b.free()
-    return out
 
 
 def bench_attention(rt, ops, stream, hbm) -> list[dict]:
@@ -174,7 +163,7 @@ def bench_attention(rt, ops, stream, hbm) -> list[dict]:
             ops.attention(q, kb, vb, part, out, pos, T=1, nh=nh, nkv=nkv, hd=hd, max_ctx=ctx, nsplit=nsplit,
                           chunk=chunk, stream=stream)
 
-        t = timed(rt, stream, launch)
+        t, t_plain = timed_pdl(rt, ops, stream, launch)
         moved = 2 * cache_bytes
         # the two kernels apart: where a short context's time goes
         from ctypes import c_int32
@@ -184,7 +173,8 @@ def bench_attention(rt, ops, stream, hbm) -> list[dict]:
             comb, (nh, 1), 128, [O._p(part), O._p(pos), c_int32(nsplit), c_int32(nh), c_int32(hd), O._p(out)],
             stream=stream), trials=5)
         out_rows.append(dict(op=f"attention ctx {ctx} (split {nsplit}x{chunk})", us=t * 1e6, gbps=moved / t / 1e9,
-                             pct_hbm=100 * moved / t / hbm, combine_us=t_comb * 1e6))
+                             pct_hbm=100 * moved / t / hbm, pdl=ops.pdl, us_no_pdl=t_plain * 1e6,
+                             pct_hbm_no_pdl=100 * moved / t_plain / hbm, combine_us=t_comb * 1e6))
         for kb, vb in caches:
             kb.free()
             vb.free()
@@ -246,19 +236,29 @@ def bench_decode(rt, hbm) -> dict:
         be.reset()
         be.prefill(np.arange(16) + 100)
         be.rt.copy_htod(be.pos_buf, np.array([be.pos], np.int32))
-        g = be._decode_graph()
-        s = be.stream
-        steps = 200
-        for _ in range(5):
-            g.launch(s)
-        s.synchronize()
-        e0, e1 = rt.event(), rt.event()
-        e0.record(s)
-        for _ in range(steps):  # same position each step: the timing of a <=1K-context step
-            g.launch(s)
-        e1.record(s)
-        e1.synchronize()
-        step_s = e0.elapsed_ms(e1) / 1e3 / steps
+
+        def step_time() -> float:  # same position each step: the timing of a <=1K-context step
+            if be._graph is not None:  # rebuilt: the launches' pdl flag is part of the captured graph
+                be._graph.destroy()
+                be._graph = None
+            g, s, steps = be._decode_graph(), be.stream, 200
+            for _ in range(5):
+                g.launch(s)
+            s.synchronize()
+            e0, e1 = rt.event(), rt.event()
+            e0.record(s)
+            for _ in range(steps):
+                g.launch(s)
+            e1.record(s)
+            e1.synchronize()
+            return e0.elapsed_ms(e1) / 1e3 / steps
+
+        pdl = be.ops.pdl
+        step_s = step_time()
+        be.ops.pdl = False
+        step_plain = step_time()
+        be.ops.pdl = pdl
+        step_time()  # the engine's own graph again for generate_ids below
         # end-to-end greedy generation: device argmax + one int read back per token
         params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
         list(be.generate_ids(np.arange(8) + 100, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
@@ -271,7 +271,8 @@ def bench_decode(rt, hbm) -> dict:
     bytes_tok = model.config.decode_bytes_per_token(2.0, context=17)
     return dict(op="decode llama-3.2-1b per-op graph", weights=src, load_s=load_s, us=step_s * 1e6,
                 tok_s=1 / step_s, gbps=bytes_tok / step_s / 1e9, pct_hbm=100 * bytes_tok / step_s / hbm,
-                roofline_tok_s=hbm / bytes_tok, generate_tok_s=1 / gen_s)
+                roofline_tok_s=hbm / bytes_tok, generate_tok_s=1 / gen_s, pdl=pdl, us_no_pdl=step_plain * 1e6,
+                tok_s_no_pdl=1 / step_plain)
 
 
 def main(argv=None) -> int:
@@ -287,7 +288,6 @@ def main(argv=None) -> int:
     res["commit"] = git_commit()  # $HIPENGINE_COMMIT first: the device's copy of the tree has a stale .git
     res["matvec"] = bench_matvecs(rt, ops, stream, hbm)
     res["attention"] = bench_attention(rt, ops, stream, hbm)
-    res["matvec_unroll"] = bench_unroll(rt, stream, hbm)
     if not a.skip_decode:
         try:
             res["decode"] = bench_decode(rt, hbm)
@@ -298,17 +298,16 @@ def main(argv=None) -> int:
             json.dump(res, f, indent=1)
     print(f"\n{rt.name}: HBM read {hbm / 1e9:.0f} GB/s ({hbm_src})")
     print(f"{'op':48s} {'us':>9s} {'GB/s':>8s} {'%HBM':>6s}")
-    for r in res["matvec"] + res["matvec_unroll"] + res["attention"]:
-        extra = ""
-        if "gbps_by_threads" in r:
-            extra = "  by block: " + " ".join(f"{k}:{v:.0f}" for k, v in r["gbps_by_threads"].items())
+    for r in res["matvec"] + res["attention"]:
+        extra = f"  plain launches: {r['us_no_pdl']:.2f} us, {r['pct_hbm_no_pdl']:.1f}%" if r["pdl"] else ""
         if "combine_us" in r:
-            extra = f"  (combine alone {r['combine_us']:.1f} us)"
+            extra += f"  (combine alone {r['combine_us']:.1f} us)"
         print(f"{r['op']:48s} {r['us']:9.2f} {r['gbps']:8.0f} {r['pct_hbm']:6.1f}{extra}")
     d = res.get("decode", {})
     if "tok_s" in d:
         print(f"decode 1B per-op graph: {d['tok_s']:.0f} tok/s ({d['pct_hbm']:.1f}% of HBM roofline "
-              f"{d['roofline_tok_s']:.0f}); generate_ids greedy {d['generate_tok_s']:.0f} tok/s")
+              f"{d['roofline_tok_s']:.0f}; plain launches {d['tok_s_no_pdl']:.0f}); generate_ids greedy "
+              f"{d['generate_tok_s']:.0f} tok/s")
     elif d:
         print(f"decode: {d.get('error')}")
     return 0

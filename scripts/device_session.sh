@@ -8,6 +8,8 @@
 #   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
 #   exp   : the sweep's variants $ONLY (compile-time experiments) at 1K/8K/32K, then the monokernel tests and the
 #           stage profile built with $EXP_DEFINES
+#   pdl   : GPU op tests, engine tests (programmatic dependent launch == stream order), bench_ops with and without
+#           it (+ the per-op decode), the decode bench at 1K/8K/32K (JSON + PNG)
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
 #           a $AB_MAXCTX-token cache when given), op tests, monokernel tests, stage profile at 1K/8K
@@ -53,6 +55,8 @@ ab_sweep() { run ab_sweep 270 $PY scripts/mk_sweep.py --contexts 1024,8192,32768
                $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/ab_sweep_maxctx.json"; }
 preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"; }
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
+engine_tests() { run engine_tests 120 $PY -m pytest tests/test_gpu_engine.py -q -rs -k "not 1b_preset"; }
+bench_ops_decode() { run bench_ops 170 $PY scripts/bench_ops.py --json "$OUT/bench_ops.json"; }
 bench() { run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
             --context 32768 --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"; }
 case "$MODE" in
@@ -61,6 +65,7 @@ case "$MODE" in
   quick) ops_tests; profile; mk_tests; bench_ops ;;        # a change's correctness + where the time goes
   full) ops_tests; profile; mk_tests; preset1b; bench ;;   # + the 1B 512-position check + the decode bench
   final) bench; mk_tests ;;
+  pdl) ops_tests; engine_tests; bench_ops_decode; bench ;;
   ab) ab_sweep; ops_tests; mk_tests; profile ;;
   bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
@@ -70,7 +75,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|ab|abtrees|bench|exp)"; exit 2 ;;
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|ab|abtrees|bench|exp)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -n 30 "$f"; done

@@ -179,6 +179,32 @@ def test_tiny_greedy_matches_cpu(tiny):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen3"])
+def test_pdl_launches_match_stream_order(kind, tmp_path_factory):
+    """With programmatic dependent launch (Ops.pdl) each kernel may start before the previous one ends; every
+    kernel waits (he_pdl_wait) before it touches that kernel's data, so prefill and 256 decode steps must give
+    the same logits, bit for bit, as plain stream order. A missing or misplaced wait shows up here as a race:
+    the tiny models' kernels are short, so consecutive kernels overlap almost entirely."""
+    from hipengine.gpu.executor import GpuBackend
+
+    model = _tiny_model(kind, tmp_path_factory)
+    ids = np.random.default_rng(5).integers(3, model.config.vocab_size, 300)
+    runs = {}
+    for pdl in (True, False):
+        gpu = GpuBackend(model, max_context=1024, monokernel=False)
+        try:
+            if pdl and not gpu.ops.pdl:
+                pytest.skip("this runtime launches in plain stream order only (no programmatic dependent launch)")
+            gpu.ops.pdl = pdl
+            out = [gpu.prefill(ids[:44], all_logits=True)]
+            out += [gpu.decode(int(t))[None] for t in ids[44:]]
+            runs[pdl] = np.concatenate(out)
+        finally:
+            gpu.close()
+    assert np.array_equal(runs[True], runs[False])
+
+
+@pytest.mark.gpu
 def test_llama_1b_preset():
     presets = pytest.importorskip("hipengine.presets")
     from hipengine.gpu.executor import GpuBackend
@@ -319,7 +345,7 @@ class EmulatedRuntime:
         g, self.capturing = _Graph(self, self.capturing), None
         return g
 
-    def launch(self, fn, grid, block, args, shared=0, stream=None, cooperative=False):
+    def launch(self, fn, grid, block, args, shared=0, stream=None, cooperative=False, pdl=False):
         vals = [a.value if isinstance(a, ctypes._SimpleCData) else a for a in args]
         vals = [0 if v is None else v for v in vals]
         grid = (grid, 1) if isinstance(grid, int) else tuple(grid)

@@ -450,7 +450,14 @@ class _FakeCuda:
     def cuLaunchCooperativeKernel(self, f, gx, gy, gz, bx, by, bz, shared, hStream, kernelParams):
         return self.cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, hStream, kernelParams, 0)
 
-    def cuStreamCreate(self, Flags): return (self.ok, "stream")
+    def cuLaunchKernelEx(self, config, f, kernelParams, extra):
+        self.ex_attrs = [(int(a.id), a.value.programmaticStreamSerializationAllowed)
+                         for a in config.attrs[:config.numAttrs]]
+        c = config
+        return self.cuLaunchKernel(f, c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ,
+                                   c.sharedMemBytes, c.hStream, kernelParams, extra)
+
+    def cuStreamCreate(self, Flags): return (self.ok, self._real.CUstream(0x5EED))
     def cuStreamDestroy(self, hStream): return (self.ok,)
     def cuEventCreate(self, Flags): return (self.ok, "event")
     def cuEventRecord(self, hEvent, hStream): return (self.ok,)
@@ -504,6 +511,11 @@ def test_cuda_backend_runs_on_fake_driver(monkeypatch, tmp_path):
     assert fake.func_attrs[("fill", attr)] == 100_000  # > 48 KiB opted in automatically
     rt.launch(fn, 1, 64, [x, ctypes.c_float(1.0), ctypes.c_int32(4)], cooperative=True, stream=rt.stream())
     assert rt.download(x, (16,), np.float32)[:5].tolist() == [1, 1, 1, 1, 3]
+    assert rt.pdl_launch  # sm_90: programmatic dependent launch through cuLaunchKernelEx
+    rt.launch(fn, 1, 64, [x, ctypes.c_float(2.0), ctypes.c_int32(2)], stream=rt.stream(), pdl=True)
+    assert rt.download(x, (16,), np.float32)[:3].tolist() == [2, 2, 1]
+    pss = int(real_cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    assert fake.ex_attrs == [(pss, 1)]
     hb = rt.host_alloc_mapped(8)
     hb.array[:] = 5
     rt.copy_dtoh(out := np.zeros(8, np.uint8), hb.dptr)

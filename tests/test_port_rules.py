@@ -55,3 +55,30 @@ def test_ops_are_warp_width_agnostic(path):
             if rx.search(line):
                 problems.append(f"line {i}: {why}: {line.strip()}")
     assert not problems, f"{path.name}:\n" + "\n".join(problems[:5])
+
+
+def _kernel_bodies(code: str):
+    """(name, body) of every HE_KERNEL in `code` (comments stripped; macro kernels included)."""
+    for m in re.finditer(r"HE_KERNEL\([^)]*\)\s*([\w#]+)\s*\(", code):
+        i = code.index("{", m.end())
+        depth, j = 1, i + 1
+        while depth:
+            depth += {"{": 1, "}": -1}.get(code[j], 0)
+            j += 1
+        yield m.group(1), code[i:j]
+
+
+# The per-op kernels may be launched with programmatic dependent launch (Ops.pdl, port.h he_pdl_wait): each
+# must wait before it touches data of the kernels before it. probe.hip's kernels are never launched that way.
+PDL_FILES = [p for p in OP_FILES if p.name != "probe.hip"]
+
+
+@pytest.mark.parametrize("path", PDL_FILES, ids=lambda p: p.name)
+def test_op_kernels_wait_for_the_previous_kernel(path):
+    code = _code(path.read_text())
+    kernels = list(_kernel_bodies(code))
+    assert kernels or "HE_KERNEL" not in code
+    run = re.search(r"HE_INLINE void he_matvec_run\b.*?\n}", code, re.S)
+    for name, body in kernels:
+        waits = "he_pdl_wait()" in body or ("he_matvec_run<" in body and run and "he_pdl_wait()" in run.group(0))
+        assert waits, f"{path.name}: kernel {name} never calls he_pdl_wait()"

@@ -146,7 +146,7 @@ class EmulatedDevice(EmulatedRuntime):
         g, stream.capturing = _Graph(stream.capturing), None
         return g
 
-    def launch(self, fn, grid, block, args, shared=0, stream=None, cooperative=False):
+    def launch(self, fn, grid, block, args, shared=0, stream=None, cooperative=False, pdl=False):
         vals = [a.value if isinstance(a, ctypes._SimpleCData) else a for a in args]
         vals = [0 if v is None else (v.ptr if isinstance(v, DeviceBuffer) else v) for v in vals]
         grid = (grid, 1) if isinstance(grid, int) else tuple(grid)

@@ -353,6 +353,7 @@ class CudaRuntime(Runtime):
         self.l2_bytes = attr("L2_CACHE_SIZE")
         self.warp_size = attr("WARP_SIZE")
         self.cooperative_launch = bool(attr("COOPERATIVE_LAUNCH"))
+        self.pdl_launch = major >= 9  # griddepcontrol (programmatic dependent launch) is sm_90+
         self.total_mem = int(check(cu.cuDeviceTotalMem(self.dev), "cuDeviceTotalMem"))
         raw = check(cu.cuDeviceGetName(256, self.dev), "cuDeviceGetName")
         raw = raw.decode(errors="replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
@@ -461,14 +462,17 @@ class CudaRuntime(Runtime):
 
     # ---- execution --------------------------------------------------------
     def launch(self, fn: Function, grid, block, args: list, shared: int = 0, stream=None,
-               cooperative: bool = False) -> None:
+               cooperative: bool = False, pdl: bool = False) -> None:
         self._current()
         gx, gy, gz = _dims(grid)
         bx, by, bz = _dims(block)
         if shared > 48 * 1024:
             fn.set_max_dynamic_shared(shared)
         params, keep = kernel_params(args)
-        if cooperative:
+        if pdl and self.pdl_launch and not cooperative:
+            res = cu.cuLaunchKernelEx(self._pdl_config(gx, gy, gz, bx, by, bz, shared, stream), fn.handle, params, 0)
+            what = "cuLaunchKernelEx(programmatic stream serialization)"
+        elif cooperative:
             res = cu.cuLaunchCooperativeKernel(fn.handle, gx, gy, gz, bx, by, bz, int(shared), _stream(stream), params)
             what = "cuLaunchCooperativeKernel"
         else:
@@ -476,6 +480,24 @@ class CudaRuntime(Runtime):
             what = "cuLaunchKernel"
         del keep  # the driver has copied the argument values by the time the call returns
         check(res, f"{what}({fn.name}, grid={(gx, gy, gz)}, block={(bx, by, bz)}, shared={shared})")
+
+    @staticmethod
+    def _pdl_config(gx, gy, gz, bx, by, bz, shared, stream):
+        """Launch configuration with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: the kernel may
+        launch once every block of the previous kernel in the stream called griddepcontrol.launch_dependents
+        (port.h he_pdl_trigger) or exited; its griddepcontrol.wait (he_pdl_wait) then waits for that kernel's
+        completion. Captured into a graph it becomes a programmatic edge."""
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg = cu.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = bx, by, bz
+        cfg.sharedMemBytes = int(shared)
+        cfg.hStream = _stream(stream)
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        return cfg
 
     def max_active_blocks(self, fn: Function, block: int, shared: int = 0) -> int:
         self._current()

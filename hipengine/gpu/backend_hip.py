@@ -394,7 +394,8 @@ class HipRuntime(Runtime):
 
     # ---- execution --------------------------------------------------------
     def launch(self, fn: Function, grid, block, args: list, shared: int = 0, stream=None,
-               cooperative: bool = False) -> None:
+               cooperative: bool = False, pdl: bool = False) -> None:
+        # pdl: HIP has no programmatic dependent launch (pdl_launch stays False): stream order, as always.
         self._current()
         gx, gy, gz = _dims(grid)
         bx, by, bz = _dims(block)

@@ -104,6 +104,12 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
     return nsplit, chunk
 
 
+def pdl_enabled(rt) -> bool:
+    """Whether the per-op kernels launch with programmatic dependent launch: where the runtime has it (NVIDIA
+    sm_90+: Runtime.pdl_launch), unless HIPENGINE_PDL=0 (A/B benchmarks; docs/perf-log.md v29)."""
+    return bool(getattr(rt, "pdl_launch", False)) and os.environ.get("HIPENGINE_PDL", "1") != "0"
+
+
 class Ops:
     """Compiled op modules for one device, with one launcher per kernel."""
 
@@ -112,6 +118,10 @@ class Ops:
         self.defines = defines  # compile-time knobs (e.g. HE_MATVEC_UNROLL) for benchmarks
         self._mods: dict[str, object] = {}
         self.warps_per_block = MATVEC_THREADS // rt.warp_size
+        # Launch every kernel with programmatic dependent launch (Runtime.launch `pdl`): the next kernel's
+        # weight loads overlap this one's end. Every kernel of kernels_hip/ops waits (he_pdl_wait) before it
+        # touches data of the kernels before it, so this is safe for any sequence; pdl_enabled() decides.
+        self.pdl = pdl_enabled(rt)
 
     def fn(self, source: str, name: str, defines: dict | None = None):
         """Kernel `name` of ops/<source>.hip, compiled once per (source, extra defines)."""
@@ -139,11 +149,11 @@ class Ops:
     def embedding(self, table, tokens, T: int, vocab: int, hidden: int, out, f16=False, stream=None):
         self.rt.launch(self.fn("embedding", "embedding"), T, 256,
                        [_p(table), _p(tokens), c_int32(vocab), c_int32(hidden), _p(out), c_int32(int(f16))],
-                       stream=stream)
+                       stream=stream, pdl=self.pdl)
 
     def rmsnorm(self, x, gamma, eps: float, n: int, y, rows: int = 1, stream=None):
         self.rt.launch(self.fn("rmsnorm", "rmsnorm"), rows, 256,
-                       [_p(x), _p(gamma), c_float(eps), c_int32(n), _p(y)], stream=stream)
+                       [_p(x), _p(gamma), c_float(eps), c_int32(n), _p(y)], stream=stream, pdl=self.pdl)
 
     # ---- matvecs ------------------------------------------------------------------------------------------
     def matvec(self, W, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, residual=None, f16=False,
@@ -152,7 +162,7 @@ class Ops:
         g = grid or self._grid((rows + 1) // 2, threads)
         self.rt.launch(self.fn("matvec", "matvec"), g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
-                        c_int32(int(f16))], shared=inn * 4, stream=stream)
+                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self.pdl)
 
     def matvec_gate_up(self, Wg, Wu, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
                        stream=None, grid: int | None = None, threads: int = MATVEC_THREADS):
@@ -160,7 +170,7 @@ class Ops:
         g = grid or self._grid(rows, threads)
         self.rt.launch(self.fn("matvec", "matvec_gate_up"), g, threads,
                        [_p(Wg), _p(Wu), _p(x), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
-                        c_int32(int(f16))], shared=inn * 4, stream=stream)
+                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self.pdl)
 
     def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,
                    hd: int, inn: int, gamma=None, eps: float = 0.0, bias=None, rope: bool = True, f16=False,
@@ -170,7 +180,8 @@ class Ops:
         self.rt.launch(self.fn("matvec", "matvec_qkv"), g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(bias), _p(cos), _p(sin), _p(pos), _p(q_out),
                         _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(q_dim), c_int32(kv_dim), c_int32(hd),
-                        c_int32(inn), c_int32(int(rope)), c_int32(int(f16))], shared=inn * 4, stream=stream)
+                        c_int32(inn), c_int32(int(rope)), c_int32(int(f16))], shared=inn * 4, stream=stream,
+                       pdl=self.pdl)
 
     def matmul_small_m(self, W, X, Y, M: int, rows: int, inn: int, mode: int = 0, W2=None, bias=None, f16=False,
                        stream=None):
@@ -181,7 +192,7 @@ class Ops:
             raise UnsupportedError(f"matmul input length {inn} is not a multiple of 8")
         self.rt.launch(self.fn("prefill", "matmul_small_m"), self._grid(rows), MATVEC_THREADS,
                        [_p(W), _p(W2), _p(X), _p(bias), _p(Y), c_int32(M), c_int32(rows), c_int32(inn),
-                        c_int32(mode), c_int32(int(f16))], stream=stream)
+                        c_int32(mode), c_int32(int(f16))], stream=stream, pdl=self.pdl)
 
     # ---- attention ----------------------------------------------------------------------------------------
     def qk_norm_rope(self, qkv, q_out, k_cache, v_cache, cos, sin, pos, *, T: int, nh: int, nkv: int, hd: int,
@@ -191,7 +202,7 @@ class Ops:
         self.rt.launch(self.fn("qk_norm", "qk_norm_rope"), (nh + 2 * nkv, T), block,
                        [_p(qkv), _p(q_norm), _p(k_norm), c_float(eps), _p(cos), _p(sin), _p(pos), _p(q_out),
                         _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(nh), c_int32(nkv), c_int32(hd)],
-                       stream=stream)
+                       stream=stream, pdl=self.pdl)
 
     def attention(self, q, k_cache, v_cache, partial, out, pos, *, T: int, nh: int, nkv: int, hd: int,
                   max_ctx: int, nsplit: int, chunk: int, stream=None):
@@ -203,10 +214,11 @@ class Ops:
         lanes = {"HE_ATTN_LPR": attn_lanes(hd)}
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
-                        c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream)
+                        c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream,
+                       pdl=self.pdl)
         self.rt.launch(self.fn("attention_decode", "attention_combine", lanes), (nh, T), 128,
                        [_p(partial), _p(pos), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)],
-                       stream=stream)
+                       stream=stream, pdl=self.pdl)
 
     @staticmethod
     def partial_floats(T: int, nh: int, hd: int, nsplit: int) -> int:
@@ -220,11 +232,11 @@ class Ops:
                        [_p(logits), c_int32(n), _p(history), _p(hist_len), c_float(temperature), c_int32(top_k),
                         c_float(top_p), c_float(min_p), c_float(repetition_penalty), c_uint32(seed & 0xFFFFFFFF),
                         c_uint32(seed >> 32), _p(step), _p(out_token), _p(z)],
-                       shared=((n + 31) // 32) * 4, stream=stream)
+                       shared=((n + 31) // 32) * 4, stream=stream, pdl=self.pdl)
 
     def decode_advance(self, token, history, hist_len, pos, hist_cap: int, stream=None):
         self.rt.launch(self.fn("sampling", "decode_advance"), 1, self.rt.warp_size,
-                       [_p(token), _p(history), _p(hist_len), _p(pos), c_int32(hist_cap)], stream=stream)
+                       [_p(token), _p(history), _p(hist_len), _p(pos), c_int32(hist_cap)], stream=stream, pdl=self.pdl)
 
 
 # ---- float64 oracles ------------------------------------------------------------------------------------------

@@ -115,9 +115,15 @@ class Runtime(ABC):
         """(free, total) bytes."""
 
     # ---- execution --------------------------------------------------------
+    # Programmatic dependent launch (NVIDIA sm_90+; kernels_hip/port.h he_pdl_wait): the backend sets it.
+    pdl_launch: bool = False
+
     @abstractmethod
-    def launch(self, fn, grid, block, args: list, shared: int = 0, stream=None, cooperative: bool = False) -> None:
-        """grid/block: int or (x, y, z). ``cooperative`` uses the cooperative launch (all blocks resident)."""
+    def launch(self, fn, grid, block, args: list, shared: int = 0, stream=None, cooperative: bool = False,
+               pdl: bool = False) -> None:
+        """grid/block: int or (x, y, z). ``cooperative`` uses the cooperative launch (all blocks resident).
+        ``pdl``: the kernel may start while the previous kernel of the stream is still running (it must call
+        he_pdl_wait() before touching that kernel's data); ignored where ``pdl_launch`` is False."""
 
     @abstractmethod
     def max_active_blocks(self, fn, block: int, shared: int = 0) -> int:

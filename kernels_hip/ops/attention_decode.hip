@@ -294,6 +294,8 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
                                       const int* __restrict__ pos_p, int nsplit, int chunk, int nh, int nkv,  \
                                       int hd, int max_ctx) {                                                  \
     extern __shared__ float he_attn_smem[];                                                                 \
+    he_pdl_trigger();                                                                                       \
+    he_pdl_wait(); /* port.h: the position, q and the newest K/V row come from the kernels before */        \
     const int tq = he_block_idx_y();                                                                        \
     const int seq = *pos_p + tq + 1;                                                                        \
     const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
@@ -362,6 +364,8 @@ HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, in
 
 HE_KERNEL(256) attention_combine(const float* __restrict__ partial, const int* __restrict__ pos_p, int nsplit,
                                  int nh, int hd, float* __restrict__ out) {
+  he_pdl_trigger();
+  he_pdl_wait();  // port.h: everything below reads or writes step data
   const int h = he_block_idx(), tq = he_block_idx_y();
   he_attention_combine(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), 1, nsplit, *pos_p + tq + 1, hd,
                        out + ((he_i64)tq * nh + h) * hd);

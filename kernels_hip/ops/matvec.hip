@@ -283,13 +283,16 @@ struct HeMvPlain {
   }
 };
 
-template <bool kF16>
-HE_INLINE void he_matvec_body(const he_u16* W, const float* x, const float* gamma, float eps,
-                              const float* residual, float* y, int rows, int in, float* xs, float* scratch) {
-  const HeMvPlain op{x, gamma, eps, in, W, residual, y, rows};
+// The per-op kernels' common body: this warp's first two batches of weights are requested, THEN the kernel
+// waits for the step data (he_pdl_wait, port.h): launched with the host's `pdl` flag, those loads overlap
+// the end of the kernel before it. The monokernel runs the same stream through its stages instead.
+template <bool kF16, class Op>
+HE_INLINE void he_matvec_run(const Op& op, float* xs, float* scratch) {
+  he_pdl_trigger();
   HeMvStream<2> s;
   const HeMvNone none{0};
-  he_mv_begin(op, s, none);
+  he_mv_begin(op, s, none);  // weights only: no kernel writes them
+  he_pdl_wait();
   he_mv_finish<kF16>(op, s, xs, scratch, none);
 }
 
@@ -297,8 +300,9 @@ HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x
                        const float* residual, float* y, int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];  // [in]
   __shared__ float scratch[kMaxWarpsPerBlock];
-  if (w_f16) he_matvec_body<true>(W, x, gamma, eps, residual, y, rows, in, he_xs, scratch);
-  else he_matvec_body<false>(W, x, gamma, eps, residual, y, rows, in, he_xs, scratch);
+  const HeMvPlain op{x, gamma, eps, in, W, residual, y, rows};
+  if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
+  else he_matvec_run<false>(op, he_xs, scratch);
 }
 
 // ---- y = silu(Wg·x) * (Wu·x) ------------------------------------------------------------------------------
@@ -322,22 +326,13 @@ struct HeMvGateUp {
   }
 };
 
-template <bool kF16>
-HE_INLINE void he_matvec_gate_up_body(const he_u16* Wg, const he_u16* Wu, const float* x, const float* gamma,
-                                      float eps, float* y, int rows, int in, float* xs, float* scratch) {
-  const HeMvGateUp op{x, gamma, eps, in, Wg, Wu, y, rows};
-  HeMvStream<2> s;
-  const HeMvNone none{0};
-  he_mv_begin(op, s, none);
-  he_mv_finish<kF16>(op, s, xs, scratch, none);
-}
-
 HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
                                const float* __restrict__ gamma, float eps, float* y, int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
-  if (w_f16) he_matvec_gate_up_body<true>(Wg, Wu, x, gamma, eps, y, rows, in, he_xs, scratch);
-  else he_matvec_gate_up_body<false>(Wg, Wu, x, gamma, eps, y, rows, in, he_xs, scratch);
+  const HeMvGateUp op{x, gamma, eps, in, Wg, Wu, y, rows};
+  if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
+  else he_matvec_run<false>(op, he_xs, scratch);
 }
 
 // ---- QKV + bias + RoPE + KV append -------------------------------------------------------------------------
@@ -392,14 +387,6 @@ struct HeMvQkv {
   }
 };
 
-template <bool kF16>
-HE_INLINE void he_matvec_qkv_body(const HeMvQkv& op, float* xs, float* scratch) {
-  HeMvStream<2> s;
-  const HeMvNone none{0};
-  he_mv_begin(op, s, none);
-  he_mv_finish<kF16>(op, s, xs, scratch, none);
-}
-
 HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
                            const float* __restrict__ bias, const float* __restrict__ cos_t,
                            const float* __restrict__ sin_t, const int* __restrict__ pos_p, float* __restrict__ q_out,
@@ -409,8 +396,8 @@ HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const floa
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvQkv op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
                    max_ctx, q_dim, kv_dim, hd, rope};
-  if (w_f16) he_matvec_qkv_body<true>(op, he_xs, scratch);
-  else he_matvec_qkv_body<false>(op, he_xs, scratch);
+  if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
+  else he_matvec_run<false>(op, he_xs, scratch);
 }
 
 #endif

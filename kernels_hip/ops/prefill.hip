@@ -59,6 +59,8 @@ HE_INLINE void he_matmul_small_m_body(const he_u16* __restrict__ W, const he_u16
 HE_KERNEL(kMatvecMaxThreads) matmul_small_m(const he_u16* __restrict__ W, const he_u16* __restrict__ W2,
                                const float* __restrict__ X, const float* __restrict__ bias, float* Y, int M, int rows,
                                int in, int mode, int w_f16) {
+  he_pdl_trigger();
+  he_pdl_wait();  // port.h: everything below reads or writes step data
   if (w_f16) he_matmul_small_m_body<true>(W, W2, X, bias, Y, M, rows, in, mode);
   else he_matmul_small_m_body<false>(W, W2, X, bias, Y, M, rows, in, mode);
 }

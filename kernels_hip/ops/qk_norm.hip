@@ -54,6 +54,8 @@ HE_KERNEL(1024) qk_norm_rope(const float* __restrict__ qkv, const float* __restr
                              const float* __restrict__ sin_t, const int* __restrict__ pos_p, float* __restrict__ q_out,
                              he_kv* __restrict__ k_cache, he_kv* __restrict__ v_cache, int max_ctx, int nh,
                              int nkv, int hd) {
+  he_pdl_trigger();
+  he_pdl_wait();  // port.h: everything below reads or writes step data
   __shared__ float scratch[kMaxWarpsPerBlock];
   const int t = he_block_idx_y();
   const he_i64 stride = (he_i64)(nh + 2 * nkv) * hd;

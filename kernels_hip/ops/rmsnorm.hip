@@ -105,6 +105,8 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
 // same thread, and the reduction finishes before any write).
 HE_KERNEL(1024) rmsnorm(const float* x, const float* __restrict__ gamma, float eps, int n,
                         float* y) {
+  he_pdl_trigger();
+  he_pdl_wait();  // port.h: everything below reads or writes step data
   __shared__ float scratch[kMaxWarpsPerBlock];
   const he_i64 row = he_block_idx();
   he_rmsnorm_stage(x + row * n, gamma, eps, n, y + row * n, scratch);

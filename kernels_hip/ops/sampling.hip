@@ -172,6 +172,8 @@ HE_INLINE int he_sample_block(const float* logits, int n, const int* history,
 HE_KERNEL(1024) sample(const float* logits, int n, const int* __restrict__ history, const int* __restrict__ hist_len_p,
                        float temperature, int top_k, float top_p, float min_p, float rep_pen, he_u32 seed_lo,
                        he_u32 seed_hi, const int* __restrict__ step_p, int* __restrict__ out_token, float* z) {
+  he_pdl_trigger();
+  he_pdl_wait();  // port.h: everything below reads or writes step data
   extern __shared__ he_u32 he_bitmap[];
   __shared__ float scratch[kMaxWarpsPerBlock];
   __shared__ float slice_sums[kSampleThreads];
@@ -184,6 +186,8 @@ HE_KERNEL(1024) sample(const float* logits, int n, const int* __restrict__ histo
 // history; the position advances. One thread. Keeps the captured graph's arguments constant.
 HE_KERNEL(kMaxBlockThreads) decode_advance(const int* __restrict__ token, int* __restrict__ history, int* __restrict__ hist_len,
                              int* __restrict__ pos, int hist_cap) {
+  he_pdl_trigger();
+  he_pdl_wait();  // port.h: everything below reads or writes step data
   if (he_thread_idx() != 0) return;
   const int h = *hist_len;
   if (h < hist_cap) { history[h] = *token; *hist_len = h + 1; }
