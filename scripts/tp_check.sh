@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/tp_check.sh [mk|final|perop] — the one script a 2-GPU device call runs for tensor-parallel decode (issue 5).
+# scripts/tp_check.sh [mk|final|perop|pdl|...] — the one script a 2-GPU device call runs for tensor-parallel decode (issue 5).
 #   mk (default): the tensor-parallel monokernel (TpMonokernelBackend)
 #     1. tests/test_tp_monokernel.py: TP=2 monokernel == per-op TP path for 256 greedy tokens (random
 #        llama-3.2-1b), and at 4K from a synthetic cache; cancel; 300 requests; sampling route; peer timeout;
@@ -19,6 +19,8 @@
 #     bench on GPU 1, then the TP monokernel's tests and TP=2 benches, all built with it.
 #   arab: an all-reduce / LL change against $AB_TREE: all-reduce + TP monokernel tests, all-reduce suite and TP=2
 #     decode at 1K for each tree.
+#   pdl: all-reduce, per-op TP and TP monokernel GPU tests, then bench decode --tp 2 (1K/8K/32K, both paths) and
+#     the all-reduce suite (programmatic dependent launch, v29).
 #   perop: the per-op TP path alone (all of tests/test_tp_executor.py, the per-op engine's GPU tests, bench
 #     --no-monokernel with the custom all-reduce and with NCCL, the TP=1 per-op baseline).
 # Every step is time-boxed (sums < 600 s: one device call). Kernels come from $HIPENGINE_CACHE (precompiled
@@ -70,6 +72,15 @@ case "$MODE" in
       --context 32768 --json "$OUT/decode_tp1.json" --plot "$OUT/decode_tp1.png"
     run bench_tp1_cache4k 50 "$PY" -m hipengine bench decode --shape "$SHAPE" --context 1024 --max-context 4096 \
       --json "$OUT/decode_tp1_cache4k.json"
+    ;;
+  pdl)  # programmatic dependent launch (v29): the all-reduce, per-op TP and TP monokernel GPU tests, then TP=2
+        # decode at 1K/8K/32K (both paths) and the all-reduce suite
+    run pytest_ar 80 "$PY" -m pytest tests/test_allreduce_gpu.py -q -rs -x -p no:cacheprovider
+    run pytest_tp 150 "$PY" -m pytest tests/test_tp_executor.py -q -rs -s -p no:cacheprovider
+    run pytest_tp_mk 120 "$PY" -m pytest tests/test_tp_monokernel.py -q -rs -s -x -p no:cacheprovider
+    run bench_tp 150 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" \
+      --json "$OUT/decode_tp${TP}.json" --plot "$OUT/decode_tp${TP}.png"
+    run bench_ar 60 "$PY" -m hipengine bench allreduce --tp "$TP" --sizes 1K..64K --json "$OUT/allreduce.json"
     ;;
   perop)
     run pytest_tp 200 "$PY" -m pytest tests/test_tp_executor.py -q -rs -s -p no:cacheprovider
@@ -159,7 +170,7 @@ case "$MODE" in
     run exp_bench_tp_cache4k 70 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
       --max-context 4096 --json "$OUT/exp_decode_tp${TP}_cache4k.json"
     ;;
-  *) echo "unknown mode $MODE (mk|final|perop|plan|serve|ab|ab2|exp)"; exit 2 ;;
+  *) echo "unknown mode $MODE (mk|final|pdl|perop|plan|serve|ab|ab2|arab|exp)"; exit 2 ;;
 esac
 
 # The test outcomes as JSON beside the benchmark JSON (commit from $HIPENGINE_COMMIT, as the benches take it).

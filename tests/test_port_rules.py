@@ -68,9 +68,10 @@ def _kernel_bodies(code: str):
         yield m.group(1), code[i:j]
 
 
-# The per-op kernels may be launched with programmatic dependent launch (Ops.pdl, port.h he_pdl_wait): each
-# must wait before it touches data of the kernels before it. probe.hip's kernels are never launched that way.
-PDL_FILES = [p for p in OP_FILES if p.name != "probe.hip"]
+# The per-op and all-reduce kernels may be launched with programmatic dependent launch (Ops.pdl,
+# CustomAllReduce.pdl; port.h he_pdl_wait): each must wait before it touches data of the kernels before it.
+# probe.hip's kernels are never launched that way.
+PDL_FILES = [p for p in OP_FILES if p.name != "probe.hip"] + sorted((KDIR / "comm").glob("*.hip"))
 
 
 @pytest.mark.parametrize("path", PDL_FILES, ids=lambda p: p.name)

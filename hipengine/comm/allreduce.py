@@ -431,6 +431,11 @@ class CustomAllReduce:
         # device_epochs: the epoch lives in per-virtual-block device counters (the kernels' _graph variants),
         # so calls can be captured into a CUDA/HIP graph and replayed; host epochs are then never used.
         self.device_epochs = device_epochs
+        # The _graph kernels (the TP decode step's) launch with programmatic dependent launch where the runtime
+        # has it (gpu/ops.py pdl_enabled): the matvec after an all-reduce requests its weights meanwhile.
+        from ..gpu.ops import pdl_enabled
+
+        self.pdl = [device_epochs and pdl_enabled(rt) for rt in self.rts]
         self.ctrs = []
         self.broken: str | None = None
         self.bufs, self.status, self.tables, self.fns = [], [], [], []
@@ -483,7 +488,7 @@ class CustomAllReduce:
                 args = [ctypes.c_void_p(_ptr(ins[r])), ctypes.c_void_p(_ptr(outs[r])), ctypes.c_uint64(nbytes),
                         ctypes.c_void_p(self.tables[r].ptr), ctypes.c_void_p(ctr)]
                 rt.launch(self.fns[r].function(f"allreduce_{algo}_{self.DTYPES[dtype]}_graph"), grid,
-                          self.threads, args, stream=streams[r])
+                          self.threads, args, stream=streams[r], pdl=self.pdl[r])
             return
         n = max(repeats, 1)
         epoch = self.epochs[algo] + 1

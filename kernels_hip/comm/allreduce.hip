@@ -381,12 +381,19 @@ HE_INLINE bool ar_twoshot_block(const void* in, void* out, he_u64 nbytes, const 
 // next launch reads the advanced value; every rank runs the same launch sequence with the same sizes, so
 // the counters of virtual block vb agree across ranks (blocks not launched for a small message advance on
 // no rank). A communicator uses either host epochs or device epochs, never both.
+// Every kernel lets the next one launch at once and waits for the previous one first (port.h he_pdl_wait):
+// the host may launch them with programmatic dependent launch, so that the kernel after an all-reduce (the
+// next matvec) requests its weights while the all-reduce waits on its peers.
 #define AR_KERNELS(NAME, ALGO, E)                                                                        \
   HE_KERNEL(1024) NAME(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T, he_u32 epoch) {   \
+    he_pdl_trigger();                                                                                    \
+    he_pdl_wait();                                                                                       \
     ALGO<E>(in, out, nbytes, T, epoch, he_block_idx());                                                  \
   }                                                                                                      \
   HE_KERNEL(1024) NAME##_graph(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T,           \
                                he_u32* epoch_ctr) {                                                      \
+    he_pdl_trigger();                                                                                    \
+    he_pdl_wait();                                                                                       \
     const int vb = he_block_idx();                                                                       \
     const he_u32 epoch = epoch_ctr[vb] + 1;                                                              \
     ALGO<E>(in, out, nbytes, T, epoch, vb);                                                              \
@@ -395,6 +402,8 @@ HE_INLINE bool ar_twoshot_block(const void* in, void* out, he_u64 nbytes, const 
   }                                                                                                      \
   HE_KERNEL(1024) NAME##_repeat(const void* in, void* out, he_u64 nbytes, const ArPeerTable* T,          \
                                 he_u32 epoch0, he_u32 repeats) {                                         \
+    he_pdl_trigger();                                                                                    \
+    he_pdl_wait();                                                                                       \
     for (he_u32 k = 0; k < repeats; ++k)                                                                 \
       if (!ALGO<E>(in, out, nbytes, T, epoch0 + k, he_block_idx())) return;                             \
   }
@@ -411,6 +420,8 @@ AR_KERNELS(allreduce_twoshot_bf16, ar_twoshot_block, ArBf16)
 #define AR_FUSED_KERNEL(NAME, E)                                                                         \
   HE_KERNEL(1024) NAME(const void* partial, float* residual, const float* gamma, float* normed, he_u64 n,  \
                        float eps, const ArPeerTable* T, he_u32 epoch) {                                  \
+    he_pdl_trigger();                                                                                    \
+    he_pdl_wait();                                                                                       \
     ar_oneshot_residual_rmsnorm_block<E>(partial, residual, gamma, normed, n, eps, T, epoch);            \
   }
 AR_FUSED_KERNEL(allreduce_residual_rmsnorm_f32, ArF32)
@@ -419,6 +430,8 @@ AR_FUSED_KERNEL(allreduce_residual_rmsnorm_bf16, ArBf16)
 
 // Busy-waits `ns` nanoseconds (tests: random per-rank delays ahead of an all-reduce on the same stream).
 HE_KERNEL(32) allreduce_delay(he_u64 ns) {
+  he_pdl_trigger();
+  he_pdl_wait();
   const he_u64 t0 = he_clock_ns();
   while (he_clock_ns() - t0 < ns) he_sleep(200);
 }
