@@ -34,6 +34,11 @@ VARIANTS = [  # name, build env, runtime attrs
     ("long-context build at every context (q in registers)", {"HIPENGINE_MK_QREGS": "1"}, {}),
     ("short-context build at every context", {"HIPENGINE_MK_QREGS": "0"}, {}),
     ("default again (drift check)", {}, {}),
+    # two blocks per SM (128 registers: the stream at unroll 2 keeps 64 KiB per SM in flight, the attention
+    # splits get 16 warps per SM like the per-op kernel's): long / short attention build by context, then short
+    ("2 blocks/SM, unroll 2", {"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2"}, {}),
+    ("2 blocks/SM, unroll 2, short-context build", {"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2",
+                                                    "HIPENGINE_MK_QREGS": "0"}, {}),
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
     # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,
     # the others were slower and are gone from the kernels; docs/perf-log.md v22-v24)
