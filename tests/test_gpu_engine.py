@@ -237,7 +237,7 @@ def test_llama_1b_preset():
 import ctypes  # noqa: E402
 
 from hipengine.gpu import ops as O  # noqa: E402
-from hipengine.gpu.runtime import DeviceBuffer  # noqa: E402
+from hipengine.gpu.runtime import DeviceBuffer, HostBuffer  # noqa: E402
 
 BASE = 1 << 32  # fake device addresses start here, so a host pointer mix-up cannot alias
 
@@ -288,6 +288,10 @@ class EmulatedRuntime:
 
     def _free(self, buf):
         pass
+
+    def host_alloc_mapped(self, n):  # "mapped host memory" is emulated device memory the host reads directly
+        buf = self.malloc(n)
+        return HostBuffer(self.view(buf.ptr, np.uint8, int(n)), buf.ptr, self, 0)
 
     def view(self, ptr, dtype, count):
         off = int(ptr) - BASE
@@ -487,6 +491,14 @@ class EmulatedRuntime:
             self.view(hist_len, np.int32, 1)[0] = h + 1
         self.view(pos, np.int32, 1)[0] += 1
 
+    def _k_emit_token(self, grid, token, count, host_words, cap):
+        n = int(self.view(count, np.int32, 1)[0])
+        if n >= cap:
+            return
+        self.view(host_words + 4 * (1 + n), np.int32, 1)[0] = self.view(token, np.int32, 1)[0]
+        self.view(count, np.int32, 1)[0] = n + 1
+        self.view(host_words, np.int32, 1)[0] = n + 1
+
 
 @pytest.fixture
 def emulated(monkeypatch):
@@ -522,3 +534,40 @@ def test_executor_wiring_matches_reference(emulated, kind, tmp_path):
     sp = SamplingParams(max_tokens=6, temperature=0.9, top_k=20, repetition_penalty=1.2, seed=3, ignore_eos=True)
     assert list(gpu.generate_ids(ids[:9], sp, lambda: False)) == list(gpu.generate_ids(ids[:9], sp, lambda: False))
     gpu.close()
+
+
+def test_per_op_generation_stops_where_a_host_loop_would(emulated, tmp_path):
+    """The per-op generation loop enqueues decode steps ahead of the tokens it has read (RUN_AHEAD); it must
+    still yield exactly what a token-by-token loop yields — max_tokens, a full context (the last step writes K/V
+    at max_context - 1), an end-of-sequence id (yielded, then nothing), should_stop() — and leave pos where
+    the device stopped: at most RUN_AHEAD steps past the last token it handed out."""
+    import dataclasses
+
+    from hipengine.gpu.executor import RUN_AHEAD
+    from hipengine.loader import load_model
+    from hipengine.reference import ReferenceBackend
+    from tiny_models import save_tiny_model
+
+    path, _ = save_tiny_model("llama3", tmp_path, seed=7, max_position_embeddings=1024)
+    model = load_model(path, progress=False)
+    prompt = np.random.default_rng(4).integers(3, model.config.vocab_size, 9)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    cpu = list(ReferenceBackend(model, max_context=32).generate_ids(prompt, greedy, lambda: False))
+    assert len(cpu) == 32 - 9 + 1  # the reference stops at the full context too
+    gpu = emulated(model, max_context=32)
+    try:
+        assert list(gpu.generate_ids(prompt, greedy, lambda: False)) == cpu and gpu.pos == 32
+        five = dataclasses.replace(greedy, max_tokens=5)
+        assert list(gpu.generate_ids(prompt, five, lambda: False)) == cpu[:5] and gpu.pos == 9 + 4
+        one = dataclasses.replace(greedy, max_tokens=1)
+        assert list(gpu.generate_ids(prompt, one, lambda: False)) == cpu[:1] and gpu.pos == 9
+        k = next(i for i in range(2, len(cpu)) if cpu[i] not in cpu[:i])  # a first occurrence as the EOS id
+        gpu.config = dataclasses.replace(gpu.config, eos_token_ids=(cpu[k],))
+        assert list(gpu.generate_ids(prompt, dataclasses.replace(greedy, ignore_eos=False), lambda: False)) == \
+            cpu[:k + 1]
+        assert 9 + k <= gpu.pos <= 9 + k + RUN_AHEAD
+        calls = []
+        stop = lambda: calls.append(1) or len(calls) > 3  # noqa: E731 (False at the start and after 2 tokens)
+        assert list(gpu.generate_ids(prompt, greedy, stop)) == cpu[:3]
+    finally:
+        gpu.close()

@@ -80,24 +80,11 @@ def timed_runs(once, runs: int, gen: int, what: str) -> tuple[list[int], list[fl
 
 def _per_op_from_state(be, token: int, n: int) -> tuple[list[int], list[float]]:
     """The per-op path's decode loop (GpuBackend.generate_ids after its prefill) from a filled KV cache:
-    graph step, device sampling, one int read back per token."""
-    s = be.stream
-    be._set_int(be.tokens, token)
-    be._set_int(be.pos_buf, be.pos)
-    be._set_int(be.hist_len, 0)
-    tok_host = np.zeros(1, np.int32)
-    toks, stamps = [], []
-    for _ in range(n):
-        be._run_decode()
-        be.ops.decode_advance(be.tokens, be.history, be.hist_len, be.pos_buf, be.max_context, stream=s)
-        be.ops.sample(be.logits, be.config.vocab_size, be.history, be.hist_len, be.pos_buf, be.tokens, be.z,
-                      stream=s)
-        s.synchronize()
-        be.rt.copy_dtoh(tok_host, be.tokens)
-        stamps.append(time.perf_counter())
-        toks.append(int(tok_host[0]))
-        be.pos += 1
-    return toks, stamps
+    graph step, device sampling, tokens read from mapped memory while the next steps run."""
+    from ..gpu.executor import GpuBackend
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return _timed(GpuBackend._generate_per_op(be, token, 0, params))
 
 
 def _fill_kv(be) -> None:

@@ -12,11 +12,13 @@ Device state
 Decode (one step): embedding -> per layer [matvec_qkv (norm prologue, RoPE, append) -> attention split +
 combine -> O-proj + residual -> gate/up (norm prologue, SiLU·mul) -> down + residual] -> LM head (final
 norm prologue). Prefill runs chunks of up to 8 tokens through the small-M matmul so each weight is read
-once per chunk. Sampling runs on the device (sampling.hip); the host reads back one int per token.
+once per chunk. Sampling runs on the device (sampling.hip); each token reaches the host through mapped memory
+while the next steps are already enqueued (_generate_per_op).
 """
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Iterator
 
 import numpy as np
@@ -25,6 +27,12 @@ from ..backend import Backend, SamplingParams
 from ..errors import DeviceError, RequestError, UnsupportedError
 from . import ops as O
 from .runtime import get_runtime
+
+
+# _generate_per_op: decode steps the host enqueues beyond the tokens it has read (enough to keep the GPU
+# busy across a slow host iteration; each is a wasted step after an end-of-sequence id or a cancel).
+RUN_AHEAD = 3
+EMIT_CHECK_S = 2.0  # no token for this long: check the stream for an error
 
 
 def kv_defines(kv_f16: bool) -> dict | None:
@@ -313,11 +321,10 @@ class GpuBackend(Backend):
 
     def generate_ids(self, prompt_ids, params: SamplingParams,
                      should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
-        """Like sampling.host_generate, but the token is chosen on the device (sampling.hip); the host reads
-        back one int32 per step. The RNG is Philox keyed by (seed, position), so a seeded request replays."""
+        """Like sampling.host_generate, but the token is chosen on the device (sampling.hip) and handed to the
+        host through mapped memory (_generate_per_op). The RNG is Philox keyed by (seed, position), so a
+        seeded request replays."""
         prompt = self.check_prompt(prompt_ids)
-        eos = set() if params.ignore_eos else {int(e) for e in self.config.eos_token_ids}
-        seed = params.resolved_seed()
         if should_stop():
             return
         self.reset()
@@ -327,27 +334,99 @@ class GpuBackend(Backend):
         if last_row:
             self.rt.copy_dtod(self.logits, self.logits.ptr + last_row * self.config.vocab_size * 4,
                               self.config.vocab_size * 4, stream=self.stream)
-        s = self.stream
-        self.rt.copy_htod(self.history, prompt.astype(np.int32), stream=s)
-        self._set_int(self.hist_len, int(prompt.size))
+        self.rt.copy_htod(self.history, prompt.astype(np.int32), stream=self.stream)
+        yield from self._generate_per_op(0, int(prompt.size), params, should_stop, embed_first=False)
+
+    def generate_from_state(self, token: int, hist_len: int, params: SamplingParams,
+                            should_stop: Callable[[], bool] = lambda: False,
+                            embed_first: bool = True) -> Iterator[int]:
+        """Generate from the current KV cache and position: sample from the logits already in the buffer (after
+        prefill), or first run a decode step of ``token`` (benchmarks at long context). The history buffer
+        holds ``hist_len`` ids (the repetition penalty's). MonokernelBackend overrides it with its kernel."""
+        yield from self._generate_per_op(token, hist_len, params, should_stop, embed_first)
+
+    def _generate_per_op(self, token: int, hist_len: int, params: SamplingParams,
+                         should_stop: Callable[[], bool] = lambda: False,
+                         embed_first: bool = True) -> Iterator[int]:
+        """generate_from_state on the per-op path (also what GpuBackend.generate_ids runs on a
+        MonokernelBackend, for the benchmarks' per-op figures).
+
+        The host stays off the GPU's critical path: it enqueues each step — the captured decode graph, then
+        decode_advance, sample and emit_token — up to RUN_AHEAD steps beyond the tokens it has read, and reads
+        the tokens from mapped memory as they land (no synchronisation per token). It stops on an end-of-
+        sequence id, max_tokens, a full context or should_stop(); the steps already enqueued then run to their
+        end (at most RUN_AHEAD, their tokens unread) and self.pos is where the device stopped."""
+        if params.max_tokens < 1:
+            return
+        eos = set() if params.ignore_eos else {int(e) for e in self.config.eos_token_ids}
+        seed = params.resolved_seed()
+        s, ops, V = self.stream, self.ops, self.config.vocab_size
+        words = self._emit_words()
+        self._set_int(self._emit_count, 0)
+        self._set_int(self.hist_len, hist_len)
         self._set_int(self.pos_buf, self.pos)
-        tok_host = np.zeros(1, np.int32)
-        for n in range(params.max_tokens):
+        if embed_first:
+            self._set_int(self.tokens, int(token))
+        pre = 0 if embed_first else 1  # tokens emitted before the first step
+        # decode steps allowed: one per further token, and the last one writes K/V at max_context - 1
+        steps = max(0, min(params.max_tokens - pre, self.max_context - self.pos))
+        p0 = self.pos
+
+        def sample_and_emit():
             # step counter for the RNG = the position the sampled token will occupy (pos_buf)
-            self.ops.sample(self.logits, self.config.vocab_size, self.history, self.hist_len, self.pos_buf,
-                            self.tokens, self.z, temperature=params.temperature, top_k=params.top_k,
-                            top_p=params.top_p, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
-                            seed=seed, stream=s)
-            s.synchronize()
-            self.rt.copy_dtoh(tok_host, self.tokens)
-            tok = int(tok_host[0])
-            yield tok
-            if tok in eos or n + 1 >= params.max_tokens or self.pos >= self.max_context or should_stop():
-                return
-            self._run_decode()  # token and position are already on the device
-            self.ops.decode_advance(self.tokens, self.history, self.hist_len, self.pos_buf, self.max_context,
-                                    stream=s)
-            self.pos += 1
+            ops.sample(self.logits, V, self.history, self.hist_len, self.pos_buf, self.tokens, self.z,
+                       temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                       min_p=params.min_p, repetition_penalty=params.repetition_penalty, seed=seed, stream=s)
+            ops.emit_token(self.tokens, self._emit_count, self._emit_host, self._emit_cap, stream=s)
+
+        launched = read = 0
+        try:
+            if not embed_first:
+                sample_and_emit()
+            while read < pre + steps:
+                while launched < steps and launched + pre < read + RUN_AHEAD:
+                    self._run_decode()  # the token and the position are already on the device
+                    ops.decode_advance(self.tokens, self.history, self.hist_len, self.pos_buf, self.max_context,
+                                       stream=s)
+                    sample_and_emit()
+                    launched += 1
+                self._wait_tokens(words, read + 1)
+                tok = int(words[1 + read])
+                read += 1
+                yield tok
+                if tok in eos or should_stop():
+                    break
+        finally:
+            s.synchronize()  # the steps still enqueued (at most RUN_AHEAD) finish; their tokens are dropped
+            self.pos = p0 + launched
+
+    def _emit_words(self) -> np.ndarray:
+        """The mapped token buffer of _generate_per_op (int32 view: [0] count, [1 + i] token i), sized for
+        max_context + 1 tokens; reset to count 0 (no kernel is running here: the last request synchronised)."""
+        cap = self.max_context + 1
+        if getattr(self, "_emit_cap", 0) < cap:
+            if getattr(self, "_emit_host", None) is not None:
+                self._emit_host.free()
+            self._emit_host = self.rt.host_alloc_mapped(4 * (1 + cap))
+            self._emit_count = self._buf(4)
+            self._emit_cap = cap
+        words = self._emit_host.array.view(np.int32)
+        words[0] = 0
+        return words
+
+    def _wait_tokens(self, words: np.ndarray, n: int) -> None:
+        """Until the device has emitted n tokens. A stream that faulted raises on synchronize; one that went
+        idle without emitting them is a bug, reported instead of waiting forever."""
+        if int(words[0]) >= n:
+            return
+        t0 = time.monotonic()
+        while int(words[0]) < n:
+            if time.monotonic() - t0 > EMIT_CHECK_S:
+                self.stream.synchronize()  # raises DeviceError if a kernel failed
+                if int(words[0]) < n:
+                    raise DeviceError(f"the decode loop ended after {int(words[0])} of {n} tokens without an "
+                                      "error from the GPU")
+            time.sleep(20e-6)
 
     def close(self) -> None:
         if getattr(self, "_graph", None) is not None:
@@ -362,6 +441,12 @@ class GpuBackend(Backend):
             except Exception:
                 pass
         self._bufs = []
+        if getattr(self, "_emit_host", None) is not None:
+            try:
+                self._emit_host.free()
+            except Exception:
+                pass
+            self._emit_host, self._emit_cap = None, 0
 
     def __del__(self):
         self.close()

@@ -234,6 +234,11 @@ class Ops:
                         c_uint32(seed >> 32), _p(step), _p(out_token), _p(z)],
                        shared=((n + 31) // 32) * 4, stream=stream, pdl=self.pdl)
 
+    def emit_token(self, token, count, host_words, cap: int, stream=None):
+        """host_words: mapped host memory, [0] tokens written, [1 + i] token i (sampling.hip emit_token)."""
+        self.rt.launch(self.fn("sampling", "emit_token"), 1, self.rt.warp_size,
+                       [_p(token), _p(count), _p(host_words), c_int32(cap)], stream=stream, pdl=self.pdl)
+
     def decode_advance(self, token, history, hist_len, pos, hist_cap: int, stream=None):
         self.rt.launch(self.fn("sampling", "decode_advance"), 1, self.rt.warp_size,
                        [_p(token), _p(history), _p(hist_len), _p(pos), c_int32(hist_cap)], stream=stream, pdl=self.pdl)

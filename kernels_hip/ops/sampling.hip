@@ -193,4 +193,21 @@ HE_KERNEL(kMaxBlockThreads) decode_advance(const int* __restrict__ token, int* _
   if (h < hist_cap) { history[h] = *token; *hist_len = h + 1; }
   *pos = *pos + 1;
 }
+
+// Hand the sampled token to the host without a synchronisation (the per-op path's generation loop,
+// GpuBackend.generate_from_state): host_words is mapped host memory, [0] the count of tokens written,
+// [1 + i] token i. The token goes into its slot with a plain store, then the count with a system-scope
+// release, so a host that reads count n (and then the slots below it) sees those tokens. `count` is the
+// device's copy of the index (zeroed by the host per request). One thread.
+HE_KERNEL(kMaxBlockThreads) emit_token(const int* __restrict__ token, int* __restrict__ count, int* host_words,
+                                       int cap) {
+  he_pdl_trigger();
+  he_pdl_wait();  // port.h: everything below reads or writes step data
+  if (he_thread_idx() != 0) return;
+  const int n = *count;
+  if (n >= cap) return;  // the host sizes cap for the request; it reports a missing token as an error
+  host_words[1 + n] = *token;
+  *count = n + 1;
+  he_store_release_system((he_u32*)host_words, (he_u32)(n + 1));
+}
 #endif
