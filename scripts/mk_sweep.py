@@ -39,12 +39,15 @@ VARIANTS = [  # name, build env, runtime attrs
     ("2 blocks/SM, unroll 2", {"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2"}, {}),
     ("2 blocks/SM, unroll 2, short-context build", {"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2",
                                                     "HIPENGINE_MK_QREGS": "0"}, {}),
+    # longer attention splits at long context (fewer items per block: 2 instead of ~4 at 32K)
+    ("attention splits up to 1,024 positions", {"HIPENGINE_ATTN_MAX_CHUNK": "1024"}, {}),
+    ("attention splits up to 2,048 positions", {"HIPENGINE_ATTN_MAX_CHUNK": "2048"}, {}),
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
     # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,
     # the others were slower and are gone from the kernels; docs/perf-log.md v22-v24)
 ]
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
-               "HIPENGINE_MK_QREGS")
+               "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its

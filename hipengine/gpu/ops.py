@@ -76,6 +76,15 @@ def attention_blocks_per_sm() -> float:
     return float(os.environ.get("HIPENGINE_ATTN_BLOCKS_PER_SM", "1"))
 
 
+def attention_max_chunk() -> int:
+    """Longest split of the attention plan (positions): 512, or HIPENGINE_ATTN_MAX_CHUNK (sweeps; a multiple
+    of 32). Long contexts hit it: 32K is 64 splits of 512 per KV head."""
+    v = int(os.environ.get("HIPENGINE_ATTN_MAX_CHUNK", "512"))
+    if v < 32 or v % 32:
+        raise UnsupportedError(f"HIPENGINE_ATTN_MAX_CHUNK={v}: a multiple of 32, at least 32")
+    return v
+
+
 ATTN_COMBINE_BATCH = 16  # attention_decode.hip kCombineBatch: split partials the combine loads per round trip
 ATTN_UNROLL = 4          # attention_decode.hip kAttnUnroll: rows per lane group per batch
 
@@ -83,7 +92,7 @@ ATTN_UNROLL = 4          # attention_decode.hip kAttnUnroll: rows per lane group
 def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm: float | None = None,
                    head_dim: int = 64) -> tuple[int, int]:
     """(nsplit, chunk): enough (kv head, split) blocks to cover ~blocks_per_sm blocks per SM at full context,
-    chunks a multiple of 32 positions between 32 and 512. Fixed per max_ctx so a captured graph stays valid;
+    chunks a multiple of 32 positions between 32 and 512 (attention_max_chunk). Fixed per max_ctx so a captured graph stays valid;
     the per-op path and the monokernel use the same plan (their results are then bit-identical).
 
     Then fewer, longer splits where that is free: if the plan has more splits than the combine loads in one
@@ -94,7 +103,7 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
     bps = blocks_per_sm or attention_blocks_per_sm()
     want = max(1, math.ceil(bps * num_sms / num_kv_heads))
     chunk = math.ceil(max_ctx / want)
-    chunk = min(512, max(32, (chunk + 31) // 32 * 32))
+    chunk = min(attention_max_chunk(), max(32, (chunk + 31) // 32 * 32))
     nsplit = math.ceil(max_ctx / chunk)
     if nsplit > ATTN_COMBINE_BATCH and os.environ.get("HIPENGINE_ATTN_SPLIT_CAP", "1") != "0":
         one_batch = ATTN_THREADS // attn_lanes(head_dim) * ATTN_UNROLL
