@@ -10,6 +10,7 @@
 #           stage profile built with $EXP_DEFINES
 #   pdl   : GPU op tests, engine tests (programmatic dependent launch == stream order), bench_ops with and without
 #           it (+ the per-op decode), the decode bench at 1K/8K/32K (JSON + PNG)
+#   record: op, engine and monokernel GPU tests, bench_ops (+ per-op decode), the decode bench at 1K/8K/32K
 #   gen   : engine and monokernel GPU tests, then the decode bench at 1K/8K/32K (JSON + PNG)
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
@@ -67,7 +68,8 @@ case "$MODE" in
   full) ops_tests; profile; mk_tests; preset1b; bench ;;   # + the 1B 512-position check + the decode bench
   final) bench; mk_tests ;;
   pdl) ops_tests; engine_tests; bench_ops_decode; bench ;;
-  gen) engine_tests; mk_tests; bench ;;  # a change of the generation loops: engine + monokernel tests, the bench
+  gen) engine_tests; mk_tests; bench ;;
+  record) ops_tests; engine_tests; mk_tests; bench_ops_decode; bench ;;  # every GPU test + the figures of record  # a change of the generation loops: engine + monokernel tests, the bench
   ab) ab_sweep; ops_tests; mk_tests; profile ;;
   bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
@@ -77,7 +79,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|ab|abtrees|bench|exp)"; exit 2 ;;
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -n 30 "$f"; done

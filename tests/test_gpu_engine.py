@@ -95,6 +95,8 @@ def test_attention_plan_caps_splits_when_free():
     assert ops.attention_plan(1024, 4, 132, head_dim=128) == (16, 64)  # 64 rows per batch at hd 128: fits
     assert ops.attention_plan(2048, 4, 132, head_dim=128) == (32, 64)  # 128 rows would not: kept
     assert ops.attention_plan(2048, 2, 132) == (16, 128)
+    assert ops.attention_plan(32768, 8, 132) == (32, 1024)    # llama-3.2-1b at 32K (v32; was 64 x 512)
+    assert ops.attention_plan(32768, 4, 132) == (32, 1024)    # its TP=2 rank: one split per block
 
 
 def test_tp_not_supported_yet():

@@ -199,7 +199,9 @@ ATTN_CASES = [  # nh, nkv, hd, seq, max_ctx, T
     (4, 2, 24, 37, 64, 1), (32, 8, 64, 1000, 1024, 1), (12, 2, 128, 5, 4096, 1), (6, 6, 16, 300, 512, 3),
     (32, 8, 128, 3000, 4096, 1), (16, 2, 64, 77, 100, 8), (9, 3, 64, 1, 32, 1),
     # a 64-split plan: 900 rows take 16 splits of 64 (one combine batch), 3000 rows keep 47 of 64
-    (8, 2, 64, 900, 8192, 2), (8, 2, 64, 3000, 8192, 1)]
+    (8, 2, 64, 900, 8192, 2), (8, 2, 64, 3000, 8192, 1),
+    # llama-3.2-1b's 32K plan: 32 splits of 1,024 (the longest split, ops.attention_max_chunk), full and partial
+    (32, 8, 64, 32768, 32768, 1), (32, 8, 64, 20000, 32768, 2)]
 
 
 @pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", ATTN_CASES)

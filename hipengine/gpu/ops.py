@@ -77,9 +77,12 @@ def attention_blocks_per_sm() -> float:
 
 
 def attention_max_chunk() -> int:
-    """Longest split of the attention plan (positions): 512, or HIPENGINE_ATTN_MAX_CHUNK (sweeps; a multiple
-    of 32). Long contexts hit it: 32K is 64 splits of 512 per KV head."""
-    v = int(os.environ.get("HIPENGINE_ATTN_MAX_CHUNK", "512"))
+    """Longest split of the attention plan (positions): 1,024, or HIPENGINE_ATTN_MAX_CHUNK (sweeps; a multiple
+    of 32). Long contexts hit it: 32K is 32 splits of 1,024 per KV head. Measured on H200 at 32K (llama-3.2-1b,
+    docs/perf-log.md v32): 512 → 1,024 took the monokernel from 575 to 694 tok/s (its 132 blocks score ~2
+    splits each instead of ~4, each split paying q staging, the merges and the partial's round trips once)
+    and the per-op path from 693 to 729; 2,048 lost on both (568 / 574: too few splits to fill the GPU)."""
+    v = int(os.environ.get("HIPENGINE_ATTN_MAX_CHUNK", "1024"))
     if v < 32 or v % 32:
         raise UnsupportedError(f"HIPENGINE_ATTN_MAX_CHUNK={v}: a multiple of 32, at least 32")
     return v
@@ -92,7 +95,7 @@ ATTN_UNROLL = 4          # attention_decode.hip kAttnUnroll: rows per lane group
 def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm: float | None = None,
                    head_dim: int = 64) -> tuple[int, int]:
     """(nsplit, chunk): enough (kv head, split) blocks to cover ~blocks_per_sm blocks per SM at full context,
-    chunks a multiple of 32 positions between 32 and 512 (attention_max_chunk). Fixed per max_ctx so a captured graph stays valid;
+    chunks a multiple of 32 positions between 32 and 1,024 (attention_max_chunk). Fixed per max_ctx so a captured graph stays valid;
     the per-op path and the monokernel use the same plan (their results are then bit-identical).
 
     Then fewer, longer splits where that is free: if the plan has more splits than the combine loads in one
