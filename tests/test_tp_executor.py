@@ -279,6 +279,9 @@ def node(monkeypatch):
         nd = EmulatedNode(n)
         holder["node"] = nd
         monkeypatch.setattr(E, "get_runtime", nd.runtime)
+        # this node runs a stream's work only when someone synchronises (so a missing synchronisation shows):
+        # the per-op generation loop then checks the stream at once when a token is not there yet
+        monkeypatch.setattr(E, "EMIT_CHECK_S", 0.0)
         monkeypatch.setattr(R, "get_runtime", nd.runtime)
         monkeypatch.setattr(R, "device_count", lambda: n)
         monkeypatch.setattr(nccl_mod, "NcclComm", lambda devices: EmulatedNccl(nd, devices))

@@ -32,7 +32,7 @@ from .runtime import get_runtime
 # _generate_per_op: decode steps the host enqueues beyond the tokens it has read (enough to keep the GPU
 # busy across a slow host iteration; each is a wasted step after an end-of-sequence id or a cancel).
 RUN_AHEAD = 3
-EMIT_CHECK_S = 2.0  # no token for this long: check the stream for an error
+EMIT_CHECK_S = 2.0  # no token for this long: synchronise the stream (raises a kernel's error), then check
 
 
 def kv_defines(kv_f16: bool) -> dict | None:
