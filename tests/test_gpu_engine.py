@@ -486,6 +486,28 @@ class EmulatedRuntime:
             arg = int(min(np.searchsorted(cum, u * cum[-1], side="right"), np.flatnonzero(keep)[-1]))
         self.view(out_token, np.int32, 1)[0] = arg
 
+    def _k_argmax_blocks(self, grid, logits, n, cand):
+        nb, x = grid[0], self._f32(logits, n)
+        per, c = -(-n // nb), self.view(cand, np.float32, 2 * nb)
+        for b in range(nb):
+            sl = x[b * per:min(n, (b + 1) * per)]
+            ok = sl > -np.inf  # `v > best` from best = -inf: NaN and -inf never win
+            best, bi = -np.inf, 0x7FFFFFFF
+            if ok.any():
+                best = sl[ok].max()
+                bi = b * per + int(np.flatnonzero(ok & (sl == best))[0])
+            c[2 * b] = best
+            c[2 * b + 1:2 * b + 2].view(np.uint32)[0] = bi
+
+    def _k_argmax_pick(self, grid, cand, nb, out_token):
+        c = self.view(cand, np.float32, 2 * nb)
+        best, bi = -np.inf, 0x7FFFFFFF
+        for b in range(nb):
+            v, i = c[2 * b], int(c[2 * b + 1:2 * b + 2].view(np.uint32)[0])
+            if v > best or (v == best and i < bi):
+                best, bi = v, i
+        self.view(out_token, np.int32, 1)[0] = bi
+
     def _k_decode_advance(self, grid, token, history, hist_len, pos, cap):
         h = int(self.view(hist_len, np.int32, 1)[0])
         if h < cap:

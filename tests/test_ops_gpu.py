@@ -273,6 +273,34 @@ def test_sample_greedy(gpu, n):
     assert _run_sample(rt, ops, two, [1, 1, 4], 0, repetition_penalty=2.0) == 3
 
 
+@pytest.mark.parametrize("n", [1, 131, 1000, 128256, 151936])
+def test_argmax_grid(gpu, n):
+    """The grid-wide greedy pick equals numpy's argmax and the one-block sampler's greedy token: ties to the
+    first index (also across block slices), NaN and -inf never win, sizes below and above one block per SM."""
+    rt, ops, O = gpu
+    cand = rt.malloc(8 * ops.argmax_blocks())
+    out = rt.upload(np.array([-1], np.int32))
+
+    def pick(logits):
+        buf = rt.upload(logits.astype(np.float32))
+        rt.copy_htod(out, np.array([-1], np.int32))
+        ops.argmax(buf, n, out, cand)
+        rt.synchronize()
+        return int(rt.download(out, 1, np.int32)[0])
+
+    for trial in range(4):
+        logits = (RNG.standard_normal(n) * 4).astype(np.float32)
+        if n > 3:
+            logits[RNG.integers(0, n, max(1, n // 50))] = np.nan
+            logits[RNG.integers(0, n, max(1, n // 50))] = -np.inf
+        want = int(np.nanargmax(np.where(np.isnan(logits), -np.inf, logits)))
+        assert pick(logits) == want == _run_sample(rt, ops, logits, [], 0)
+    if n > 2:
+        tied = np.zeros(n, np.float32)
+        tied[[n - 1, n // 2, n // 3 + 1]] = 7.0  # equal maxima in different blocks' slices
+        assert pick(tied) == min(n // 2, n // 3 + 1) == _run_sample(rt, ops, tied, [], 0)
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=5),
                                 dict(temperature=1.3, top_p=0.5), dict(temperature=1.0, min_p=0.2),
                                 dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.3)])

@@ -319,15 +319,15 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling."""
     from . import backend_cuda as bc, compiler
     from .executor import kv_defines
-    from .ops import attn_lanes
+    from .ops import attention_defines
     from .runtime import KERNELS_DIR
 
     # fp16-weight models (GGUF) also keep an fp16 KV cache (GpuBackend.kv_f16): their op modules differ;
-    # the attention module is built per head_dim (Ops.attention's HE_ATTN_LPR)
+    # the attention module is built per head_dim (Ops.attention: ops.attention_defines)
     def op_defines(name: str, f16: bool):
         d = dict(kv_defines(f16) or {})
         if name == "attention_decode.hip":
-            d["HE_ATTN_LPR"] = attn_lanes(head_dim)
+            d.update(attention_defines(head_dim))
         return d or None
 
     ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]

@@ -122,6 +122,20 @@ def pdl_enabled(rt) -> bool:
     return bool(getattr(rt, "pdl_launch", False)) and os.environ.get("HIPENGINE_PDL", "1") != "0"
 
 
+def combine_trigger_late() -> bool:
+    """Whether attention_combine lets the next kernel (the O-proj) launch only after its own wait, i.e. once
+    the attention splits are done (HE_ATTN_LATE_TRIGGER), instead of at its start. With the early trigger the
+    O-proj's blocks become resident during the splits and request their first weights there, and the splits'
+    K/V loads queue behind them — what the monokernel avoids by requesting the O-proj's weights after its
+    splits (docs/perf-log.md v24, v33). HIPENGINE_ATTN_LATE_TRIGGER=0|1 (A/B)."""
+    return os.environ.get("HIPENGINE_ATTN_LATE_TRIGGER", "1") != "0"
+
+
+def attention_defines(hd: int) -> dict:
+    """Compile-time defines of the per-op attention module (attention_decode.hip) for head_dim hd."""
+    return {"HE_ATTN_LPR": attn_lanes(hd), "HE_ATTN_LATE_TRIGGER": int(combine_trigger_late())}
+
+
 class Ops:
     """Compiled op modules for one device, with one launcher per kernel."""
 
@@ -223,7 +237,7 @@ class Ops:
         if not 1 <= G <= ATTN_MAX_GROUP or nh % nkv or hd % 8 or hd > 8 * self.rt.warp_size:
             raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
         shared = (G * hd + (ATTN_THREADS // self.rt.warp_size) * G * (hd + 2)) * 4
-        lanes = {"HE_ATTN_LPR": attn_lanes(hd)}
+        lanes = attention_defines(hd)
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
                         c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream,
@@ -245,6 +259,20 @@ class Ops:
                         c_float(top_p), c_float(min_p), c_float(repetition_penalty), c_uint32(seed & 0xFFFFFFFF),
                         c_uint32(seed >> 32), _p(step), _p(out_token), _p(z)],
                        shared=((n + 31) // 32) * 4, stream=stream, pdl=self.pdl)
+
+    def argmax_blocks(self) -> int:
+        """Blocks of the grid-wide greedy pick (one per SM): Ops.argmax's candidate buffer holds 2 floats each."""
+        return self.rt.num_sms
+
+    def argmax(self, logits, n: int, out_token, cand, stream=None):
+        """out_token[0] = first index of max(logits[:n]) (NaN never wins): sampling.hip argmax_blocks over one
+        block per SM, then argmax_pick over their candidates (cand: 2 * argmax_blocks() floats). The same token
+        as sample(temperature=0) without a repetition penalty, which runs on one block."""
+        nb = self.argmax_blocks()
+        self.rt.launch(self.fn("sampling", "argmax_blocks"), nb, MATVEC_THREADS, [_p(logits), c_int32(n), _p(cand)],
+                       stream=stream, pdl=self.pdl)
+        self.rt.launch(self.fn("sampling", "argmax_pick"), 1, MATVEC_THREADS, [_p(cand), c_int32(nb), _p(out_token)],
+                       stream=stream, pdl=self.pdl)
 
     def emit_token(self, token, count, host_words, cap: int, stream=None):
         """host_words: mapped host memory, [0] tokens written, [1 + i] token i (sampling.hip emit_token)."""

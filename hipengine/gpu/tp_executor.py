@@ -233,11 +233,10 @@ class TpGpuBackend(Backend):
             rk._set_int(rk.pos_buf, rk.pos)
 
     def _device_argmax(self) -> int:
-        """Greedy pick of the last decode step: per rank the sampling kernel's argmax over its slice (first
-        index on ties), then (logit, global index) pairs merged with ties to the lower index."""
+        """Greedy pick of the last decode step: per rank the grid-wide arg-max over its slice (first index on
+        ties), then (logit, global index) pairs merged with ties to the lower index."""
         for rk in self.ranks:
-            rk.ops.sample(rk.logits, rk.config.vocab_size, rk.history, rk.hist_len, rk.pos_buf, rk.tokens, rk.z,
-                          temperature=0.0, stream=rk.stream)
+            rk.ops.argmax(rk.logits, rk.config.vocab_size, rk.tokens, rk.cand, stream=rk.stream)
         cands = []
         idx, val = np.zeros(1, np.int32), np.zeros(1, np.float32)
         for rk, off in zip(self.ranks, self.vocab_offsets):

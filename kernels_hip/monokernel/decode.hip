@@ -508,17 +508,6 @@ HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
 // stop checks, embedding). Ties go to the smaller index at every level and NaN never wins (`>`), the same
 // rule as he_sample_block's greedy path, so the token is the per-op path's. Costs no extra grid barrier,
 // and replaces one block streaming the whole 128K-entry logits vector (≈ 0.5 MB from L2) by ~1 KB per block.
-HE_INLINE void mk_block_argmax(float& best, int& bi, float* wv, int* wi) {
-  he_warp_argmax(best, bi);
-  if (he_lane_id() == 0) { wv[he_warp_id()] = best; wi[he_warp_id()] = bi; }
-  he_sync_block();
-  best = wv[0];
-  bi = wi[0];
-  for (int w = 1; w < he_num_warps(); ++w)
-    if (wv[w] > best || (wv[w] == best && wi[w] < bi)) { best = wv[w]; bi = wi[w]; }
-  he_sync_block();
-}
-
 // `cancel` (block 0's thread 0 only): the host's cancel word as block 0 read it at the start of the selection;
 // published in state.cancel before block 0's arrival, so the leader (the last arriver, acq_rel) sees it.
 HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok, float& val, he_u32 cancel) {
@@ -533,7 +522,7 @@ HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok, float& val, he_u32 ca
     const float v = p.logits[i];
     if (v > best) { best = v; bi = i; }
   }
-  mk_block_argmax(best, bi, wv, wi);
+  he_block_argmax(best, bi, wv, wi);
   if (t == 0) {
     if (he_block_idx() == 0) p.state->cancel = (int)cancel;
     p.cand[2 * he_block_idx()] = best;
@@ -547,7 +536,7 @@ HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok, float& val, he_u32 ca
     const int i = (int)he_f32_as_u32(p.cand[2 * b + 1]);
     if (v > best || (v == best && i < bi)) { best = v; bi = i; }
   }
-  mk_block_argmax(best, bi, wv, wi);
+  he_block_argmax(best, bi, wv, wi);
   tok = bi;
   val = best;
   return true;

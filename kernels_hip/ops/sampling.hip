@@ -36,6 +36,21 @@ HE_INLINE void he_philox4x32_10(he_u32 (&c)[4], he_u32 k0, he_u32 k1) {
   }
 }
 
+// Block-wide arg-max of every thread's (best, bi): on return every thread holds the block's. Ties go to the
+// smaller index and NaN never wins (`>`), so with threads that scan in index order the result is the first
+// index of the maximum — the rule of every greedy pick here (one-block sampler, grid-wide selections).
+// wv / wi: __shared__ [kMaxWarpsPerBlock].
+HE_INLINE void he_block_argmax(float& best, int& bi, float* wv, int* wi) {
+  he_warp_argmax(best, bi);
+  if (he_lane_id() == 0) { wv[he_warp_id()] = best; wi[he_warp_id()] = bi; }
+  he_sync_block();
+  best = wv[0];
+  bi = wi[0];
+  for (int w = 1; w < he_num_warps(); ++w)
+    if (wv[w] > best || (wv[w] == best && wi[w] < bi)) { best = wv[w]; bi = wi[w]; }
+  he_sync_block();
+}
+
 // Block-wide (count, sum of weights) of kept entries with z ≥ thr.
 HE_INLINE void he_kept_stats(const float* z, int n, float m, float thr, float& count, float& mass, float* scratch) {
   float c = 0.f, s = 0.f;
@@ -77,16 +92,11 @@ HE_INLINE int he_sample_block(const float* logits, int n, const int* history,
     if (v > best) { best = v; best_i = i; }  // strided order: first index wins within a thread
   }
   // block argmax (ties → smaller index)
-  he_warp_argmax(best, best_i);
   __shared__ float am_v[kMaxWarpsPerBlock];
   __shared__ int am_i[kMaxWarpsPerBlock];
-  if (he_lane_id() == 0) { am_v[he_warp_id()] = best; am_i[he_warp_id()] = best_i; }
-  he_sync_block();
-  float m = am_v[0];
-  int arg = am_i[0];
-  for (int w = 1; w < he_num_warps(); ++w)
-    if (am_v[w] > m || (am_v[w] == m && am_i[w] < arg)) { m = am_v[w]; arg = am_i[w]; }
-  he_sync_block();
+  he_block_argmax(best, best_i, am_v, am_i);
+  const float m = best;
+  const int arg = best_i;
   if (!(temperature > 0.f)) return arg;
 
   // thresholds on z (all threads compute the same values: the reductions broadcast)
@@ -180,6 +190,49 @@ HE_KERNEL(1024) sample(const float* logits, int n, const int* __restrict__ histo
   const int tok = he_sample_block(logits, n, history, *hist_len_p, temperature, top_k, top_p, min_p, rep_pen,
                                   seed_lo, seed_hi, (he_u32)*step_p, z, scratch, slice_sums, he_bitmap);
   if (he_thread_idx() == 0) out_token[0] = tok;
+}
+
+// Greedy selection spread over the grid (the per-op path; the monokernel does the same inside its token
+// selection, mk_argmax_grid). argmax_blocks: block b arg-maxes the contiguous slice [b·per, (b+1)·per) of
+// logits[n] (per = ceil(n / grid)) and writes its candidate (value, index bits) to cand[2b], cand[2b + 1];
+// argmax_pick (one block) reduces the nb candidates in block order — index order — and writes out_token[0].
+// Same tie and NaN rule as the one-block sampler's greedy path (he_block_argmax), so the same token, without
+// one SM streaming the whole 0.5 MB of a 128K vocabulary's logits (≈ 33 µs per token on H200).
+HE_KERNEL(kMaxBlockThreads) argmax_blocks(const float* __restrict__ logits, int n, float* __restrict__ cand) {
+  __shared__ float wv[kMaxWarpsPerBlock];
+  __shared__ int wi[kMaxWarpsPerBlock];
+  he_pdl_trigger();
+  he_pdl_wait();  // port.h: the logits come from the kernel before
+  const int nb = he_grid_dim(), t = he_thread_idx(), nt = he_block_dim();
+  const int per = (n + nb - 1) / nb, b0 = he_block_idx() * per;
+  const int b1 = b0 + per < n ? b0 + per : n;
+  float best = he_neg_inf();
+  int bi = 0x7fffffff;
+  for (int i = b0 + t; i < b1; i += nt) {
+    const float v = logits[i];
+    if (v > best) { best = v; bi = i; }
+  }
+  he_block_argmax(best, bi, wv, wi);
+  if (t == 0) {
+    cand[2 * he_block_idx()] = best;
+    cand[2 * he_block_idx() + 1] = he_u32_as_f32((he_u32)bi);
+  }
+}
+
+HE_KERNEL(kMaxBlockThreads) argmax_pick(const float* __restrict__ cand, int nb, int* __restrict__ out_token) {
+  __shared__ float wv[kMaxWarpsPerBlock];
+  __shared__ int wi[kMaxWarpsPerBlock];
+  he_pdl_trigger();
+  he_pdl_wait();  // port.h: the candidates come from argmax_blocks
+  float best = he_neg_inf();
+  int bi = 0x7fffffff;
+  for (int b = he_thread_idx(); b < nb; b += he_block_dim()) {
+    const float v = cand[2 * b];
+    const int i = (int)he_f32_as_u32(cand[2 * b + 1]);
+    if (v > best || (v == best && i < bi)) { best = v; bi = i; }
+  }
+  he_block_argmax(best, bi, wv, wi);
+  if (he_thread_idx() == 0) out_token[0] = bi;
 }
 
 // End of a decode step, on the device: the sampled token becomes the next step's input and joins the
