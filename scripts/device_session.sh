@@ -12,7 +12,7 @@
 #           it (+ the per-op decode), the decode bench at 1K/8K/32K (JSON + PNG)
 #   record: op, engine and monokernel GPU tests, bench_ops (+ per-op decode), the decode bench at 1K/8K/32K
 #   gen   : engine and monokernel GPU tests, then the decode bench at 1K/8K/32K (JSON + PNG)
-#   perop : op + engine tests, the per-op decode bench with the attention combine's early and late trigger
+#   perop : op + engine tests, the per-op decode bench at 1K/8K/32K
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
 #           a $AB_MAXCTX-token cache when given), op tests, monokernel tests, stage profile at 1K/8K
@@ -72,14 +72,10 @@ case "$MODE" in
   gen) engine_tests; mk_tests; bench ;;
   record) ops_tests; engine_tests; mk_tests; bench_ops_decode; bench ;;  # every GPU test + the figures of record  # a change of the generation loops: engine + monokernel tests, the bench
   ab) ab_sweep; ops_tests; mk_tests; profile ;;
-  perop)  # a per-op change: op + engine tests, then the per-op decode bench with the attention combine's
-          # early trigger (the old order) and with the default (late) one, in that order (docs/perf-log.md v33)
+  perop)  # a per-op change: op + engine tests, then the per-op decode bench at 1K/8K/32K
     ops_tests; engine_tests
-    for late in 0 1; do
-      run perop_late$late 150 env HIPENGINE_ATTN_LATE_TRIGGER=$late $PY -m hipengine bench decode \
-        --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --no-monokernel \
-        --json "$OUT/perop_late$late.json"
-    done ;;
+    run perop 150 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
+      --context 32768 --no-monokernel --json "$OUT/perop.json" ;;
   bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
   exp)  # compile-time experiments: the sweep's variants $ONLY at 1K/8K/32K, then the monokernel tests and the

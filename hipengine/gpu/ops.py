@@ -122,18 +122,9 @@ def pdl_enabled(rt) -> bool:
     return bool(getattr(rt, "pdl_launch", False)) and os.environ.get("HIPENGINE_PDL", "1") != "0"
 
 
-def combine_trigger_late() -> bool:
-    """Whether attention_combine lets the next kernel (the O-proj) launch only after its own wait, i.e. once
-    the attention splits are done (HE_ATTN_LATE_TRIGGER), instead of at its start. With the early trigger the
-    O-proj's blocks become resident during the splits and request their first weights there, and the splits'
-    K/V loads queue behind them — what the monokernel avoids by requesting the O-proj's weights after its
-    splits (docs/perf-log.md v24, v33). HIPENGINE_ATTN_LATE_TRIGGER=0|1 (A/B)."""
-    return os.environ.get("HIPENGINE_ATTN_LATE_TRIGGER", "1") != "0"
-
-
 def attention_defines(hd: int) -> dict:
     """Compile-time defines of the per-op attention module (attention_decode.hip) for head_dim hd."""
-    return {"HE_ATTN_LPR": attn_lanes(hd), "HE_ATTN_LATE_TRIGGER": int(combine_trigger_late())}
+    return {"HE_ATTN_LPR": attn_lanes(hd)}
 
 
 class Ops:

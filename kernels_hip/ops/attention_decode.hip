@@ -362,17 +362,12 @@ HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, in
   }
 }
 
-// HE_ATTN_LATE_TRIGGER=1 (the host's default, ops.combine_trigger_late): the kernel after this one (the
-// O-proj) may launch only once this one has passed its wait — after the splits — so the O-proj's weight
-// requests do not compete with the splits' K/V loads.
-#ifndef HE_ATTN_LATE_TRIGGER
-#define HE_ATTN_LATE_TRIGGER 0
-#endif
 HE_KERNEL(256) attention_combine(const float* __restrict__ partial, const int* __restrict__ pos_p, int nsplit,
                                  int nh, int hd, float* __restrict__ out) {
-  if (!HE_ATTN_LATE_TRIGGER) he_pdl_trigger();
+  // The next kernel (the O-proj) may launch at once and request its weights during the splits: on this path
+  // that measured faster than launching it after them (docs/perf-log.md v33), unlike the monokernel's v24.
+  he_pdl_trigger();
   he_pdl_wait();  // port.h: everything below reads or writes step data
-  if (HE_ATTN_LATE_TRIGGER) he_pdl_trigger();
   const int h = he_block_idx(), tq = he_block_idx_y();
   he_attention_combine(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), 1, nsplit, *pos_p + tq + 1, hd,
                        out + ((he_i64)tq * nh + h) * hd);
