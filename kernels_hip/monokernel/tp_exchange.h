@@ -50,13 +50,13 @@ struct MkMvOut : HeMvPlain {
   he_u64 off;
   int world;
   he_u32 epoch;
-  HE_INLINE void epi(int u, const float (&acc)[2]) const {
-    if (ll == nullptr) { HeMvPlain::epi(u, acc); return; }
+  HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {  // pv: HeMvPlain::pre
+    if (ll == nullptr) { HeMvPlain::epi(u, acc, pv); return; }
     if (he_lane_id() != 0) return;
     const int r0 = 2 * u, r1 = r0 + 1;
     const bool two = r1 < n_rows;
-    const he_u64 w0 = mk_ll_word(he_f32_as_u32(acc[0] + (residual ? residual[r0] : 0.f)), epoch);
-    const he_u64 w1 = two ? mk_ll_word(he_f32_as_u32(acc[1] + (residual ? residual[r1] : 0.f)), epoch) : 0ull;
+    const he_u64 w0 = mk_ll_word(he_f32_as_u32(acc[0] + pv[0]), epoch);
+    const he_u64 w1 = two ? mk_ll_word(he_f32_as_u32(acc[1] + pv[1]), epoch) : 0ull;
     for (int s = 0; s < world; ++s) {
       volatile he_u64* dst = (volatile he_u64*)ll[s] + off;
       dst[r0] = w0;

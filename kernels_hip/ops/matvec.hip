@@ -105,7 +105,10 @@ HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0
 //   he_mv_finish(op, s, ..., nxt)   fused RMSNorm prologue, then consume op's batches, refilling from nxt
 //
 // An op is a small struct: the prologue input (x, gamma, eps, in), units(), rows(u, rp) (the kRows row
-// pointers of unit u) and epi(u, acc) (lane-0 stores of the unit's kRows sums, identical in every lane).
+// pointers of unit u), pre(u, pv) (loads of the unit's epilogue operands that do not depend on its sums —
+// the residual rows of an O-proj / down-proj — issued when the unit starts, before the prologue for a warp's
+// first unit, so that their round trip overlaps the unit's weights instead of following its warp reduction)
+// and epi(u, acc, pv) (lane-0 stores of the unit's kRows sums, identical in every lane).
 struct HeMvPos {
   int u, c0;  // unit and first column of the pair held in (a, b)
   bool nx;    // the pair belongs to the next op
@@ -222,6 +225,8 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
     he_mv_fill_a(op, nxt, s.p, s);
     he_mv_fill_b(op, nxt, s.p, s);
   }
+  float pv[kRows];  // the current unit's epilogue operands (op.pre)
+  if (!s.p.nx) op.pre(s.p.u, pv);
   he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
   float acc[kRows][2];
 #pragma unroll
@@ -240,7 +245,8 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
         sum[r] = he_warp_sum(acc[r][0] + acc[r][1]);
         acc[r][0] = acc[r][1] = 0.f;
       }
-      op.epi(s.p.u, sum);
+      op.epi(s.p.u, sum, pv);
+      if (!n.nx) op.pre(n.u, pv);  // the warp's next unit of op
     }
     s.p = n;
   }
@@ -275,11 +281,20 @@ struct HeMvPlain {
     rp[0] = W + (he_i64)r0 * in;
     rp[1] = W + (he_i64)r1 * in;
   }
-  HE_INLINE void epi(int u, const float (&acc)[2]) const {
+  // The residual rows, by lane 0 (the only lane that stores). residual[r] is written only by this unit's own
+  // epilogue, so the early value is the one a late load would see.
+  HE_INLINE void pre(int u, float (&pv)[2]) const {
+    pv[0] = pv[1] = 0.f;
+    if (residual == nullptr || he_lane_id() != 0) return;
+    const int r0 = 2 * u, r1 = r0 + 1;
+    pv[0] = residual[r0];
+    if (r1 < n_rows) pv[1] = residual[r1];
+  }
+  HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
     if (he_lane_id() != 0) return;
     const int r0 = 2 * u, r1 = r0 + 1;
-    y[r0] = acc[0] + (residual ? residual[r0] : 0.f);
-    if (r1 < n_rows) y[r1] = acc[1] + (residual ? residual[r1] : 0.f);
+    y[r0] = acc[0] + pv[0];
+    if (r1 < n_rows) y[r1] = acc[1] + pv[1];
   }
 };
 
@@ -321,7 +336,8 @@ struct HeMvGateUp {
     rp[0] = Wg + (he_i64)u * in;
     rp[1] = Wu + (he_i64)u * in;
   }
-  HE_INLINE void epi(int u, const float (&acc)[2]) const {
+  HE_INLINE void pre(int, float (&pv)[2]) const { pv[0] = pv[1] = 0.f; }
+  HE_INLINE void epi(int u, const float (&acc)[2], const float (&)[2]) const {
     if (he_lane_id() == 0) y[u] = he_silu(acc[0]) * acc[1];
   }
 };
@@ -366,7 +382,8 @@ struct HeMvQkv {
     rp[0] = W + (he_i64)ra * in;
     rp[1] = W + (he_i64)(ra + half) * in;
   }
-  HE_INLINE void epi(int u, const float (&acc)[2]) const {
+  HE_INLINE void pre(int, float (&pv)[2]) const { pv[0] = pv[1] = 0.f; }
+  HE_INLINE void epi(int u, const float (&acc)[2], const float (&)[2]) const {
     if (he_lane_id() != 0) return;
     const int half = hd / 2, i = u % half;
     const int ra = (u / half) * hd + i, rb = ra + half;  // rows in the stacked matrix
