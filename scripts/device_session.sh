@@ -13,6 +13,7 @@
 #   record: op, engine and monokernel GPU tests, bench_ops (+ per-op decode), the decode bench at 1K/8K/32K
 #   gen   : engine and monokernel GPU tests, then the decode bench at 1K/8K/32K (JSON + PNG)
 #   perop : op + engine tests, the per-op decode bench at 1K/8K/32K
+#   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
 #           a $AB_MAXCTX-token cache when given), op tests, monokernel tests, stage profile at 1K/8K
@@ -72,6 +73,22 @@ case "$MODE" in
   gen) engine_tests; mk_tests; bench ;;
   record) ops_tests; engine_tests; mk_tests; bench_ops_decode; bench ;;  # every GPU test + the figures of record  # a change of the generation loops: engine + monokernel tests, the bench
   ab) ab_sweep; ops_tests; mk_tests; profile ;;
+  abp)  # an A/B of kernel trees on both paths: the trees $AB_TREES (space-separated dirs, e.g. `git archive`s
+         # under .carry/, alternated as given: "a b a b") with commits $AB_COMMITS (same order): the monokernel
+         # (mk_sweep, each tree in its own process, tokens compared) and the per-op decode bench, both at
+         # 1K/8K/32K (the per-op runs over $AB_PEROP_TREES / $AB_PEROP_COMMITS when given); then op, engine and
+         # monokernel GPU tests of this tree
+    run abp_mk 320 $PY scripts/mk_sweep.py --contexts 1024,8192,32768 --only "" \
+      $(for t in $AB_TREES; do echo --baseline-tree "$t"; done) --json "$OUT/abp_mk.json"
+    read -r -a commits <<< "${AB_PEROP_COMMITS:-${AB_COMMITS:-}}"
+    i=0
+    for t in ${AB_PEROP_TREES:-$AB_TREES}; do
+      run "abp_perop_$i" 80 env -C "$t" HIPENGINE_COMMIT="${commits[$i]:-unknown}" PYTHONPATH=. $PY -m hipengine \
+        bench decode --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --no-monokernel \
+        --json "$OUT/abp_perop_$i.json"
+      i=$((i + 1))
+    done
+    ops_tests; engine_tests; mk_tests ;;
   perop)  # a per-op change: op + engine tests, then the per-op decode bench at 1K/8K/32K
     ops_tests; engine_tests
     run perop 150 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
@@ -84,7 +101,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop)"; exit 2 ;;
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -n 30 "$f"; done
