@@ -39,8 +39,8 @@
 // Coherence of data rewritten inside the kernel (activations, partials, logits, KV rows): read with plain
 // loads after a grid barrier / counter acquire (sync.h). Pointers come from the parameter block, and the op
 // bodies take such data through plain (not `const __restrict__`) pointers, so the compiler cannot turn
-// those loads into non-coherent read-only-path loads (ld.global.nc). The position is passed to the
-// QKV op by value (HeMvQkv.pos_v; the host's iota table is no longer read).
+// those loads into non-coherent read-only-path loads (ld.global.nc). The position is passed to the op
+// bodies as &iota[pos] (a table the kernel never writes) instead of a device word that changes every step.
 // KV rows are read with he_load16_stream_rw (coherent, no L1 allocation): row `pos` is first read after it
 // was written and a barrier's acquire.
 #include "port.h"
@@ -449,7 +449,7 @@ struct MkProf {
 // epoch `ep` instead of writing x; rank 0 adds the residual (p.x through attention, p.xb through the MLP).
 HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const float* x) {
   // qk_norm models write raw q|k|v (rope = 0); the per-head norm stage rotates and appends.
-  return HeMvQkv{x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, nullptr, pos,
+  return HeMvQkv{x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
                  p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
                  p.qk_norm ? 0 : 1};
 }

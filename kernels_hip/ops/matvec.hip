@@ -358,10 +358,7 @@ HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const
 //   out[i + hd/2] = b·cos + a·sin        (a = row i, b = row i + hd/2; cos/sin at [pos][i])
 // cos/sin tables [max_ctx][hd/2] fp32 come from the host (ModelConfig.rope_inv_freq(), float64) so the
 // device never recomputes frequencies. The position is read from device memory (*pos_p) so a captured
-// graph advances it without relaunch arguments changing; the monokernel, which holds it in a register, passes
-// it by value instead (pos_p == nullptr, pos_v), and then pre() loads the unit's cos/sin when the unit starts
-// rather than the epilogue loading them after the warp reduction (two dependent round trips: *pos_p, then
-// the table) — the same values either way.
+// graph / the monokernel advances it without relaunch arguments changing.
 // KV cache (per layer): k_cache, v_cache he_kv (bf16 or fp16, port.h) [num_kv_heads][max_ctx][hd].
 // rope == 0 (Qwen3 qk_norm path): no RoPE/append here; raw q|k|v (+bias) go to q_out [q_dim + 2·kv_dim]
 // and qk_norm_rope finishes the job after the per-head norm.
@@ -374,8 +371,7 @@ struct HeMvQkv {
   const float* bias;
   const float* cos_t;
   const float* sin_t;
-  const int* pos_p;  // nullptr: the position is pos_v
-  int pos_v;
+  const int* pos_p;
   float* q_out;
   he_kv* k_cache;
   he_kv* v_cache;
@@ -386,25 +382,16 @@ struct HeMvQkv {
     rp[0] = W + (he_i64)ra * in;
     rp[1] = W + (he_i64)(ra + half) * in;
   }
-  // cos/sin of a q or k unit at the position, when it is known by value (lane 0, which rotates).
-  HE_INLINE void pre(int u, float (&pv)[2]) const {
-    pv[0] = pv[1] = 0.f;
-    if (!rope || pos_p != nullptr || he_lane_id() != 0) return;
-    const int half = hd / 2, i = u % half;
-    if ((u / half) * hd + i >= q_dim + kv_dim) return;  // a v unit: no rotation
-    pv[0] = cos_t[(he_i64)pos_v * half + i];
-    pv[1] = sin_t[(he_i64)pos_v * half + i];
-  }
-  HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
+  HE_INLINE void pre(int, float (&pv)[2]) const { pv[0] = pv[1] = 0.f; }
+  HE_INLINE void epi(int u, const float (&acc)[2], const float (&)[2]) const {
     if (he_lane_id() != 0) return;
     const int half = hd / 2, i = u % half;
     const int ra = (u / half) * hd + i, rb = ra + half;  // rows in the stacked matrix
     float a = acc[0] + (bias ? bias[ra] : 0.f), b = acc[1] + (bias ? bias[rb] : 0.f);
     if (!rope) { q_out[ra] = a; q_out[rb] = b; return; }
-    const int pos = pos_p ? *pos_p : pos_v;
+    const int pos = *pos_p;
     if (ra < q_dim + kv_dim) {  // q or k: rotate
-      const float c = pos_p ? cos_t[(he_i64)pos * half + i] : pv[0];
-      const float s = pos_p ? sin_t[(he_i64)pos * half + i] : pv[1];
+      const float c = cos_t[(he_i64)pos * half + i], s = sin_t[(he_i64)pos * half + i];
       const float ra_v = a * c - b * s, rb_v = b * c + a * s;
       a = ra_v; b = rb_v;
     }
@@ -424,7 +411,7 @@ HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const floa
                            int kv_dim, int hd, int in, int rope, int w_f16) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
-  const HeMvQkv op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, 0, q_out, k_cache, v_cache,
+  const HeMvQkv op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
                    max_ctx, q_dim, kv_dim, hd, rope};
   if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
   else he_matvec_run<false>(op, he_xs, scratch);
