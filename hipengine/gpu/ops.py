@@ -116,6 +116,16 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
     return nsplit, chunk
 
 
+def matvec_blocks_per_sm() -> int:
+    """Grid cap of the per-op matvec kernels, in 256-thread blocks per SM: 4 (HIPENGINE_MATVEC_BLOCKS_PER_SM
+    for A/B). Only the large matrices reach it (gate/up, LM head); two blocks per SM are resident at the
+    kernels' 128 registers, so 4 runs them in two waves of blocks."""
+    v = int(os.environ.get("HIPENGINE_MATVEC_BLOCKS_PER_SM", "4"))
+    if v < 1:
+        raise UnsupportedError(f"HIPENGINE_MATVEC_BLOCKS_PER_SM={v}: at least 1")
+    return v
+
+
 def pdl_enabled(rt) -> bool:
     """Whether the per-op kernels launch with programmatic dependent launch: where the runtime has it (NVIDIA
     sm_90+: Runtime.pdl_launch), unless HIPENGINE_PDL=0 (A/B benchmarks; docs/perf-log.md v29)."""
@@ -150,10 +160,11 @@ class Ops:
         return mod.function(name)
 
     def _grid(self, units: int, threads: int = MATVEC_THREADS) -> int:
-        """Blocks for a grid-stride kernel over `units` warp tasks: at most 4 blocks per SM, so the fused
-        prologue is paid a few hundred times per launch rather than once per row."""
+        """Blocks for a grid-stride kernel over `units` warp tasks: at most matvec_blocks_per_sm() blocks
+        (of MATVEC_THREADS) per SM, so the fused prologue is paid a few hundred times per launch rather than
+        once per row."""
         need = max(1, math.ceil(units / (threads // self.rt.warp_size)))
-        return min(need, 4 * self.rt.num_sms * MATVEC_THREADS // threads)
+        return min(need, matvec_blocks_per_sm() * self.rt.num_sms * MATVEC_THREADS // threads)
 
     def _check_in(self, inn: int) -> None:
         if inn % 8:
