@@ -89,13 +89,6 @@ case "$MODE" in
       i=$((i + 1))
     done
     ops_tests; engine_tests; mk_tests ;;
-  s9)  # session 9's record call: the per-op matvec grid cap A/B (4 vs 2 blocks per SM, alternated), then record
-    for bps in 4 2 4 2; do
-      run "perop_bps$bps" 80 env HIPENGINE_MATVEC_BLOCKS_PER_SM=$bps $PY -m hipengine bench decode \
-        --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --no-monokernel \
-        --json "$OUT/perop_bps${bps}_$SECONDS.json"
-    done
-    ops_tests; engine_tests; mk_tests; bench_ops_decode; bench ;;
   perop)  # a per-op change: op + engine tests, then the per-op decode bench at 1K/8K/32K
     ops_tests; engine_tests
     run perop 150 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
@@ -108,7 +101,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|s9)"; exit 2 ;;
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp)"; exit 2 ;;
 esac
 echo "==== logs (tails) ===="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -n 30 "$f"; done

@@ -116,14 +116,28 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
     return nsplit, chunk
 
 
-def matvec_blocks_per_sm() -> int:
-    """Grid cap of the per-op matvec kernels, in 256-thread blocks per SM: 4 (HIPENGINE_MATVEC_BLOCKS_PER_SM
-    for A/B). Only the large matrices reach it (gate/up, LM head); two blocks per SM are resident at the
-    kernels' 128 registers, so 4 runs them in two waves of blocks."""
-    v = int(os.environ.get("HIPENGINE_MATVEC_BLOCKS_PER_SM", "4"))
+def _blocks_per_sm(var: str, default: int) -> int:
+    v = int(os.environ.get(var, str(default)))
     if v < 1:
-        raise UnsupportedError(f"HIPENGINE_MATVEC_BLOCKS_PER_SM={v}: at least 1")
+        raise UnsupportedError(f"{var}={v}: at least 1")
     return v
+
+
+def matvec_blocks_per_sm() -> int:
+    """Grid cap of the decode matvec kernels, in 256-thread blocks per SM: 2 (HIPENGINE_MATVEC_BLOCKS_PER_SM).
+    Only the large matrices reach it (gate/up, LM head). Two blocks per SM are what is resident at the
+    kernels' 128 registers, so every block streams from the start and a warp's weight stream runs on from
+    unit to unit instead of a second wave of blocks restarting it (prologue, first loads); the next kernel's
+    blocks also find room as soon as these drain. Measured on H200, per-op decode of llama-3.2-1b at
+    1K / 8K / 32K (docs/perf-log.md v35): 4 → 1,085 / 923 / 755 tok/s, 3 → 1,092 / 921 / 755,
+    **2 → 1,116 / 940 / 768**, 1 → 1,009 / 864 / 719."""
+    return _blocks_per_sm("HIPENGINE_MATVEC_BLOCKS_PER_SM", 2)
+
+
+def prefill_blocks_per_sm() -> int:
+    """Grid cap of the prefill matmul (matmul_small_m), blocks per SM: 3 (HIPENGINE_PREFILL_BLOCKS_PER_SM).
+    Time to first token of a 1K prompt on H200 with the cap at 1 / 2 / 3 / 4: 641 / 380 / 327 / 361 ms (v35)."""
+    return _blocks_per_sm("HIPENGINE_PREFILL_BLOCKS_PER_SM", 3)
 
 
 def pdl_enabled(rt) -> bool:
@@ -159,12 +173,13 @@ class Ops:
                                                                                    **(defines or {})} or None)
         return mod.function(name)
 
-    def _grid(self, units: int, threads: int = MATVEC_THREADS) -> int:
-        """Blocks for a grid-stride kernel over `units` warp tasks: at most matvec_blocks_per_sm() blocks
-        (of MATVEC_THREADS) per SM, so the fused prologue is paid a few hundred times per launch rather than
-        once per row."""
+    def _grid(self, units: int, threads: int = MATVEC_THREADS, blocks_per_sm: int | None = None) -> int:
+        """Blocks for a grid-stride kernel over `units` warp tasks: at most blocks_per_sm (default
+        matvec_blocks_per_sm()) blocks of MATVEC_THREADS per SM, so the fused prologue is paid a few hundred
+        times per launch rather than once per row."""
         need = max(1, math.ceil(units / (threads // self.rt.warp_size)))
-        return min(need, matvec_blocks_per_sm() * self.rt.num_sms * MATVEC_THREADS // threads)
+        bps = blocks_per_sm or matvec_blocks_per_sm()
+        return min(need, bps * self.rt.num_sms * MATVEC_THREADS // threads)
 
     def _check_in(self, inn: int) -> None:
         if inn % 8:
@@ -218,7 +233,8 @@ class Ops:
             raise DeviceError(f"matmul_small_m takes 1..{MAX_M} rows of X, got {M}")
         if inn % 8:
             raise UnsupportedError(f"matmul input length {inn} is not a multiple of 8")
-        self.rt.launch(self.fn("prefill", "matmul_small_m"), self._grid(rows), MATVEC_THREADS,
+        self.rt.launch(self.fn("prefill", "matmul_small_m"), self._grid(rows, blocks_per_sm=prefill_blocks_per_sm()),
+                       MATVEC_THREADS,
                        [_p(W), _p(W2), _p(X), _p(bias), _p(Y), c_int32(M), c_int32(rows), c_int32(inn),
                         c_int32(mode), c_int32(int(f16))], stream=stream, pdl=self.pdl)
 
