@@ -99,6 +99,29 @@ def test_attention_plan_caps_splits_when_free():
     assert ops.attention_plan(32768, 4, 132) == (32, 1024)    # its TP=2 rank: one split per block
 
 
+def test_matvec_grid_caps(monkeypatch):
+    """Decode matvecs: one wave of 2 blocks per SM for the large matrices (v35); the prefill matmul: 3; the
+    small matrices need fewer blocks than either cap; a bad knob is one clear error."""
+    from types import SimpleNamespace
+
+    from hipengine.errors import UnsupportedError
+    from hipengine.gpu import ops
+
+    o = ops.Ops.__new__(ops.Ops)
+    o.rt = SimpleNamespace(warp_size=32, num_sms=132)
+    assert o._grid(8192) == 264                                    # gate/up of llama-3.2-1b: 2 per SM
+    assert o._grid(64128) == 264                                   # LM head (2 rows per unit)
+    assert o._grid(1536) == 192 and o._grid(1024) == 128           # QKV, O-proj / down: below the cap
+    assert o._grid(8192, blocks_per_sm=ops.prefill_blocks_per_sm()) == 396
+    assert o._grid(1) == 1
+    monkeypatch.setenv("HIPENGINE_MATVEC_BLOCKS_PER_SM", "4")
+    assert o._grid(8192) == 528
+    for bad in ("0", "two"):
+        monkeypatch.setenv("HIPENGINE_MATVEC_BLOCKS_PER_SM", bad)
+        with pytest.raises(UnsupportedError, match=f"HIPENGINE_MATVEC_BLOCKS_PER_SM={bad}"):
+            o._grid(8192)
+
+
 def test_tp_not_supported_yet():
     from hipengine.gpu.executor import GpuBackend
 

@@ -117,10 +117,10 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
 
 
 def _blocks_per_sm(var: str, default: int) -> int:
-    v = int(os.environ.get(var, str(default)))
-    if v < 1:
-        raise UnsupportedError(f"{var}={v}: at least 1")
-    return v
+    raw = os.environ.get(var, str(default))
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise UnsupportedError(f"{var}={raw}: a whole number of blocks per SM, at least 1")
+    return int(raw)
 
 
 def matvec_blocks_per_sm() -> int:
