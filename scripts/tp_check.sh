@@ -19,6 +19,7 @@
 #     bench on GPU 1, then the TP monokernel's tests and TP=2 benches, all built with it.
 #   arab: an all-reduce / LL change against $AB_TREE: all-reduce + TP monokernel tests, all-reduce suite and TP=2
 #     decode at 1K for each tree.
+#   abtp: TP=2 decode at 1K/8K, this tree against $AB_TREE ($AB_COMMIT), alternated twice.
 #   pdl: all-reduce, per-op TP and TP monokernel GPU tests, then bench decode --tp 2 (1K/8K/32K, both paths) and
 #     the all-reduce suite (programmatic dependent launch, v29).
 #   perop: the per-op TP path alone (all of tests/test_tp_executor.py, the per-op engine's GPU tests, bench
@@ -151,6 +152,12 @@ case "$MODE" in
     ab_run tp 80 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
       --json "$OUT/decode_tp${TP}_@TAG@.json"
     ;;
+  abtp)  # a short TP A/B: TP=2 decode (both TP paths) at 1K and 8K for this tree and $AB_TREE ($AB_COMMIT),
+          # alternated twice (new, base, new, base) — e.g. session 9's open question, 6de4381 against v34+
+    for k in 1 2; do
+      ab_run "tp$k" 80 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 --context 8192 \
+        --json "$OUT/decode_tp${TP}_ab${k}_@TAG@.json"
+    done ;;
   exp)  # a compile-time experiment ($EXP_DEFINES, HIPENGINE_MK_DEFINES syntax) measured as a candidate default:
         # GPU 0 the monokernel sweep's variants $ONLY at 1K/8K/32K (A/B in one process) while GPU 1 runs the TP=1
         # bench with it; then the TP monokernel's tests and TP=2 benches with it (1K/8K/32K, 1K in a 4K cache)
@@ -170,7 +177,7 @@ case "$MODE" in
     run exp_bench_tp_cache4k 70 "$PY" -m hipengine bench decode --shape "$SHAPE" --tp "$TP" --context 1024 \
       --max-context 4096 --json "$OUT/exp_decode_tp${TP}_cache4k.json"
     ;;
-  *) echo "unknown mode $MODE (mk|final|pdl|perop|plan|serve|ab|ab2|arab|exp)"; exit 2 ;;
+  *) echo "unknown mode $MODE (mk|final|pdl|perop|plan|serve|ab|ab2|arab|abtp|exp)"; exit 2 ;;
 esac
 
 # The test outcomes as JSON beside the benchmark JSON (commit from $HIPENGINE_COMMIT, as the benches take it).
