@@ -138,7 +138,8 @@ HE_INLINE bool he_block_wait_geq(const HeWaitCtx& w, const he_u32* counter, he_u
 // Counter arrival without waiting (the "last block does the combine" pattern): every thread calls it after
 // writing its block's part; returns true in every thread of exactly one block — the last of `expected`
 // arrivals — which then sees all parts (acq_rel RMW at device scope). The last arriver resets the counter
-// (relaxed; the next use is ordered after a grid barrier, whose release/acquire publishes the reset).
+// (relaxed; the next use is ordered after a grid barrier, whose release/acquire publishes the reset — or,
+// in a per-op kernel (ops/attention_decode.hip), after this kernel's completion).
 HE_INLINE bool he_arrive_last(he_u32* counter, he_u32 expected) {
   __shared__ int he_last;
   he_sync_block();

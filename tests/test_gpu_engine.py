@@ -6,6 +6,8 @@ a numpy-emulated device (end of file).
 * random llama-3.2-1b preset (real dimensions): 512 teacher-forced positions, agreement counted where the
   reference's top1-top2 gap exceeds the bf16 error bound, logits relative error <= 2e-2.
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -394,7 +396,7 @@ class EmulatedRuntime:
         return O.ref_rmsnorm(x, None if not gamma_p else self._f32(gamma_p, n), eps)
 
     def _execute(self, name, grid, v):
-        getattr(self, "_k_" + (name if not name.startswith("attention_split_g") else "attention_split"))(grid, *v)
+        getattr(self, "_k_" + re.sub(r"^(attention_split|attention_decode)_g\d+$", r"\1", name))(grid, *v)
 
     def _k_embedding(self, grid, table, tokens, vocab, hidden, out, f16):
         T = grid[0]
@@ -486,6 +488,12 @@ class EmulatedRuntime:
                     e = np.exp2(s - m)
                     P[t, h, sp, :hd] = e @ V[h // G, a:b]
                     P[t, h, sp, hd], P[t, h, sp, hd + 1] = m, e.sum()
+
+    def _k_attention_decode(self, grid, q, kc, vc, partial, pos, count, out, nsplit, chunk, nh, nkv, hd, max_ctx,
+                            early):
+        assert not any(self.view(count, np.uint32, nkv)), "arrival counters must be left at zero"
+        self._k_attention_split(grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx)
+        self._k_attention_combine((nh, 1), partial, pos, nsplit, nh, hd, out)
 
     def _k_attention_combine(self, grid, partial, pos, nsplit, nh, hd, out):
         T = grid[1]

@@ -224,6 +224,35 @@ def test_attention(gpu, nh, nkv, hd, seq, max_ctx, T):
         close(got[t], ref, 1e-4, 1e-5)
 
 
+@pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", [c for c in ATTN_CASES if c[5] == 1])
+def test_attention_decode_fused(gpu, nh, nkv, hd, seq, max_ctx, T):
+    """The one-kernel decode form (attention_decode_g*: splits, the last split block of a KV head combines it)
+    gives the bits of attention_split + attention_combine, with and without the early K/V loads (launched
+    here after a synchronisation, so the previous kernel is long done: this checks the held-back newest row
+    and the indexing, not the overlap), and leaves its arrival counters at zero for the next launch."""
+    rt, ops, O = gpu
+    nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd)
+    k = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32) * 2)
+    v = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32))
+    q = RNG.standard_normal((1, nh * hd)).astype(np.float32)
+    args = (rt.upload(q), rt.upload(k), rt.upload(v))
+    pos = rt.upload(np.array([seq - 1], np.int32))
+    kw = dict(T=1, nh=nh, nkv=nkv, hd=hd, max_ctx=max_ctx, nsplit=nsplit, chunk=chunk)
+    part = poisoned(rt, O.Ops.partial_floats(1, nh, hd, nsplit))
+    want = poisoned(rt, nh * hd)
+    ops.attention(*args, part, want, pos, **kw)
+    want = rt.download(want, (nh * hd,), np.float32)
+    count = rt.upload(np.zeros(nkv, np.uint32))
+    for early in (False, True, False, True):
+        part = poisoned(rt, O.Ops.partial_floats(1, nh, hd, nsplit))
+        out = poisoned(rt, nh * hd)
+        ops.attention(*args, part, out, pos, count=count, early=early, **kw)
+        rt.synchronize()
+        got = rt.download(out, (nh * hd,), np.float32)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"early={early}"
+        assert not rt.download(count, (nkv,), np.uint32).any(), "arrival counters not reset"
+
+
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("rows,inn", [(13, 72), (333, 2056)])

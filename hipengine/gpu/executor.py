@@ -88,6 +88,7 @@ class GpuBackend(Backend):
         self._upload_weights(loaded.weights)
         self._alloc_state()
         self._graph = None
+        self._capturing = False  # True while the decode graph is captured (_decode_graph)
         self.pos = 0
 
     # ---- setup ----------------------------------------------------------------------------------------------
@@ -170,6 +171,8 @@ class GpuBackend(Backend):
         self.att = self._buf(M * qd * f4)
         self.h = self._buf(M * cfg.intermediate_size * f4)
         self.partial = self._buf(O.Ops.partial_floats(M, cfg.num_heads, hd, self.nsplit) * f4)
+        self.attn_count = self._buf(cfg.num_kv_heads * 4)  # decode attention's arrival counters (Ops.attention)
+        self.rt.copy_htod(self.attn_count, np.zeros(cfg.num_kv_heads, np.uint32))
         self.logits = self._buf(M * cfg.vocab_size * f4)
         self.z = self._buf(cfg.vocab_size * f4)
         self.cand = self._buf(2 * self.ops.argmax_blocks() * f4)  # grid-wide greedy candidates (Ops.argmax)
@@ -217,7 +220,8 @@ class GpuBackend(Backend):
                                gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=True, f16=f16, stream=s)
             ops.attention(self.q, self._kc(i), self._vc(i), self.partial, self.att, self.pos_buf, T=1,
                           nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
-                          nsplit=self.nsplit, chunk=self.chunk, stream=s)
+                          nsplit=self.nsplit, chunk=self.chunk, count=self.attn_count,
+                          early=self._capturing, stream=s)
             ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s)
             yield 1
             ops.matvec_gate_up(L["w_gate"], L["w_up"], self.x, self.h, F, d, gamma=L["ffn_norm"], eps=eps,
@@ -232,9 +236,11 @@ class GpuBackend(Backend):
             self._decode_launches(self.stream)  # compile + warm every kernel outside the capture
             self.stream.synchronize()
             self.rt.begin_capture(self.stream)
+            self._capturing = True  # launches inside the graph may read the position early (Ops.attention)
             try:
                 self._decode_launches(self.stream)
             finally:
+                self._capturing = False
                 self._graph = self.rt.end_capture(self.stream)
         return self._graph
 

@@ -249,13 +249,29 @@ class Ops:
                        stream=stream, pdl=self.pdl)
 
     def attention(self, q, k_cache, v_cache, partial, out, pos, *, T: int, nh: int, nkv: int, hd: int,
-                  max_ctx: int, nsplit: int, chunk: int, stream=None):
-        """partial: fp32 scratch of T·nh·nsplit·(hd+2) floats (see partial_floats)."""
+                  max_ctx: int, nsplit: int, chunk: int, count=None, early: bool = False, stream=None):
+        """partial: fp32 scratch of T·nh·nsplit·(hd+2) floats (see partial_floats).
+
+        One query token with `count` (nkv uint32 words, zero, left zero by every launch): one kernel,
+        attention_decode_g* — the splits, and the last split block of each KV head combines its heads.
+        Otherwise (prefill chunks) attention_split_g* then attention_combine; both give the same bits.
+        `early`: the caller guarantees that *pos and every cache row before the newest were written before
+        the kernel before this one was launched (a captured decode graph: the position is set before the
+        graph) — the kernel then loads those rows before it waits for the previous kernel (with
+        programmatic dependent launch only; elsewhere it changes nothing)."""
         G = nh // nkv
         if not 1 <= G <= ATTN_MAX_GROUP or nh % nkv or hd % 8 or hd > 8 * self.rt.warp_size:
             raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
         shared = (G * hd + (ATTN_THREADS // self.rt.warp_size) * G * (hd + 2)) * 4
         lanes = attention_defines(hd)
+        if T == 1 and count is not None:
+            self.rt.launch(self.fn("attention_decode", f"attention_decode_g{G}", lanes), nkv * nsplit,
+                           ATTN_THREADS,
+                           [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), _p(count), _p(out),
+                            c_int32(nsplit), c_int32(chunk), c_int32(nh), c_int32(nkv), c_int32(hd),
+                            c_int32(max_ctx), c_int32(int(early and self.pdl))],
+                           shared=shared, stream=stream, pdl=self.pdl)
+            return
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
                         c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream,

@@ -180,7 +180,13 @@ class TpGpuBackend(Backend):
 
             self._issue_decode()  # compile + warm every kernel outside the capture (same step twice: idempotent)
             self._sync()
-            self._graphs = capture_graphs(self.rts, self.streams, self._issue_decode)
+            for rk in self.ranks:
+                rk._capturing = True  # GpuBackend._decode_graph: the position may be read early in the graph
+            try:
+                self._graphs = capture_graphs(self.rts, self.streams, self._issue_decode)
+            finally:
+                for rk in self.ranks:
+                    rk._capturing = False
         return self._graphs
 
     def _run_decode(self) -> None:

@@ -45,6 +45,9 @@
 // was written and a barrier's acquire.
 #include "port.h"
 #include "sync.h"
+// The op files below are included for their device bodies; kernels of theirs that the monokernel's module
+// has no use for may skip themselves (ops/attention_decode.hip's attention_decode_g*).
+#define HE_IN_MONOKERNEL 1
 // 16-byte loads per lane per row per batch of the matvec stream (the host passes HIPENGINE_MK_UNROLL; the
 // per-op kernels default to 4 too).
 #ifndef HE_MATVEC_UNROLL

@@ -27,6 +27,7 @@
 #ifndef HE_OPS_ATTENTION_DECODE_HIP
 #define HE_OPS_ATTENTION_DECODE_HIP
 #include "port.h"
+#include "sync.h"
 
 // Sub-stage marks for the monokernel's stage profile (its MK_PROFILE build defines the hook); nothing here.
 #ifndef HE_ATTN_MARK
@@ -106,7 +107,14 @@ HE_INLINE int he_attn_len(int seq, int nsplit, int chunk) {
 // per row and accumulated into every head. Rows past the slice are skipped warp-wide when no lane group has
 // one (short contexts leave most of a batch empty). The next batch's K loads go out as soon as the scores
 // are taken, its V loads after the accumulation, so they fly under the remaining work of this batch.
-template <int kG>
+//
+// kEarly (the per-op decode kernel inside a captured graph, attention_decode_g*): called BEFORE the previous
+// kernel has completed, with `seq` read from a position word that nothing in the graph writes. Only cache
+// rows written by earlier steps are loaded before the wait: the first batch of every row but the newest
+// (seq − 1, which the QKV kernel before this one appends); then the block waits (he_pdl_wait, port.h) and
+// loads that row, q and everything else after it. The loads, sums and their order are the same as without
+// kEarly, so the bits are too.
+template <int kG, bool kEarly = false>
 // q, the caches and partial are rewritten inside the monokernel, so none is `const __restrict__` here (that
 // lets the compiler use the non-coherent read-only path) and cache rows use the coherent streaming load.
 HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
@@ -122,6 +130,7 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   const int start = split * chunk;
   const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
   if (n == 0) {  // nothing to attend in this split: mark it empty for the combine
+    if (kEarly) he_pdl_wait();  // partial is step data
     for (int g = t; g < G; g += nt) {
       float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
       pr[hd] = he_neg_inf();
@@ -139,14 +148,27 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   const he_kv* kbase = k_cache + ((he_i64)kvh * max_ctx + start) * hd + sub * 8;
   const he_kv* vbase = v_cache + ((he_i64)kvh * max_ctx + start) * hd + sub * 8;
 
-  // Issue the first K/V batch before staging q: cache rows do not depend on it.
+  // Issue the first K/V batch before staging q: cache rows do not depend on it. (kEarly: all but the
+  // newest row, `fresh`, which is loaded after the wait; -1 = none held back.)
+  const int fresh = kEarly ? seq - 1 - start : -1;
   he_vec16 kb[U], vb[U];
 #pragma unroll
   for (int j = 0; j < U; ++j) {
     const int p = w0 + rw + j * kR;
-    const bool ok = p < w1 && dim_ok;
+    const bool ok = p < w1 && dim_ok && (!kEarly || p != fresh);
     kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
     vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
+  }
+  if (kEarly) {
+    he_pdl_wait();  // port.h: the previous kernel (QKV) has completed; its writes are visible
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int p = w0 + rw + j * kR;
+      if (p == fresh && p < w1 && dim_ok) {
+        kb[j] = he_load16_stream_rw(kbase + (he_i64)p * hd);
+        vb[j] = he_load16_stream_rw(vbase + (he_i64)p * hd);
+      }
+    }
   }
   const float qscale = he_rsqrt((float)hd) * kLog2e;
   for (int i = t; i < G * hd; i += nt) qs[i] = q[(he_i64)(kvh * G) * hd + i] * qscale;
@@ -372,4 +394,50 @@ HE_KERNEL(256) attention_combine(const float* __restrict__ partial, const int* _
   he_attention_combine(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), 1, nsplit, *pos_p + tq + 1, hd,
                        out + ((he_i64)tq * nh + h) * hd);
 }
+// ---- decode: split + combine in one kernel ----------------------------------------------------------------
+// One query token (T = 1). The (kv head, split) blocks of attention_split; then the last of a KV head's nsplit
+// blocks to arrive combines that head's G query heads into `out` (sync.h he_arrive_last: acq_rel counter at
+// device scope, so it sees every split's partial; it resets the counter for the next layer's kernel, which
+// runs after this one has completed). Saves the combine kernel's launch and its wait for the splits to
+// complete; he_attention_combine gives the same bits for G heads at once as for one (see above), so the
+// result is attention_split + attention_combine's. count: nkv words, zero before the first launch.
+// early != 0: see he_attention_split_block's kEarly — the host passes it only for launches inside a
+// captured decode graph (*pos_p is written before the graph, never inside it).
+// Not instantiated in the monokernel's module (HE_IN_MONOKERNEL, monokernel/decode.hip): it runs the split
+// body itself, and with these kernels beside it NVVM compiled its code differently (12,000 SASS lines moved).
+#ifndef HE_IN_MONOKERNEL
+#define HE_ATTN_DECODE_KERNEL(g)                                                                            \
+  HE_KERNEL(256) attention_decode_g##g(const float* __restrict__ q, const he_kv* __restrict__ k_cache,     \
+                                       const he_kv* __restrict__ v_cache, float* __restrict__ partial,      \
+                                       const int* __restrict__ pos_p, he_u32* __restrict__ count,           \
+                                       float* __restrict__ out, int nsplit, int chunk, int nh, int nkv,     \
+                                       int hd, int max_ctx, int early) {                                    \
+    extern __shared__ float he_attn_smem[];                                                                 \
+    he_pdl_trigger();                                                                                       \
+    const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
+    int seq;                                                                                                \
+    if (early) {                                                                                            \
+      seq = *pos_p + 1;                                                                                     \
+      he_attention_split_block<g, true>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk, nh,   \
+                                        nkv, hd, max_ctx, he_attn_smem);                                    \
+    } else {                                                                                                \
+      he_pdl_wait(); /* port.h: the position, q and the newest K/V row come from the kernels before */      \
+      seq = *pos_p + 1;                                                                                     \
+      he_attention_split_block<g, false>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk, nh,  \
+                                         nkv, hd, max_ctx, he_attn_smem);                                   \
+    }                                                                                                       \
+    if (he_arrive_last(count + kvh, (he_u32)nsplit))                                                        \
+      he_attention_combine(partial + (he_i64)kvh * (g) * nsplit * (hd + 2), (g), nsplit, seq, hd,           \
+                           out + (he_i64)kvh * (g) * hd);                                                   \
+  }
+HE_ATTN_DECODE_KERNEL(1)
+HE_ATTN_DECODE_KERNEL(2)
+HE_ATTN_DECODE_KERNEL(3)
+HE_ATTN_DECODE_KERNEL(4)
+HE_ATTN_DECODE_KERNEL(5)
+HE_ATTN_DECODE_KERNEL(6)
+HE_ATTN_DECODE_KERNEL(7)
+HE_ATTN_DECODE_KERNEL(8)
+#undef HE_ATTN_DECODE_KERNEL
+#endif  // HE_IN_MONOKERNEL
 #endif
