@@ -362,7 +362,12 @@ HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const
 // KV cache (per layer): k_cache, v_cache he_kv (bf16 or fp16, port.h) [num_kv_heads][max_ctx][hd].
 // rope == 0 (Qwen3 qk_norm path): no RoPE/append here; raw q|k|v (+bias) go to q_out [q_dim + 2·kv_dim]
 // and qk_norm_rope finishes the job after the per-head norm.
-struct HeMvQkv {
+// kEarlyRope: pre() loads a q/k unit's cos/sin (after *pos_p) when the unit starts, so the epilogue of a
+// warp's last unit no longer ends in two dependent loads (the per-op kernel, matvec_qkv; same values, same
+// bits). The monokernel keeps the late loads: moving them changed its QKV stream's live state and cost it
+// 1.5% at 1K (docs/perf-log.md v34).
+template <bool kEarlyRope>
+struct HeMvQkvT {
   const float* x;
   const float* gamma;
   float eps;
@@ -382,8 +387,16 @@ struct HeMvQkv {
     rp[0] = W + (he_i64)ra * in;
     rp[1] = W + (he_i64)(ra + half) * in;
   }
-  HE_INLINE void pre(int, float (&pv)[2]) const { pv[0] = pv[1] = 0.f; }
-  HE_INLINE void epi(int u, const float (&acc)[2], const float (&)[2]) const {
+  HE_INLINE void pre(int u, float (&pv)[2]) const {
+    pv[0] = pv[1] = 0.f;
+    if (!kEarlyRope || !rope || he_lane_id() != 0) return;
+    const int half = hd / 2, i = u % half;
+    if ((u / half) * hd + i >= q_dim + kv_dim) return;  // a v unit: not rotated
+    const int pos = *pos_p;
+    pv[0] = cos_t[(he_i64)pos * half + i];
+    pv[1] = sin_t[(he_i64)pos * half + i];
+  }
+  HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
     if (he_lane_id() != 0) return;
     const int half = hd / 2, i = u % half;
     const int ra = (u / half) * hd + i, rb = ra + half;  // rows in the stacked matrix
@@ -391,7 +404,8 @@ struct HeMvQkv {
     if (!rope) { q_out[ra] = a; q_out[rb] = b; return; }
     const int pos = *pos_p;
     if (ra < q_dim + kv_dim) {  // q or k: rotate
-      const float c = cos_t[(he_i64)pos * half + i], s = sin_t[(he_i64)pos * half + i];
+      const float c = kEarlyRope ? pv[0] : cos_t[(he_i64)pos * half + i];
+      const float s = kEarlyRope ? pv[1] : sin_t[(he_i64)pos * half + i];
       const float ra_v = a * c - b * s, rb_v = b * c + a * s;
       a = ra_v; b = rb_v;
     }
@@ -404,6 +418,8 @@ struct HeMvQkv {
   }
 };
 
+using HeMvQkv = HeMvQkvT<false>;  // the monokernel's
+
 HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
                            const float* __restrict__ bias, const float* __restrict__ cos_t,
                            const float* __restrict__ sin_t, const int* __restrict__ pos_p, float* __restrict__ q_out,
@@ -411,8 +427,8 @@ HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const floa
                            int kv_dim, int hd, int in, int rope, int w_f16) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
-  const HeMvQkv op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
-                   max_ctx, q_dim, kv_dim, hd, rope};
+  const HeMvQkvT<true> op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
+                          max_ctx, q_dim, kv_dim, hd, rope};
   if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
   else he_matvec_run<false>(op, he_xs, scratch);
 }
