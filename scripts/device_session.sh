@@ -13,6 +13,8 @@
 #   record: op, engine and monokernel GPU tests, bench_ops (+ per-op decode), the decode bench at 1K/8K/32K
 #   gen   : engine and monokernel GPU tests, then the decode bench at 1K/8K/32K (JSON + PNG)
 #   perop : op + engine tests, the per-op decode bench at 1K/8K/32K
+#   abperop: per-op trees $AB_PEROP_TREES (commits $AB_PEROP_COMMITS) alternated, 1K/8K/32K; op tests, bench_ops
+#   tests : engine + monokernel GPU tests
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
@@ -89,6 +91,20 @@ case "$MODE" in
       i=$((i + 1))
     done
     ops_tests; engine_tests; mk_tests ;;
+  abperop)  # per-op trees only: $AB_PEROP_TREES (alternated as given) with commits $AB_PEROP_COMMITS, the per-op
+            # decode bench at 1K/8K/32K each in its own process; then op tests and bench_ops of this tree
+    read -r -a commits <<< "${AB_PEROP_COMMITS:-}"
+    i=0
+    for t in $AB_PEROP_TREES; do
+      run "abperop_$i" 90 env -C "$t" HIPENGINE_COMMIT="${commits[$i]:-unknown}" PYTHONPATH=. $PY -m hipengine \
+        bench decode --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --no-monokernel \
+        --json "$OUT/abperop_$i.json"
+      i=$((i + 1))
+    done
+    run ops_tests 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs
+    bench_ops ;;
+  tests)  # engine + monokernel GPU tests of this tree
+    engine_tests; mk_tests ;;
   perop)  # a per-op change: op + engine tests, then the per-op decode bench at 1K/8K/32K
     ops_tests; engine_tests
     run perop 150 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
@@ -101,7 +117,8 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp)"; exit 2 ;;
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|tests)"
+     exit 2 ;;
 esac
 echo "==== logs (tails) ===="
 for f in "$OUT"/*.log; do echo "--- $f"; tail -n 30 "$f"; done
