@@ -93,10 +93,14 @@ case "$MODE" in
     ops_tests; engine_tests; mk_tests ;;
   abperop)  # per-op trees only: $AB_PEROP_TREES (alternated as given) with commits $AB_PEROP_COMMITS, the per-op
             # decode bench at 1K/8K/32K each in its own process; then op tests and bench_ops of this tree
+    # $AB_PEROP_ENVS: one word per tree, VAR=VALUE[,VAR=VALUE] set for that run, or - for none
     read -r -a commits <<< "${AB_PEROP_COMMITS:-}"
+    read -r -a envs <<< "${AB_PEROP_ENVS:-}"
     i=0
     for t in $AB_PEROP_TREES; do
-      run "abperop_$i" 90 env -C "$t" HIPENGINE_COMMIT="${commits[$i]:-unknown}" PYTHONPATH=. $PY -m hipengine \
+      e=${envs[$i]:--}; [ "$e" = - ] && e=""
+      echo "abperop_$i: $t ${commits[$i]:-unknown} $e" | tee -a "$SUMMARY"
+      run "abperop_$i" 90 env -C "$t" ${e//,/ } HIPENGINE_COMMIT="${commits[$i]:-unknown}" PYTHONPATH=. $PY -m hipengine \
         bench decode --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --no-monokernel \
         --json "$OUT/abperop_$i.json"
       i=$((i + 1))

@@ -140,6 +140,12 @@ def prefill_blocks_per_sm() -> int:
     return _blocks_per_sm("HIPENGINE_PREFILL_BLOCKS_PER_SM", 3)
 
 
+def attention_early() -> bool:
+    """Whether the decode attention kernel may load its K/V rows before the previous kernel completes, where
+    the caller allows it (Ops.attention `early`); HIPENGINE_ATTN_EARLY=0 turns it off (A/B benchmarks)."""
+    return os.environ.get("HIPENGINE_ATTN_EARLY", "1") != "0"
+
+
 def pdl_enabled(rt) -> bool:
     """Whether the per-op kernels launch with programmatic dependent launch: where the runtime has it (NVIDIA
     sm_90+: Runtime.pdl_launch), unless HIPENGINE_PDL=0 (A/B benchmarks; docs/perf-log.md v29)."""
@@ -269,7 +275,7 @@ class Ops:
                            ATTN_THREADS,
                            [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), _p(count), _p(out),
                             c_int32(nsplit), c_int32(chunk), c_int32(nh), c_int32(nkv), c_int32(hd),
-                            c_int32(max_ctx), c_int32(int(early and self.pdl))],
+                            c_int32(max_ctx), c_int32(int(early and self.pdl and attention_early()))],
                            shared=shared, stream=stream, pdl=self.pdl)
             return
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,

@@ -362,11 +362,13 @@ HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const
 // KV cache (per layer): k_cache, v_cache he_kv (bf16 or fp16, port.h) [num_kv_heads][max_ctx][hd].
 // rope == 0 (Qwen3 qk_norm path): no RoPE/append here; raw q|k|v (+bias) go to q_out [q_dim + 2·kv_dim]
 // and qk_norm_rope finishes the job after the per-head norm.
-// kEarlyRope: pre() loads a q/k unit's cos/sin (after *pos_p) when the unit starts, so the epilogue of a
-// warp's last unit no longer ends in two dependent loads (the per-op kernel, matvec_qkv; same values, same
-// bits). The monokernel keeps the late loads: moving them changed its QKV stream's live state and cost it
-// 1.5% at 1K (docs/perf-log.md v34).
-template <bool kEarlyRope>
+// kEarlyPos: pre() loads the position when the unit starts, so the epilogue of a warp's last unit ends in one
+// dependent load (cos/sin) instead of two (the per-op kernel, matvec_qkv; same values, same bits). Not the
+// cos/sin as well: a load that depends on another one at the unit's start stalls the warp's in-order issue
+// there, before the prologue's loads (measured −1.7% per-op at 1K, docs/perf-log.md v36). The monokernel
+// keeps the late loads (its position is &iota[pos], no device word; v34: a change in its QKV stream's live
+// state cost it 1.5% at 1K).
+template <bool kEarlyPos>
 struct HeMvQkvT {
   const float* x;
   const float* gamma;
@@ -387,14 +389,9 @@ struct HeMvQkvT {
     rp[0] = W + (he_i64)ra * in;
     rp[1] = W + (he_i64)(ra + half) * in;
   }
-  HE_INLINE void pre(int u, float (&pv)[2]) const {
+  HE_INLINE void pre(int, float (&pv)[2]) const {
     pv[0] = pv[1] = 0.f;
-    if (!kEarlyRope || !rope || he_lane_id() != 0) return;
-    const int half = hd / 2, i = u % half;
-    if ((u / half) * hd + i >= q_dim + kv_dim) return;  // a v unit: not rotated
-    const int pos = *pos_p;
-    pv[0] = cos_t[(he_i64)pos * half + i];
-    pv[1] = sin_t[(he_i64)pos * half + i];
+    if (kEarlyPos && rope && he_lane_id() == 0) pv[0] = he_u32_as_f32((he_u32)*pos_p);  // its bits
   }
   HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
     if (he_lane_id() != 0) return;
@@ -402,10 +399,9 @@ struct HeMvQkvT {
     const int ra = (u / half) * hd + i, rb = ra + half;  // rows in the stacked matrix
     float a = acc[0] + (bias ? bias[ra] : 0.f), b = acc[1] + (bias ? bias[rb] : 0.f);
     if (!rope) { q_out[ra] = a; q_out[rb] = b; return; }
-    const int pos = *pos_p;
+    const int pos = kEarlyPos ? (int)he_f32_as_u32(pv[0]) : *pos_p;
     if (ra < q_dim + kv_dim) {  // q or k: rotate
-      const float c = kEarlyRope ? pv[0] : cos_t[(he_i64)pos * half + i];
-      const float s = kEarlyRope ? pv[1] : sin_t[(he_i64)pos * half + i];
+      const float c = cos_t[(he_i64)pos * half + i], s = sin_t[(he_i64)pos * half + i];
       const float ra_v = a * c - b * s, rb_v = b * c + a * s;
       a = ra_v; b = rb_v;
     }
