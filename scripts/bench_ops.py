@@ -171,7 +171,8 @@ def bench_attention(rt, ops, stream, hbm) -> list[dict]:
         t_fused = timed(rt, stream, lambda i, caches=caches, part=part, nsplit=nsplit, chunk=chunk, ctx=ctx,
                         pos=pos, count=count: ops.attention(
                             q, *caches[i % len(caches)], part, out, pos, T=1, nh=nh, nkv=nkv, hd=hd, max_ctx=ctx,
-                            nsplit=nsplit, chunk=chunk, count=count, early=True, stream=stream), trials=5)
+                            nsplit=nsplit, chunk=chunk, count=count, early=True, one_kernel=True, stream=stream),
+                        trials=5)
         count.free()
         # the two kernels apart: where a short context's time goes
         from ctypes import c_int32

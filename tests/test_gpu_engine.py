@@ -124,6 +124,24 @@ def test_matvec_grid_caps(monkeypatch):
             o._grid(8192)
 
 
+def test_attention_one_kernel_rule(monkeypatch):
+    """Decode attention runs as one kernel from a 16K-token KV cache (v36: it wins at 32K, loses at 1K and
+    8K); the knob forces either form; a bad value is one clear error."""
+    from hipengine.errors import UnsupportedError
+    from hipengine.gpu import ops
+
+    monkeypatch.delenv("HIPENGINE_ATTN_ONE_KERNEL", raising=False)
+    assert not ops.attention_one_kernel(1024) and not ops.attention_one_kernel(8192)
+    assert ops.attention_one_kernel(16384) and ops.attention_one_kernel(32768)
+    monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", "1")
+    assert ops.attention_one_kernel(1024)
+    monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", "0")
+    assert not ops.attention_one_kernel(32768)
+    monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", "yes")
+    with pytest.raises(UnsupportedError, match="HIPENGINE_ATTN_ONE_KERNEL"):
+        ops.attention_one_kernel(1024)
+
+
 def test_tp_not_supported_yet():
     from hipengine.gpu.executor import GpuBackend
 
@@ -564,8 +582,11 @@ def emulated(monkeypatch):
     return E.GpuBackend
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama3", "qwen2", "qwen3", "smollm"])
-def test_executor_wiring_matches_reference(emulated, kind, tmp_path):
+@pytest.mark.parametrize("kind,one_kernel", [("llama", "0"), ("llama", "1"), ("llama3", ""), ("qwen2", "1"),
+                                             ("qwen3", ""), ("smollm", "")])
+def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path, monkeypatch):
+    """one_kernel: HIPENGINE_ATTN_ONE_KERNEL (decode attention as one kernel or two; "" = by cache size)."""
+    monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", one_kernel)
     from hipengine.loader import load_model
     from hipengine.reference import ReferenceBackend
     from tiny_models import save_tiny_model

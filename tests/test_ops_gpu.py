@@ -240,13 +240,13 @@ def test_attention_decode_fused(gpu, nh, nkv, hd, seq, max_ctx, T):
     kw = dict(T=1, nh=nh, nkv=nkv, hd=hd, max_ctx=max_ctx, nsplit=nsplit, chunk=chunk)
     part = poisoned(rt, O.Ops.partial_floats(1, nh, hd, nsplit))
     want = poisoned(rt, nh * hd)
-    ops.attention(*args, part, want, pos, **kw)
+    ops.attention(*args, part, want, pos, one_kernel=False, **kw)
     want = rt.download(want, (nh * hd,), np.float32)
     count = rt.upload(np.zeros(nkv, np.uint32))
     for early in (False, True, False, True):
         part = poisoned(rt, O.Ops.partial_floats(1, nh, hd, nsplit))
         out = poisoned(rt, nh * hd)
-        ops.attention(*args, part, out, pos, count=count, early=early, **kw)
+        ops.attention(*args, part, out, pos, count=count, early=early, one_kernel=True, **kw)
         rt.synchronize()
         got = rt.download(out, (nh * hd,), np.float32)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"early={early}"

@@ -140,6 +140,22 @@ def prefill_blocks_per_sm() -> int:
     return _blocks_per_sm("HIPENGINE_PREFILL_BLOCKS_PER_SM", 3)
 
 
+ATTN_ONE_KERNEL_MIN_CTX = 16384  # decode attention in one kernel from this KV cache size (attention_one_kernel)
+
+
+def attention_one_kernel(max_ctx: int) -> bool:
+    """Whether decode attention (one query token) runs as one kernel, attention_decode_g* (the last split
+    block of each KV head combines it), rather than attention_split_g* + attention_combine: for KV caches of
+    ATTN_ONE_KERNEL_MIN_CTX tokens or more. Measured on H200 (llama-3.2-1b, per-op path; docs/perf-log.md
+    v36): +1.9% at 32K, −0.5% at 8K, −1.3% at 1K. HIPENGINE_ATTN_ONE_KERNEL=1 / 0 forces either form."""
+    force = os.environ.get("HIPENGINE_ATTN_ONE_KERNEL", "")
+    if force in ("0", "1"):
+        return force == "1"
+    if force:
+        raise UnsupportedError(f"HIPENGINE_ATTN_ONE_KERNEL must be 0 or 1, not {force!r}")
+    return max_ctx >= ATTN_ONE_KERNEL_MIN_CTX
+
+
 def attention_early() -> bool:
     """Whether the decode attention kernel may load its K/V rows before the previous kernel completes, where
     the caller allows it (Ops.attention `early`); HIPENGINE_ATTN_EARLY=0 turns it off (A/B benchmarks)."""
@@ -255,12 +271,14 @@ class Ops:
                        stream=stream, pdl=self.pdl)
 
     def attention(self, q, k_cache, v_cache, partial, out, pos, *, T: int, nh: int, nkv: int, hd: int,
-                  max_ctx: int, nsplit: int, chunk: int, count=None, early: bool = False, stream=None):
+                  max_ctx: int, nsplit: int, chunk: int, count=None, early: bool = False,
+                  one_kernel: bool | None = None, stream=None):
         """partial: fp32 scratch of T·nh·nsplit·(hd+2) floats (see partial_floats).
 
-        One query token with `count` (nkv uint32 words, zero, left zero by every launch): one kernel,
-        attention_decode_g* — the splits, and the last split block of each KV head combines its heads.
-        Otherwise (prefill chunks) attention_split_g* then attention_combine; both give the same bits.
+        One query token with `count` (nkv uint32 words, zero, left zero by every launch), where `one_kernel`
+        (default: attention_one_kernel(max_ctx)) says so: one kernel, attention_decode_g* — the splits, and
+        the last split block of each KV head combines its heads. Otherwise attention_split_g* then
+        attention_combine; both give the same bits.
         `early`: the caller guarantees that *pos and every cache row before the newest were written before
         the kernel before this one was launched (a captured decode graph: the position is set before the
         graph) — the kernel then loads those rows before it waits for the previous kernel (with
@@ -270,7 +288,9 @@ class Ops:
             raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
         shared = (G * hd + (ATTN_THREADS // self.rt.warp_size) * G * (hd + 2)) * 4
         lanes = attention_defines(hd)
-        if T == 1 and count is not None:
+        if one_kernel is None:
+            one_kernel = attention_one_kernel(max_ctx)
+        if T == 1 and count is not None and one_kernel:
             self.rt.launch(self.fn("attention_decode", f"attention_decode_g{G}", lanes), nkv * nsplit,
                            ATTN_THREADS,
                            [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), _p(count), _p(out),
