@@ -125,21 +125,23 @@ def test_matvec_grid_caps(monkeypatch):
 
 
 def test_attention_one_kernel_rule(monkeypatch):
-    """Decode attention runs as one kernel from a 16K-token KV cache (v36: it wins at 32K, loses at 1K and
-    8K); the knob forces either form; a bad value is one clear error."""
+    """Decode attention runs as one kernel when its grid puts more than 1.5 blocks on an SM (v36, llama-3.2-1b
+    on 132 SMs: it loses at 1K / 8K with 128 blocks and at 16K with 136, wins at 32K with 256); the knob
+    forces either form; a bad value is one clear error."""
     from hipengine.errors import UnsupportedError
     from hipengine.gpu import ops
 
     monkeypatch.delenv("HIPENGINE_ATTN_ONE_KERNEL", raising=False)
-    assert not ops.attention_one_kernel(1024) and not ops.attention_one_kernel(8192)
-    assert ops.attention_one_kernel(16384) and ops.attention_one_kernel(32768)
+    for ctx, one in ((1024, False), (8192, False), (16384, False), (32768, True)):
+        nsplit, _ = ops.attention_plan(ctx, 8, 132)
+        assert ops.attention_one_kernel(8 * nsplit, 132) == one, ctx
     monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", "1")
-    assert ops.attention_one_kernel(1024)
+    assert ops.attention_one_kernel(128, 132)
     monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", "0")
-    assert not ops.attention_one_kernel(32768)
+    assert not ops.attention_one_kernel(256, 132)
     monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", "yes")
     with pytest.raises(UnsupportedError, match="HIPENGINE_ATTN_ONE_KERNEL"):
-        ops.attention_one_kernel(1024)
+        ops.attention_one_kernel(128, 132)
 
 
 def test_tp_not_supported_yet():

@@ -140,20 +140,22 @@ def prefill_blocks_per_sm() -> int:
     return _blocks_per_sm("HIPENGINE_PREFILL_BLOCKS_PER_SM", 3)
 
 
-ATTN_ONE_KERNEL_MIN_CTX = 16384  # decode attention in one kernel from this KV cache size (attention_one_kernel)
-
-
-def attention_one_kernel(max_ctx: int) -> bool:
+def attention_one_kernel(blocks: int, num_sms: int) -> bool:
     """Whether decode attention (one query token) runs as one kernel, attention_decode_g* (the last split
-    block of each KV head combines it), rather than attention_split_g* + attention_combine: for KV caches of
-    ATTN_ONE_KERNEL_MIN_CTX tokens or more. Measured on H200 (llama-3.2-1b, per-op path; docs/perf-log.md
-    v36): +1.9% at 32K, −0.5% at 8K, −1.3% at 1K. HIPENGINE_ATTN_ONE_KERNEL=1 / 0 forces either form."""
+    block of each KV head combines it), rather than attention_split_g* + attention_combine: when its grid of
+    (KV head, split) blocks puts more than 1.5 blocks on an SM on average. Measured on H200 (llama-3.2-1b,
+    132 SMs, per-op path; docs/perf-log.md v36): 128 blocks (1K, 8K) −1.3%, −0.5%; 136 blocks (16K) −1.8%;
+    256 blocks (32K) +1.9%. With about one attention block per SM the next kernel (O-proj) becomes resident
+    beside it at once and its weight requests queue in front of the K/V loads (the combine kernel's launch
+    hop delayed that); with the SMs full of attention blocks there is no such room, and removing the combine
+    kernel is a plain gain.
+    HIPENGINE_ATTN_ONE_KERNEL=1 / 0 forces either form."""
     force = os.environ.get("HIPENGINE_ATTN_ONE_KERNEL", "")
     if force in ("0", "1"):
         return force == "1"
     if force:
         raise UnsupportedError(f"HIPENGINE_ATTN_ONE_KERNEL must be 0 or 1, not {force!r}")
-    return max_ctx >= ATTN_ONE_KERNEL_MIN_CTX
+    return 2 * blocks > 3 * num_sms
 
 
 def attention_early() -> bool:
@@ -276,9 +278,9 @@ class Ops:
         """partial: fp32 scratch of T·nh·nsplit·(hd+2) floats (see partial_floats).
 
         One query token with `count` (nkv uint32 words, zero, left zero by every launch), where `one_kernel`
-        (default: attention_one_kernel(max_ctx)) says so: one kernel, attention_decode_g* — the splits, and
-        the last split block of each KV head combines its heads. Otherwise attention_split_g* then
-        attention_combine; both give the same bits.
+        (default: attention_one_kernel(nkv·nsplit blocks, SMs)) says so: one kernel, attention_decode_g* —
+        the splits, and the last split block of each KV head combines its heads. Otherwise
+        attention_split_g* then attention_combine; both give the same bits.
         `early`: the caller guarantees that *pos and every cache row before the newest were written before
         the kernel before this one was launched (a captured decode graph: the position is set before the
         graph) — the kernel then loads those rows before it waits for the previous kernel (with
@@ -289,7 +291,7 @@ class Ops:
         shared = (G * hd + (ATTN_THREADS // self.rt.warp_size) * G * (hd + 2)) * 4
         lanes = attention_defines(hd)
         if one_kernel is None:
-            one_kernel = attention_one_kernel(max_ctx)
+            one_kernel = attention_one_kernel(nkv * nsplit, self.rt.num_sms)
         if T == 1 and count is not None and one_kernel:
             self.rt.launch(self.fn("attention_decode", f"attention_decode_g{G}", lanes), nkv * nsplit,
                            ATTN_THREADS,
