@@ -587,7 +587,7 @@ def emulated(monkeypatch):
 @pytest.mark.parametrize("kind,one_kernel", [("llama", "0"), ("llama", "1"), ("llama3", ""), ("qwen2", "1"),
                                              ("qwen3", ""), ("smollm", "")])
 def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path, monkeypatch):
-    """one_kernel: HIPENGINE_ATTN_ONE_KERNEL (decode attention as one kernel or two; "" = by cache size)."""
+    """one_kernel: HIPENGINE_ATTN_ONE_KERNEL (decode attention as one kernel or two; "" = by grid size)."""
     monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", one_kernel)
     from hipengine.loader import load_model
     from hipengine.reference import ReferenceBackend
