@@ -11,9 +11,10 @@ Device state
             constant arguments.
 Decode (one step): embedding -> per layer [matvec_qkv (norm prologue, RoPE, append) -> attention split +
 combine (one kernel when its grid is large: ops.attention_one_kernel) -> O-proj + residual -> gate/up (norm
-prologue, SiLU·mul) -> down + residual] -> LM head (final norm prologue). Prefill runs chunks of up to 8 tokens through the small-M matmul so each weight is read
-once per chunk. Sampling runs on the device (sampling.hip); each token reaches the host through mapped memory
-while the next steps are already enqueued (_generate_per_op).
+prologue, SiLU·mul) -> down + residual] -> LM head (final norm prologue). Prefill runs chunks of up to 8
+tokens through the small-M matmul so each weight is read once per chunk. Sampling runs on the device
+(sampling.hip); each token reaches the host through mapped memory while the next steps are already
+enqueued (_generate_per_op).
 """
 from __future__ import annotations
 

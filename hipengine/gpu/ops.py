@@ -290,9 +290,8 @@ class Ops:
             raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
         shared = (G * hd + (ATTN_THREADS // self.rt.warp_size) * G * (hd + 2)) * 4
         lanes = attention_defines(hd)
-        if one_kernel is None:
-            one_kernel = attention_one_kernel(nkv * nsplit, self.rt.num_sms)
-        if T == 1 and count is not None and one_kernel:
+        if T == 1 and count is not None and (one_kernel if one_kernel is not None
+                                             else attention_one_kernel(nkv * nsplit, self.rt.num_sms)):
             self.rt.launch(self.fn("attention_decode", f"attention_decode_g{G}", lanes), nkv * nsplit,
                            ATTN_THREADS,
                            [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), _p(count), _p(out),
