@@ -223,14 +223,14 @@ class GpuBackend(Backend):
                           nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                           nsplit=self.nsplit, chunk=self.chunk, count=self.attn_count,
                           early=self._capturing, stream=s)
-            ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s)
+            ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s, role="o")
             yield 1
             ops.matvec_gate_up(L["w_gate"], L["w_up"], self.x, self.h, F, d, gamma=L["ffn_norm"], eps=eps,
                                f16=f16, stream=s)
-            ops.matvec(L["w_down"], self.h, out, d, F, residual=res, f16=f16, stream=s)
+            ops.matvec(L["w_down"], self.h, out, d, F, residual=res, f16=f16, stream=s, role="down")
             yield 1
         ops.matvec(self.lm_head, self.x, self.logits, cfg.vocab_size, d, gamma=self.final_norm, eps=eps,
-                   f16=self.head_f16, stream=s)
+                   f16=self.head_f16, stream=s, role="lm_head")
 
     def _decode_graph(self):
         if self._graph is None and os.environ.get("HIPENGINE_NO_GRAPH") != "1":

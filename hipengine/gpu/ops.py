@@ -170,6 +170,22 @@ def pdl_enabled(rt) -> bool:
     return bool(getattr(rt, "pdl_launch", False)) and os.environ.get("HIPENGINE_PDL", "1") != "0"
 
 
+PDL_ROLES = ("qkv", "attn", "combine", "o", "gate_up", "down", "lm_head")
+
+
+def pdl_off_roles() -> frozenset:
+    """Decode-step kernels launched in plain stream order although the path uses programmatic dependent
+    launch: HIPENGINE_PDL_OFF, a comma-separated list of PDL_ROLES (A/B and profiling of where each kernel
+    should become resident; scripts/profile_perop.py). Such a kernel starts once the one before it has
+    completed, and the kernel after it cannot start before it has."""
+    raw = os.environ.get("HIPENGINE_PDL_OFF", "")
+    roles = frozenset(r.strip() for r in raw.split(",") if r.strip())
+    bad = sorted(roles - set(PDL_ROLES))
+    if bad:
+        raise UnsupportedError(f"HIPENGINE_PDL_OFF: unknown role(s) {', '.join(bad)} (roles: {', '.join(PDL_ROLES)})")
+    return roles
+
+
 def attention_defines(hd: int) -> dict:
     """Compile-time defines of the per-op attention module (attention_decode.hip) for head_dim hd."""
     return {"HE_ATTN_LPR": attn_lanes(hd)}
@@ -187,6 +203,11 @@ class Ops:
         # weight loads overlap this one's end. Every kernel of kernels_hip/ops waits (he_pdl_wait) before it
         # touches data of the kernels before it, so this is safe for any sequence; pdl_enabled() decides.
         self.pdl = pdl_enabled(rt)
+        self.pdl_off = pdl_off_roles()
+
+    def _pdl(self, role: str) -> bool:
+        """Whether a kernel of this decode-step role launches with programmatic dependent launch."""
+        return self.pdl and role not in self.pdl_off
 
     def fn(self, source: str, name: str, defines: dict | None = None):
         """Kernel `name` of ops/<source>.hip, compiled once per (source, extra defines)."""
@@ -224,12 +245,12 @@ class Ops:
 
     # ---- matvecs ------------------------------------------------------------------------------------------
     def matvec(self, W, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, residual=None, f16=False,
-               stream=None, grid: int | None = None, threads: int = MATVEC_THREADS):
+               stream=None, grid: int | None = None, threads: int = MATVEC_THREADS, role: str = ""):
         self._check_in(inn)
         g = grid or self._grid((rows + 1) // 2, threads)
         self.rt.launch(self.fn("matvec", "matvec"), g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
-                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self.pdl)
+                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl(role))
 
     def matvec_gate_up(self, Wg, Wu, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
                        stream=None, grid: int | None = None, threads: int = MATVEC_THREADS):
@@ -237,7 +258,7 @@ class Ops:
         g = grid or self._grid(rows, threads)
         self.rt.launch(self.fn("matvec", "matvec_gate_up"), g, threads,
                        [_p(Wg), _p(Wu), _p(x), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
-                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self.pdl)
+                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl("gate_up"))
 
     def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,
                    hd: int, inn: int, gamma=None, eps: float = 0.0, bias=None, rope: bool = True, f16=False,
@@ -248,7 +269,7 @@ class Ops:
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(bias), _p(cos), _p(sin), _p(pos), _p(q_out),
                         _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(q_dim), c_int32(kv_dim), c_int32(hd),
                         c_int32(inn), c_int32(int(rope)), c_int32(int(f16))], shared=inn * 4, stream=stream,
-                       pdl=self.pdl)
+                       pdl=self._pdl("qkv"))
 
     def matmul_small_m(self, W, X, Y, M: int, rows: int, inn: int, mode: int = 0, W2=None, bias=None, f16=False,
                        stream=None):
@@ -297,15 +318,15 @@ class Ops:
                            [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), _p(count), _p(out),
                             c_int32(nsplit), c_int32(chunk), c_int32(nh), c_int32(nkv), c_int32(hd),
                             c_int32(max_ctx), c_int32(int(early and self.pdl and attention_early()))],
-                           shared=shared, stream=stream, pdl=self.pdl)
+                           shared=shared, stream=stream, pdl=self._pdl("attn"))
             return
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
                         c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream,
-                       pdl=self.pdl)
+                       pdl=self._pdl("attn"))
         self.rt.launch(self.fn("attention_decode", "attention_combine", lanes), (nh, T), 128,
                        [_p(partial), _p(pos), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)],
-                       stream=stream, pdl=self.pdl)
+                       stream=stream, pdl=self._pdl("combine"))
 
     @staticmethod
     def partial_floats(T: int, nh: int, hd: int, nsplit: int) -> int:
