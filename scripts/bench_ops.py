@@ -96,6 +96,7 @@ def bench_matvecs(rt, ops, stream, hbm) -> list[dict]:
               ("o-proj 2048->2048 (+residual)", "mv_res", 2048, 2048),
               ("gate/up 2048->2x8192 (SiLU*mul)", "gate_up", 8192, 2048),
               ("down 8192->2048 (+residual)", "mv_res", 2048, 8192),
+              ("down 8192->2048 (+residual), two-row units", "mv_res2", 2048, 8192),
               ("lm head 2048->128256", "mv", 128256, 2048)]
     x = rt.upload(rng.standard_normal(8192).astype(np.float32))
     g = rt.upload(np.ones(8192, np.float32))
@@ -120,8 +121,8 @@ def bench_matvecs(rt, ops, stream, hbm) -> list[dict]:
                                inn=inn, gamma=g, eps=1e-5, rope=True, stream=stream)
             elif kind == "gate_up":
                 ops.matvec_gate_up(w, w.ptr + rows * inn * 2, x, y, rows, inn, gamma=g, eps=1e-5, stream=stream)
-            elif kind == "mv_res":
-                ops.matvec(w, x, y, rows, inn, residual=y, stream=stream)
+            elif kind in ("mv_res", "mv_res2"):  # mv_res2: the two-row kernel where Ops picks matvec_rows1
+                ops.matvec(w, x, y, rows, inn, residual=y, stream=stream, rows1=False if kind == "mv_res2" else None)
             else:
                 ops.matvec(w, x, y, rows, inn, stream=stream)
 

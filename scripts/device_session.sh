@@ -14,6 +14,7 @@
 #   gen   : engine and monokernel GPU tests, then the decode bench at 1K/8K/32K (JSON + PNG)
 #   perop : op + engine tests, the per-op decode bench at 1K/8K/32K
 #   abperop: per-op trees $AB_PEROP_TREES (commits $AB_PEROP_COMMITS) alternated, 1K/8K/32K; op tests, bench_ops
+#   abenv : per-op A/B of environment settings $AB_ENVS on this tree, 1K/8K/32K; kernel timelines ($AB_PROFILE_ENVS)
 #   tests : engine + monokernel GPU tests
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
@@ -107,6 +108,25 @@ case "$MODE" in
     done
     run ops_tests 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs
     bench_ops ;;
+  abenv)  # per-op A/B of environment settings on this tree: $AB_ENVS, one word per run (VAR=V[,VAR=V] or -),
+          # each the per-op decode bench at 1K/8K/32K in its own process; then a kernel timeline at 1K per word
+          # of $AB_PROFILE_ENVS (scripts/profile_perop.py), and the op tests
+    i=0
+    for e in ${AB_ENVS:--}; do
+      [ "$e" = - ] && e=""
+      echo "abenv_$i: ${e:-default}" | tee -a "$SUMMARY"
+      run "abenv_$i" 90 env ${e//,/ } $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
+        --context 8192 --context 32768 --no-monokernel --json "$OUT/abenv_$i.json"
+      i=$((i + 1))
+    done
+    i=0
+    for e in ${AB_PROFILE_ENVS:--}; do
+      [ "$e" = - ] && e=""
+      echo "prof_$i: ${e:-default}" | tee -a "$SUMMARY"
+      run "prof_$i" 60 env ${e//,/ } $PY scripts/profile_perop.py --context 1024 --json "$OUT/prof_$i.json"
+      i=$((i + 1))
+    done
+    ops_tests ;;
   tests)  # engine + monokernel GPU tests of this tree
     engine_tests; mk_tests ;;
   perop)  # a per-op change: op + engine tests, then the per-op decode bench at 1K/8K/32K
@@ -121,7 +141,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|tests)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|tests)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

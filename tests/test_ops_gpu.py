@@ -92,6 +92,28 @@ def test_matvec(gpu, rows, inn, f16, norm, residual):
     close(rt.download(y, rows, np.float32), ref, 1e-5, 1e-5 * scale.max() + 1e-6)
 
 
+@pytest.mark.parametrize("rows,inn", [(1, 8), (333, 2056), (2051, 576), (2048, 8192), (5, 12296)])
+@pytest.mark.parametrize("f16", [False, True])
+@pytest.mark.parametrize("norm,residual", [(False, False), (True, True)])
+def test_matvec_rows1_same_bits(gpu, rows, inn, f16, norm, residual):
+    """matvec_rows1 (one row per warp unit, unroll 8) gives matvec's two-row bits: same sums, same order."""
+    rt, ops, O = gpu
+    bits, W = weights(O, rows, inn, f16)
+    x = rt.upload(RNG.standard_normal(inn).astype(np.float32))
+    g = rt.upload((1 + 0.3 * RNG.standard_normal(inn)).astype(np.float32)) if norm else None
+    r = RNG.standard_normal(rows).astype(np.float32)
+    wb, out = rt.upload(bits), {}
+    for rows1 in (False, True):
+        y = rt.upload(r) if residual else poisoned(rt, rows)
+        ops.matvec(wb, x, y, rows, inn, gamma=g, eps=1e-5, residual=y if residual else None, f16=f16, rows1=rows1)
+        out[rows1] = rt.download(y, rows, np.float32)
+    assert not np.isnan(out[True]).any()
+    assert out[True].tobytes() == out[False].tobytes()
+    ref = W @ O.ref_rmsnorm(rt.download(x, inn, np.float32), rt.download(g, inn, np.float32) if norm else None,
+                            1e-5) + (r if residual else 0)
+    close(out[True], ref, 1e-4, 1e-4)
+
+
 @pytest.mark.parametrize("grid", [1, 3, 1000])
 def test_matvec_grid_sizes(gpu, grid):
     """The grid-stride loop is correct whatever grid the caller picks (the monokernel picks its own)."""

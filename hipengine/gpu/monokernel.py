@@ -319,7 +319,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling."""
     from . import backend_cuda as bc, compiler
     from .executor import kv_defines
-    from .ops import attention_defines
+    from .ops import MATVEC_ROWS1_UNROLL, attention_defines
     from .runtime import KERNELS_DIR
 
     # fp16-weight models (GGUF) also keep an fp16 KV cache (GpuBackend.kv_f16): their op modules differ;
@@ -332,6 +332,9 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
 
     ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]
     jobs = [(f"ops/{n}", {"defines": op_defines(n, f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
+    # the one-row-unit matvec's build (Ops.matvec rows1)
+    jobs += [("ops/matvec.hip", {"defines": {**(kv_defines(f16) or {}), "HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL}})
+             for f16 in sorted(set(f16_variants))]
     # both attention builds (short and long KV caches: q_regs_build; one of them when HIPENGINE_MK_QREGS forces it)
     longs = sorted({q_regs_build(n) for n in (LONG_CONTEXT - 1, LONG_CONTEXT)})
     jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q))

@@ -134,6 +134,28 @@ def matvec_blocks_per_sm() -> int:
     return _blocks_per_sm("HIPENGINE_MATVEC_BLOCKS_PER_SM", 2)
 
 
+MATVEC_UNROLL = 4        # matvec.hip kMatvecUnroll (HE_MATVEC_UNROLL's default): 16-byte loads per lane per batch
+MATVEC_ROWS1_UNROLL = 8  # the unroll of the one-row-unit build (matvec_rows1): the same 64 registers in flight
+
+
+def matvec_rows1(rows: int, inn: int, warp: int, num_sms: int) -> bool:
+    """Whether a plain matvec (y = W·x (+ residual)) runs as matvec_rows1 — one row per warp unit, built with
+    HE_MATVEC_UNROLL=8 — rather than matvec's two-row units: when a two-row unit is longer than the pair of
+    batches a warp keeps in flight (so each warp streams its unit in several dependent rounds) and two-row
+    units leave the grid short of its cap (matvec_blocks_per_sm), so that one-row units double the warps — and
+    the bytes in flight — instead of lengthening the rounds. Llama-3.2-1B: the down-projection (2,048 rows of
+    8,192) only. Same sums in the same order, so the same bits (matvec.hip HeMvPlain1).
+    HIPENGINE_MATVEC_ROWS1=0 / 1 forces either form."""
+    force = os.environ.get("HIPENGINE_MATVEC_ROWS1", "")
+    if force in ("0", "1"):
+        return force == "1"
+    if force:
+        raise UnsupportedError(f"HIPENGINE_MATVEC_ROWS1 must be 0 or 1, not {force!r}")
+    pair = 2 * MATVEC_UNROLL * warp * 8  # columns of a unit's rows a warp holds in flight
+    blocks2 = math.ceil((rows + 1) // 2 / (MATVEC_THREADS // warp))
+    return inn > pair and blocks2 < matvec_blocks_per_sm() * num_sms
+
+
 def prefill_blocks_per_sm() -> int:
     """Grid cap of the prefill matmul (matmul_small_m), blocks per SM: 3 (HIPENGINE_PREFILL_BLOCKS_PER_SM).
     Time to first token of a 1K prompt on H200 with the cap at 1 / 2 / 3 / 4: 641 / 380 / 327 / 361 ms (v35)."""
@@ -245,10 +267,20 @@ class Ops:
 
     # ---- matvecs ------------------------------------------------------------------------------------------
     def matvec(self, W, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, residual=None, f16=False,
-               stream=None, grid: int | None = None, threads: int = MATVEC_THREADS, role: str = ""):
+               stream=None, grid: int | None = None, threads: int = MATVEC_THREADS, role: str = "",
+               rows1: bool | None = None):
+        """y = W·x (+ residual), RMSNorm(x; gamma) first when gamma is given. rows1: the one-row-unit kernel
+        (default: matvec_rows1(...) decides; an explicit grid keeps the two-row kernel unless rows1=True)."""
         self._check_in(inn)
-        g = grid or self._grid((rows + 1) // 2, threads)
-        self.rt.launch(self.fn("matvec", "matvec"), g, threads,
+        if rows1 is None:
+            rows1 = grid is None and matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms)
+        if rows1:
+            fn = self.fn("matvec", "matvec_rows1", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL})
+            g = grid or self._grid(rows, threads)
+        else:
+            fn = self.fn("matvec", "matvec")
+            g = grid or self._grid((rows + 1) // 2, threads)
+        self.rt.launch(fn, g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
                         c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl(role))
 

@@ -298,13 +298,41 @@ struct HeMvPlain {
   }
 };
 
+// ---- y = W·x (+ residual), one row per unit -------------------------------------------------------------
+// HeMvPlain with units of one row: twice the warps for the same matrix. The per-op path takes it for long
+// rows whose 2-row units leave the grid short of warps (the down-projection: 1,024 units of 2 × 8,192
+// weights fill one 8-warp block per SM, each warp streaming 4 pairs with 8 KiB in flight), built with
+// HE_MATVEC_UNROLL=8 so a warp keeps the same 64 registers — 8 KiB — of one row's weights in flight
+// (hipengine/gpu/ops.py matvec_rows1). A row's sum is the same chain as in HeMvPlain whatever kRows and the
+// unroll depth (a lane adds its even and odd sweeps, each in column order, then the warp sum), so the bits
+// are HeMvPlain's.
+struct HeMvPlain1 {
+  const float* x;
+  const float* gamma;
+  float eps;
+  int in;
+  const he_u16* W;
+  const float* residual;
+  float* y;
+  int n_rows;
+  HE_INLINE int units() const { return n_rows; }
+  HE_INLINE void rows(int u, const he_u16* (&rp)[1]) const { rp[0] = W + (he_i64)u * in; }
+  HE_INLINE void pre(int u, float (&pv)[1]) const {  // as HeMvPlain::pre
+    pv[0] = 0.f;
+    if (residual != nullptr && he_lane_id() == 0) pv[0] = residual[u];
+  }
+  HE_INLINE void epi(int u, const float (&acc)[1], const float (&pv)[1]) const {
+    if (he_lane_id() == 0) y[u] = acc[0] + pv[0];
+  }
+};
+
 // The per-op kernels' common body: this warp's first two batches of weights are requested, THEN the kernel
 // waits for the step data (he_pdl_wait, port.h): launched with the host's `pdl` flag, those loads overlap
 // the end of the kernel before it. The monokernel runs the same stream through its stages instead.
-template <bool kF16, class Op>
+template <bool kF16, int kRows = 2, class Op>
 HE_INLINE void he_matvec_run(const Op& op, float* xs, float* scratch) {
   he_pdl_trigger();
-  HeMvStream<2> s;
+  HeMvStream<kRows> s;
   const HeMvNone none{0};
   he_mv_begin(op, s, none);  // weights only: no kernel writes them
   he_pdl_wait();
@@ -319,6 +347,19 @@ HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x
   if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
   else he_matvec_run<false>(op, he_xs, scratch);
 }
+
+// Not in the monokernel's module (HE_IN_MONOKERNEL): it does not use it, and kernels beside its own change
+// how NVVM compiles it (see attention_decode.hip).
+#ifndef HE_IN_MONOKERNEL
+HE_KERNEL(kMatvecMaxThreads) matvec_rows1(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma,
+                             float eps, const float* residual, float* y, int rows, int in, int w_f16) {
+  extern __shared__ float he_xs[];  // [in]
+  __shared__ float scratch[kMaxWarpsPerBlock];
+  const HeMvPlain1 op{x, gamma, eps, in, W, residual, y, rows};
+  if (w_f16) he_matvec_run<true, 1>(op, he_xs, scratch);
+  else he_matvec_run<false, 1>(op, he_xs, scratch);
+}
+#endif
 
 // ---- y = silu(Wg·x) * (Wu·x) ------------------------------------------------------------------------------
 // Unit u = gate row u and up row u.
