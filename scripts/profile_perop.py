@@ -47,7 +47,7 @@ def label(names: list[str]) -> list[str]:
             r = "attn"
         elif n.startswith("attention_combine"):
             r = "combine"
-        elif n == "matvec":
+        elif n in ("matvec", "matvec_rows1"):
             r = {"attn": "o", "combine": "o", "gate_up": "down", "down": "lm_head"}.get(prev, "matvec")
         else:
             r = n
