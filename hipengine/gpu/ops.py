@@ -349,14 +349,13 @@ class Ops:
                            ATTN_THREADS,
                            [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), _p(count), _p(out),
                             c_int32(nsplit), c_int32(chunk), c_int32(nh), c_int32(nkv), c_int32(hd),
-                            c_int32(max_ctx), c_int32(int(early and self._pdl("attn") and attention_early()))],
+                            c_int32(max_ctx), c_int32(int(early and self.pdl and attention_early()))],
                            shared=shared, stream=stream, pdl=self._pdl("attn"))
             return
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
-                        c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx),
-                        c_int32(int(T == 1 and early and self._pdl("attn") and attention_early()))],
-                       shared=shared, stream=stream, pdl=self._pdl("attn"))
+                        c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream,
+                       pdl=self._pdl("attn"))
         self.rt.launch(self.fn("attention_decode", "attention_combine", lanes), (nh, T), 128,
                        [_p(partial), _p(pos), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)],
                        stream=stream, pdl=self._pdl("combine"))

@@ -315,27 +315,17 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
 // One kernel per group size (attention_split_g1 ... _g8): a kernel's register allocation is the maximum over
 // everything it may run, so a single kernel switching on G would pay G = 8's 168 registers for G = 4.
 // The module is compiled per lane count (HE_ATTN_LPR, from hd).
-// early != 0 (one query token, a launch inside a captured decode graph: *pos_p is written before the graph,
-// never inside it): he_attention_split_block's kEarly and kTrigger — the position and every K/V row but the
-// newest are loaded before the wait, and the combine kernel (then the O-proj) launches only once this
-// block's K/V loads are out. Not in the monokernel's module (HE_IN_MONOKERNEL): it runs the split body itself.
-#ifndef HE_IN_MONOKERNEL
 #define HE_ATTN_KERNEL(g)                                                                                   \
   HE_KERNEL(256) attention_split_g##g(const float* __restrict__ q, const he_kv* __restrict__ k_cache,      \
                                       const he_kv* __restrict__ v_cache, float* __restrict__ partial,       \
                                       const int* __restrict__ pos_p, int nsplit, int chunk, int nh, int nkv,  \
-                                      int hd, int max_ctx, int early) {                                       \
+                                      int hd, int max_ctx) {                                                  \
     extern __shared__ float he_attn_smem[];                                                                 \
-    const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
-    if (early) {                                                                                            \
-      he_attention_split_block<g, true, true>(q, k_cache, v_cache, partial, *pos_p + 1, kvh, split, nsplit,  \
-                                              chunk, nh, nkv, hd, max_ctx, he_attn_smem);                   \
-      return;                                                                                               \
-    }                                                                                                       \
     he_pdl_trigger();                                                                                       \
     he_pdl_wait(); /* port.h: the position, q and the newest K/V row come from the kernels before */        \
     const int tq = he_block_idx_y();                                                                        \
     const int seq = *pos_p + tq + 1;                                                                        \
+    const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
     he_attention_split_block<g>(q + (he_i64)tq * nh * hd, k_cache, v_cache,                                 \
                                 partial + (he_i64)tq * nh * nsplit * (hd + 2), seq, kvh, split, nsplit, chunk, \
                                 nh, nkv, hd, max_ctx, he_attn_smem);                                        \
@@ -349,7 +339,6 @@ HE_ATTN_KERNEL(6)
 HE_ATTN_KERNEL(7)
 HE_ATTN_KERNEL(8)
 #undef HE_ATTN_KERNEL
-#endif  // HE_IN_MONOKERNEL
 
 // out[h] = Σ_s 2^(m_s − M) o_s / Σ_s 2^(m_s − M) l_s  over non-empty splits (l_s > 0).
 // One thread per output value (head g of the heads combined here, dim d). Splits are taken kCombineBatch at a
