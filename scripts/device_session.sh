@@ -15,6 +15,7 @@
 #   perop : op + engine tests, the per-op decode bench at 1K/8K/32K
 #   abperop: per-op trees $AB_PEROP_TREES (commits $AB_PEROP_COMMITS) alternated, 1K/8K/32K; op tests, bench_ops
 #   abenv : per-op A/B of environment settings $AB_ENVS on this tree, 1K/8K/32K; kernel timelines ($AB_PROFILE_ENVS)
+#   recordperop: op + engine tests, the decode bench (both paths), bench_ops, the per-op timeline (per-op changes)
 #   tests : engine + monokernel GPU tests
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
@@ -127,6 +128,10 @@ case "$MODE" in
       i=$((i + 1))
     done
     ops_tests ;;
+  recordperop)  # the figures of record after a per-op change (monokernel SASS unchanged): op + engine tests, the
+                # decode bench of both paths (tokens compared), bench_ops, the per-op kernel timeline at 1K
+    ops_tests; engine_tests; bench; bench_ops
+    run profile_perop 60 $PY scripts/profile_perop.py --context 1024 --json "$OUT/profile_perop.json" ;;
   tests)  # engine + monokernel GPU tests of this tree
     engine_tests; mk_tests ;;
   perop)  # a per-op change: op + engine tests, then the per-op decode bench at 1K/8K/32K
@@ -141,7 +146,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|tests)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|tests)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
