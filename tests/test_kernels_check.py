@@ -119,3 +119,17 @@ def test_monokernel_long_context_build_compiles(tmp_path, monkeypatch, tp):
     unit.write_text(f'#define HE_ATTN_Q_REGS 1\n#define MK_TP {tp}\n#include "monokernel/decode.hip"\n')
     for r in check.check_all(_targets(), [unit]):
         assert r.ok, f"{r.target}: {r.message}"
+
+
+@pytest.mark.skipif(not _targets(), reason="neither clang-19 nor NVRTC installed")
+def test_matvec_rows1_build_compiles(tmp_path, monkeypatch):
+    """The per-op path builds matvec.hip a second time for matvec_rows1 (HE_MATVEC_UNROLL = ops.
+    MATVEC_ROWS1_UNROLL); `kernels check` builds the default, so this one must compile too, warnings as errors,
+    for gfx942 (wave64) and sm_90."""
+    from hipengine.gpu.ops import MATVEC_ROWS1_UNROLL
+
+    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
+    unit = tmp_path / "matvec_rows1.hip"
+    unit.write_text(f'#define HE_MATVEC_UNROLL {MATVEC_ROWS1_UNROLL}\n#include "ops/matvec.hip"\n')
+    for r in check.check_all(_targets(), [unit]):
+        assert r.ok, f"{r.target}: {r.message}"
