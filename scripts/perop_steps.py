@@ -1,0 +1,39 @@
+"""Run a few per-op decode steps of the Llama-3.2-1B shape and exit: the workload for an external profiler.
+
+Nsight Compute (where the machine lets it read the counters) on the decode attention, for example:
+  ncu --clock-control none -k regex:attention_split --launch-skip 64 --launch-count 4 \\
+      --section SpeedOfLight --section WarpStateStats --section SourceCounters -o attn \\
+      python3 scripts/perop_steps.py --context 1024 --steps 8
+The KV cache is filled synthetically to the context (as bench decode does above its smallest context); the
+steps run the captured decode graph exactly as the per-op generation loop does.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hipengine.bench.decode import _fill_kv, _per_op_from_state
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    from hipengine.gpu.executor import GpuBackend
+    from hipengine.presets import preset_model
+
+    be = GpuBackend(preset_model(args.shape, 0), max_context=args.context)
+    try:
+        _fill_kv(be)
+        be.pos = args.context - args.steps
+        toks, _ = _per_op_from_state(be, 1, args.steps)
+        print(f"{len(toks)} tokens at context {args.context}")
+    finally:
+        be.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
