@@ -144,6 +144,36 @@ def test_attention_one_kernel_rule(monkeypatch):
         ops.attention_one_kernel(128, 132)
 
 
+def test_matvec_rows1_rule(monkeypatch):
+    """One-row units (matvec_rows1) where a two-row unit streams in several rounds and two-row units leave the
+    grid short of its cap (v37): llama-3.2-1b's down-projection only, on NVIDIA (warp 32, 132 SMs) and on
+    MI300X (wave 64, 304 CUs: a pair of batches covers 4,096 columns there); the knob forces either form; PDL
+    roles are checked by name."""
+    from hipengine.errors import UnsupportedError
+    from hipengine.gpu import ops
+
+    monkeypatch.delenv("HIPENGINE_MATVEC_ROWS1", raising=False)
+    monkeypatch.delenv("HIPENGINE_MATVEC_BLOCKS_PER_SM", raising=False)
+    cases = {(2048, 8192): True, (2048, 2048): False, (3072, 2048): False, (128256, 2048): False,
+             (8192, 2048): False, (2048, 4096): True}  # down, O, QKV rows, LM head, gate/up rows, TP=2 down
+    for (rows, inn), want in cases.items():
+        assert ops.matvec_rows1(rows, inn, 32, 132) == want, (rows, inn)
+    assert ops.matvec_rows1(2048, 8192, 64, 304) and not ops.matvec_rows1(2048, 4096, 64, 304)
+    assert not ops.matvec_rows1(64128, 8192, 32, 132)  # two-row units fill the grid already
+    monkeypatch.setenv("HIPENGINE_MATVEC_ROWS1", "0")
+    assert not ops.matvec_rows1(2048, 8192, 32, 132)
+    monkeypatch.setenv("HIPENGINE_MATVEC_ROWS1", "1")
+    assert ops.matvec_rows1(2048, 2048, 32, 132)
+    monkeypatch.setenv("HIPENGINE_MATVEC_ROWS1", "on")
+    with pytest.raises(UnsupportedError, match="HIPENGINE_MATVEC_ROWS1"):
+        ops.matvec_rows1(2048, 8192, 32, 132)
+    monkeypatch.setenv("HIPENGINE_PDL_OFF", "o, down")
+    assert ops.pdl_off_roles() == {"o", "down"}
+    monkeypatch.setenv("HIPENGINE_PDL_OFF", "o,oproj")
+    with pytest.raises(UnsupportedError, match="oproj"):
+        ops.pdl_off_roles()
+
+
 def test_tp_not_supported_yet():
     from hipengine.gpu.executor import GpuBackend
 

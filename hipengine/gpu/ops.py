@@ -116,6 +116,16 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
     return nsplit, chunk
 
 
+def _env_switch(var: str) -> bool | None:
+    """A 0 / 1 override of a default from the environment (A/B benchmarks); None when unset."""
+    raw = os.environ.get(var, "")
+    if raw in ("0", "1"):
+        return raw == "1"
+    if raw:
+        raise UnsupportedError(f"{var} must be 0 or 1, not {raw!r}")
+    return None
+
+
 def _blocks_per_sm(var: str, default: int) -> int:
     raw = os.environ.get(var, str(default))
     if not raw.strip().isdigit() or int(raw) < 1:
@@ -146,11 +156,9 @@ def matvec_rows1(rows: int, inn: int, warp: int, num_sms: int) -> bool:
     the bytes in flight — instead of lengthening the rounds. Llama-3.2-1B: the down-projection (2,048 rows of
     8,192) only. Same sums in the same order, so the same bits (matvec.hip HeMvPlain1).
     HIPENGINE_MATVEC_ROWS1=0 / 1 forces either form."""
-    force = os.environ.get("HIPENGINE_MATVEC_ROWS1", "")
-    if force in ("0", "1"):
-        return force == "1"
-    if force:
-        raise UnsupportedError(f"HIPENGINE_MATVEC_ROWS1 must be 0 or 1, not {force!r}")
+    force = _env_switch("HIPENGINE_MATVEC_ROWS1")
+    if force is not None:
+        return force
     pair = 2 * MATVEC_UNROLL * warp * 8  # columns of a unit's rows a warp holds in flight
     blocks2 = math.ceil((rows + 1) // 2 / (MATVEC_THREADS // warp))
     return inn > pair and blocks2 < matvec_blocks_per_sm() * num_sms
@@ -172,11 +180,9 @@ def attention_one_kernel(blocks: int, num_sms: int) -> bool:
     hop delayed that); with the SMs full of attention blocks there is no such room, and removing the combine
     kernel is a plain gain.
     HIPENGINE_ATTN_ONE_KERNEL=1 / 0 forces either form."""
-    force = os.environ.get("HIPENGINE_ATTN_ONE_KERNEL", "")
-    if force in ("0", "1"):
-        return force == "1"
-    if force:
-        raise UnsupportedError(f"HIPENGINE_ATTN_ONE_KERNEL must be 0 or 1, not {force!r}")
+    force = _env_switch("HIPENGINE_ATTN_ONE_KERNEL")
+    if force is not None:
+        return force
     return 2 * blocks > 3 * num_sms
 
 
