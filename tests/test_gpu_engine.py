@@ -589,6 +589,11 @@ class EmulatedRuntime:
                 best, bi = v, i
         self.view(out_token, np.int32, 1)[0] = bi
 
+    def _k_argmax_pick_step(self, grid, cand, nb, token, history, hist_len, pos, hist_cap, count, host_words, cap):
+        self._k_decode_advance(grid, token, history, hist_len, pos, hist_cap)  # the consumed token, first
+        self._k_argmax_pick(grid, cand, nb, token)
+        self._k_emit_token(grid, token, count, host_words, cap)
+
     def _k_decode_advance(self, grid, token, history, hist_len, pos, cap):
         h = int(self.view(hist_len, np.int32, 1)[0])
         if h < cap:
@@ -644,12 +649,16 @@ def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path,
     gpu.close()
 
 
-def test_per_op_generation_stops_where_a_host_loop_would(emulated, tmp_path):
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_per_op_generation_stops_where_a_host_loop_would(emulated, tmp_path, monkeypatch, fused):
     """The per-op generation loop enqueues decode steps ahead of the tokens it has read (RUN_AHEAD); it must
     still yield exactly what a token-by-token loop yields — max_tokens, a full context (the last step writes K/V
     at max_context - 1), an end-of-sequence id (yielded, then nothing), should_stop() — and leave pos where
-    the device stopped: at most RUN_AHEAD steps past the last token it handed out."""
+    the device stopped: at most RUN_AHEAD steps past the last token it handed out. Greedy steps end in
+    argmax_step (fused = 1, the default) or in decode_advance + argmax + emit_token (HIPENGINE_FUSED_PICK=0)."""
     import dataclasses
+
+    monkeypatch.setenv("HIPENGINE_FUSED_PICK", fused)
 
     from hipengine.gpu.executor import RUN_AHEAD
     from hipengine.loader import load_model

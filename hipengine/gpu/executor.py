@@ -360,7 +360,8 @@ class GpuBackend(Backend):
         MonokernelBackend, for the benchmarks' per-op figures).
 
         The host stays off the GPU's critical path: it enqueues each step — the captured decode graph, then
-        decode_advance, sample and emit_token — up to RUN_AHEAD steps beyond the tokens it has read, and reads
+        decode_advance, sample and emit_token (greedy: argmax_step, the three in two launches) — up to RUN_AHEAD
+        steps beyond the tokens it has read, and reads
         the tokens from mapped memory as they land (no synchronisation per token). It stops on an end-of-
         sequence id, max_tokens, a full context or should_stop(); the steps already enqueued then run to their
         end (at most RUN_AHEAD, their tokens unread) and self.pos is where the device stopped."""
@@ -392,6 +393,16 @@ class GpuBackend(Backend):
                            min_p=params.min_p, repetition_penalty=params.repetition_penalty, seed=seed, stream=s)
             ops.emit_token(self.tokens, self._emit_count, self._emit_host, self._emit_cap, stream=s)
 
+        fused = greedy and O.fused_pick()
+
+        def step_end():  # the position advances, the next token is picked and handed to the host
+            if fused:  # the same three effects in two launches (Ops.argmax_step)
+                ops.argmax_step(self.logits, V, self.tokens, self.cand, self.history, self.hist_len, self.pos_buf,
+                                self.max_context, self._emit_count, self._emit_host, self._emit_cap, stream=s)
+                return
+            ops.decode_advance(self.tokens, self.history, self.hist_len, self.pos_buf, self.max_context, stream=s)
+            sample_and_emit()
+
         launched = read = 0
         try:
             if not embed_first:
@@ -399,9 +410,7 @@ class GpuBackend(Backend):
             while read < pre + steps:
                 while launched < steps and launched + pre < read + RUN_AHEAD:
                     self._run_decode()  # the token and the position are already on the device
-                    ops.decode_advance(self.tokens, self.history, self.hist_len, self.pos_buf, self.max_context,
-                                       stream=s)
-                    sample_and_emit()
+                    step_end()
                     launched += 1
                 self._wait_tokens(words, read + 1)
                 tok = int(words[1 + read])

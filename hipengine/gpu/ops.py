@@ -192,6 +192,13 @@ def attention_early() -> bool:
     return os.environ.get("HIPENGINE_ATTN_EARLY", "1") != "0"
 
 
+def fused_pick() -> bool:
+    """Whether the per-op greedy loop ends a step with Ops.argmax_step (two launches) rather than
+    decode_advance, argmax and emit_token (four); HIPENGINE_FUSED_PICK=0 keeps the four (A/B)."""
+    force = _env_switch("HIPENGINE_FUSED_PICK")
+    return True if force is None else force
+
+
 def pdl_enabled(rt) -> bool:
     """Whether the per-op kernels launch with programmatic dependent launch: where the runtime has it (NVIDIA
     sm_90+: Runtime.pdl_launch), unless HIPENGINE_PDL=0 (A/B benchmarks; docs/perf-log.md v29)."""
@@ -393,6 +400,18 @@ class Ops:
                        stream=stream, pdl=self.pdl)
         self.rt.launch(self.fn("sampling", "argmax_pick"), 1, MATVEC_THREADS, [_p(cand), c_int32(nb), _p(out_token)],
                        stream=stream, pdl=self.pdl)
+
+    def argmax_step(self, logits, n: int, token, cand, history, hist_len, pos, hist_cap: int, count, host_words,
+                    cap: int, stream=None):
+        """A greedy decode step's end, as decode_advance + argmax + emit_token in that order, in two launches:
+        argmax_blocks, then argmax_pick_step (sampling.hip), which advances the history and the position for
+        the token the step consumed, picks the next one into token[0] and hands it to the host."""
+        nb = self.argmax_blocks()
+        self.rt.launch(self.fn("sampling", "argmax_blocks"), nb, MATVEC_THREADS, [_p(logits), c_int32(n), _p(cand)],
+                       stream=stream, pdl=self.pdl)
+        self.rt.launch(self.fn("sampling", "argmax_pick_step"), 1, MATVEC_THREADS,
+                       [_p(cand), c_int32(nb), _p(token), _p(history), _p(hist_len), _p(pos), c_int32(hist_cap),
+                        _p(count), _p(host_words), c_int32(cap)], stream=stream, pdl=self.pdl)
 
     def emit_token(self, token, count, host_words, cap: int, stream=None):
         """host_words: mapped host memory, [0] tokens written, [1 + i] token i (sampling.hip emit_token)."""

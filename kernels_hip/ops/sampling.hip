@@ -219,11 +219,8 @@ HE_KERNEL(kMaxBlockThreads) argmax_blocks(const float* __restrict__ logits, int 
   }
 }
 
-HE_KERNEL(kMaxBlockThreads) argmax_pick(const float* __restrict__ cand, int nb, int* __restrict__ out_token) {
-  __shared__ float wv[kMaxWarpsPerBlock];
-  __shared__ int wi[kMaxWarpsPerBlock];
-  he_pdl_trigger();
-  he_pdl_wait();  // port.h: the candidates come from argmax_blocks
+// argmax_pick's fold: the first index of the largest of argmax_blocks' nb candidates (every thread gets it).
+HE_INLINE int he_argmax_fold(const float* cand, int nb, float* wv, int* wi) {
   float best = he_neg_inf();
   int bi = 0x7fffffff;
   for (int b = he_thread_idx(); b < nb; b += he_block_dim()) {
@@ -232,19 +229,32 @@ HE_KERNEL(kMaxBlockThreads) argmax_pick(const float* __restrict__ cand, int nb, 
     if (v > best || (v == best && i < bi)) { best = v; bi = i; }
   }
   he_block_argmax(best, bi, wv, wi);
+  return bi;
+}
+
+HE_KERNEL(kMaxBlockThreads) argmax_pick(const float* __restrict__ cand, int nb, int* __restrict__ out_token) {
+  __shared__ float wv[kMaxWarpsPerBlock];
+  __shared__ int wi[kMaxWarpsPerBlock];
+  he_pdl_trigger();
+  he_pdl_wait();  // port.h: the candidates come from argmax_blocks
+  const int bi = he_argmax_fold(cand, nb, wv, wi);
   if (he_thread_idx() == 0) out_token[0] = bi;
 }
 
 // End of a decode step, on the device: the sampled token becomes the next step's input and joins the
 // history; the position advances. One thread. Keeps the captured graph's arguments constant.
+HE_INLINE void he_decode_advance(int token, int* history, int* hist_len, int* pos, int hist_cap) {
+  const int h = *hist_len;
+  if (h < hist_cap) { history[h] = token; *hist_len = h + 1; }
+  *pos = *pos + 1;
+}
+
 HE_KERNEL(kMaxBlockThreads) decode_advance(const int* __restrict__ token, int* __restrict__ history, int* __restrict__ hist_len,
                              int* __restrict__ pos, int hist_cap) {
   he_pdl_trigger();
   he_pdl_wait();  // port.h: everything below reads or writes step data
   if (he_thread_idx() != 0) return;
-  const int h = *hist_len;
-  if (h < hist_cap) { history[h] = *token; *hist_len = h + 1; }
-  *pos = *pos + 1;
+  he_decode_advance(*token, history, hist_len, pos, hist_cap);
 }
 
 // Hand the sampled token to the host without a synchronisation (the per-op path's generation loop,
@@ -252,15 +262,41 @@ HE_KERNEL(kMaxBlockThreads) decode_advance(const int* __restrict__ token, int* _
 // [1 + i] token i. The token goes into its slot with a plain store, then the count with a system-scope
 // release, so a host that reads count n (and then the slots below it) sees those tokens. `count` is the
 // device's copy of the index (zeroed by the host per request). One thread.
+HE_INLINE void he_emit_token(int token, int* count, int* host_words, int cap) {
+  const int n = *count;
+  if (n >= cap) return;  // the host sizes cap for the request; it reports a missing token as an error
+  host_words[1 + n] = token;
+  *count = n + 1;
+  he_store_release_system((he_u32*)host_words, (he_u32)(n + 1));
+}
+
 HE_KERNEL(kMaxBlockThreads) emit_token(const int* __restrict__ token, int* __restrict__ count, int* host_words,
                                        int cap) {
   he_pdl_trigger();
   he_pdl_wait();  // port.h: everything below reads or writes step data
   if (he_thread_idx() != 0) return;
-  const int n = *count;
-  if (n >= cap) return;  // the host sizes cap for the request; it reports a missing token as an error
-  host_words[1 + n] = *token;
-  *count = n + 1;
-  he_store_release_system((he_u32*)host_words, (he_u32)(n + 1));
+  he_emit_token(*token, count, host_words, cap);
 }
+
+// The greedy step's end in one launch (the per-op path; Ops.argmax_step): decode_advance for the token the
+// step consumed, argmax_pick over argmax_blocks' candidates into *token, emit_token of it — three one-block
+// kernels, two launch hops fewer per token. Thread 0 reads the consumed token before it writes the new
+// one; the other effects are the three kernels' own, in their order. Not in the monokernel's module.
+#ifndef HE_IN_MONOKERNEL
+HE_KERNEL(kMaxBlockThreads) argmax_pick_step(const float* __restrict__ cand, int nb, int* __restrict__ token,
+                                             int* __restrict__ history, int* __restrict__ hist_len,
+                                             int* __restrict__ pos, int hist_cap, int* __restrict__ count,
+                                             int* host_words, int cap) {
+  __shared__ float wv[kMaxWarpsPerBlock];
+  __shared__ int wi[kMaxWarpsPerBlock];
+  he_pdl_trigger();
+  he_pdl_wait();  // port.h: the candidates and the step's token come from the kernels before
+  if (he_thread_idx() == 0) he_decode_advance(*token, history, hist_len, pos, hist_cap);
+  const int bi = he_argmax_fold(cand, nb, wv, wi);
+  if (he_thread_idx() == 0) {
+    *token = bi;
+    he_emit_token(bi, count, host_words, cap);
+  }
+}
+#endif
 #endif
