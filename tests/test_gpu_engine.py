@@ -235,9 +235,13 @@ def test_tiny_teacher_forced(kind, tmp_path_factory):
 
 
 @pytest.mark.gpu
-def test_tiny_greedy_matches_cpu(tiny):
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_tiny_greedy_matches_cpu(tiny, monkeypatch, fused):
+    """fused: HIPENGINE_FUSED_PICK (greedy steps end in argmax_step, or in decode_advance + argmax + emit)."""
     from hipengine.gpu.executor import GpuBackend
     from hipengine.reference import ReferenceBackend
+
+    monkeypatch.setenv("HIPENGINE_FUSED_PICK", fused)
 
     prompt = np.array([5, 17, 99, 42, 7, 250, 31], np.int64)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -655,7 +659,7 @@ def test_per_op_generation_stops_where_a_host_loop_would(emulated, tmp_path, mon
     still yield exactly what a token-by-token loop yields — max_tokens, a full context (the last step writes K/V
     at max_context - 1), an end-of-sequence id (yielded, then nothing), should_stop() — and leave pos where
     the device stopped: at most RUN_AHEAD steps past the last token it handed out. Greedy steps end in
-    argmax_step (fused = 1, the default) or in decode_advance + argmax + emit_token (HIPENGINE_FUSED_PICK=0)."""
+    decode_advance + argmax + emit_token (HIPENGINE_FUSED_PICK=0, the default) or in argmax_step (1)."""
     import dataclasses
 
     monkeypatch.setenv("HIPENGINE_FUSED_PICK", fused)

@@ -360,11 +360,11 @@ class GpuBackend(Backend):
         MonokernelBackend, for the benchmarks' per-op figures).
 
         The host stays off the GPU's critical path: it enqueues each step — the captured decode graph, then
-        decode_advance, sample and emit_token (greedy: argmax_step, the three in two launches) — up to RUN_AHEAD
-        steps beyond the tokens it has read, and reads
-        the tokens from mapped memory as they land (no synchronisation per token). It stops on an end-of-
-        sequence id, max_tokens, a full context or should_stop(); the steps already enqueued then run to their
-        end (at most RUN_AHEAD, their tokens unread) and self.pos is where the device stopped."""
+        decode_advance, sample and emit_token (or, opted in, argmax_step: the three in two launches) — up to
+        RUN_AHEAD steps beyond the tokens it has read, and reads the tokens from mapped memory as they land (no
+        synchronisation per token). It stops on an end-of-sequence id, max_tokens, a full context or
+        should_stop(); the steps already enqueued then run to their end (at most RUN_AHEAD, their tokens
+        unread) and self.pos is where the device stopped."""
         if params.max_tokens < 1:
             return
         eos = set() if params.ignore_eos else {int(e) for e in self.config.eos_token_ids}
