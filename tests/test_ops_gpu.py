@@ -382,3 +382,38 @@ def test_decode_advance(gpu):
     ops.decode_advance(tok, hist, hl, pos, 4)  # history full: position still advances
     assert rt.download(hist, 4, np.int32).tolist() == [0, 0, 0, 42]
     assert int(rt.download(hl, 1, np.int32)[0]) == 4 and int(rt.download(pos, 1, np.int32)[0]) == 11
+
+
+@pytest.mark.parametrize("n,hl0", [(1000, 2), (128256, 4)])
+def test_argmax_step_equals_the_four_kernels(gpu, n, hl0):
+    """Ops.argmax_step (argmax_blocks + argmax_pick_step) leaves what decode_advance, argmax and emit_token
+    leave, in that order: the consumed token joins the history (until it is full), the position advances, the
+    picked token replaces it and is handed to the host (slot and count); a full host ring takes no more."""
+    rt, ops, O = gpu
+    logits = rt.upload((RNG.standard_normal(n) * 4).astype(np.float32))
+    cand = rt.malloc(8 * ops.argmax_blocks())
+    out = {}
+    for fused in (False, True):
+        tok = rt.upload(np.array([42], np.int32))
+        hist, hl = rt.upload(np.zeros(4, np.int32)), rt.upload(np.array([hl0], np.int32))
+        pos, count = rt.upload(np.array([9], np.int32)), rt.upload(np.array([0], np.int32))
+        host = rt.host_alloc_mapped(4 * 3)
+        words = host.array.view(np.int32)
+        words[:] = -1
+        try:
+            for _ in range(3):  # the third token finds the ring (cap 2) full
+                if fused:
+                    ops.argmax_step(logits, n, tok, cand, hist, hl, pos, 4, count, host, 2)
+                else:
+                    ops.decode_advance(tok, hist, hl, pos, 4)
+                    ops.argmax(logits, n, tok, cand)
+                    ops.emit_token(tok, count, host, 2)
+            rt.synchronize()
+            out[fused] = (rt.download(tok, 1, np.int32).tolist(), rt.download(hist, 4, np.int32).tolist(),
+                          rt.download(hl, 1, np.int32).tolist(), rt.download(pos, 1, np.int32).tolist(),
+                          rt.download(count, 1, np.int32).tolist(), words.tolist())
+        finally:
+            host.free()
+    want = int(np.argmax(rt.download(logits, n, np.float32)))
+    assert out[True] == out[False]
+    assert out[True][0] == [want] and out[True][3] == [12] and out[True][5] == [2, want, want]
