@@ -36,4 +36,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hipengine.errors import HipEngineError
+
+    try:
+        sys.exit(main())
+    except HipEngineError as e:  # no GPU, bad shape, ...: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

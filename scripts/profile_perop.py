@@ -141,6 +141,12 @@ def main() -> int:
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--json")
     args = ap.parse_args()
+    try:
+        import torch.profiler  # noqa: F401  (CUPTI kernel tracing)
+    except ImportError:
+        print("error: scripts/profile_perop.py needs PyTorch for its profiler (the device image has it; "
+              "pip install torch)", file=sys.stderr)
+        return 2
     from hipengine.gpu.runtime import get_runtime
     from hipengine.presets import preset_model
 
@@ -159,4 +165,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hipengine.errors import HipEngineError
+
+    try:
+        sys.exit(main())
+    except HipEngineError as e:  # no GPU, bad shape, ...: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
