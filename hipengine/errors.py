@@ -28,3 +28,15 @@ class DeviceError(HipEngineError):
     """GPU missing, out of memory, compile failure, kernel timeout or vendor-call failure."""
 
     exit_code = 3
+
+
+def run_script(main) -> None:
+    """``sys.exit(main())`` for the scripts in scripts/: a HipEngineError (no GPU, a bad option) becomes the
+    CLI's one line and exit code instead of a traceback."""
+    import sys
+
+    try:
+        sys.exit(main())
+    except HipEngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

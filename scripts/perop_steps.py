@@ -10,7 +10,6 @@ steps run the captured decode graph exactly as the per-op generation loop does.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from hipengine.bench.decode import _fill_kv, _per_op_from_state
 
@@ -36,10 +35,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from hipengine.errors import HipEngineError
+    from hipengine.errors import run_script
 
-    try:
-        sys.exit(main())
-    except HipEngineError as e:  # no GPU, bad shape, ...: one line, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_script(main)

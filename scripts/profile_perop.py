@@ -165,10 +165,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from hipengine.errors import HipEngineError
+    from hipengine.errors import run_script
 
-    try:
-        sys.exit(main())
-    except HipEngineError as e:  # no GPU, bad shape, ...: one line, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_script(main)
