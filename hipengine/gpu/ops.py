@@ -363,7 +363,7 @@ class Ops:
                            ATTN_THREADS,
                            [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), _p(count), _p(out),
                             c_int32(nsplit), c_int32(chunk), c_int32(nh), c_int32(nkv), c_int32(hd),
-                            c_int32(max_ctx), c_int32(int(early and self.pdl and attention_early()))],
+                            c_int32(max_ctx), c_int32(int(early and self._pdl("attn") and attention_early()))],
                            shared=shared, stream=stream, pdl=self._pdl("attn"))
             return
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
@@ -396,20 +396,23 @@ class Ops:
         """out_token[0] = first index of max(logits[:n]) (NaN never wins): sampling.hip argmax_blocks over one
         block per SM, then argmax_pick over their candidates (cand: 2 * argmax_blocks() floats). The same token
         as sample(temperature=0) without a repetition penalty, which runs on one block."""
+        nb = self._argmax_candidates(logits, n, cand, stream)
+        self.rt.launch(self.fn("sampling", "argmax_pick"), 1, MATVEC_THREADS, [_p(cand), c_int32(nb), _p(out_token)],
+                       stream=stream, pdl=self.pdl)
+
+    def _argmax_candidates(self, logits, n: int, cand, stream) -> int:
+        """argmax_blocks: one candidate per block (SM) into cand; returns how many."""
         nb = self.argmax_blocks()
         self.rt.launch(self.fn("sampling", "argmax_blocks"), nb, MATVEC_THREADS, [_p(logits), c_int32(n), _p(cand)],
                        stream=stream, pdl=self.pdl)
-        self.rt.launch(self.fn("sampling", "argmax_pick"), 1, MATVEC_THREADS, [_p(cand), c_int32(nb), _p(out_token)],
-                       stream=stream, pdl=self.pdl)
+        return nb
 
     def argmax_step(self, logits, n: int, token, cand, history, hist_len, pos, hist_cap: int, count, host_words,
                     cap: int, stream=None):
         """A greedy decode step's end, as decode_advance + argmax + emit_token in that order, in two launches:
         argmax_blocks, then argmax_pick_step (sampling.hip), which advances the history and the position for
         the token the step consumed, picks the next one into token[0] and hands it to the host."""
-        nb = self.argmax_blocks()
-        self.rt.launch(self.fn("sampling", "argmax_blocks"), nb, MATVEC_THREADS, [_p(logits), c_int32(n), _p(cand)],
-                       stream=stream, pdl=self.pdl)
+        nb = self._argmax_candidates(logits, n, cand, stream)
         self.rt.launch(self.fn("sampling", "argmax_pick_step"), 1, MATVEC_THREADS,
                        [_p(cand), c_int32(nb), _p(token), _p(history), _p(hist_len), _p(pos), c_int32(hist_cap),
                         _p(count), _p(host_words), c_int32(cap)], stream=stream, pdl=self.pdl)
