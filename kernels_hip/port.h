@@ -236,27 +236,6 @@ HE_INLINE he_vec16 he_load16_stream_rw(const void* p) {
 }
 #endif
 
-// L2 prefetch of [p, p + bytes) (p and bytes multiples of 16): a request with no destination and no
-// completion, for weights a LATER kernel of the step streams — issued from a kernel that leaves HBM idle
-// (the attention split: docs/perf-log.md v39), so that kernel finds them in L2. Warp-collective: every lane
-// of the warp calls it with the same arguments. NVIDIA sm_90+: one bulk (TMA) prefetch instruction (its
-// operands live in uniform registers, so per-lane ranges would run it once per distinct lane); older NVIDIA:
-// the lanes share one prefetch per 128-byte line. AMD gfx942 (CDNA3) has no prefetch instruction
-// (s_prefetch_data is gfx12) and a load into a register the kernel never uses would hold a VGPR and a wait
-// count until it returns, so the call is empty there: the step reads the same bytes from HBM as without it.
-#if HE_AMD
-HE_INLINE void he_prefetch_l2(const void*, unsigned) {}
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-HE_INLINE void he_prefetch_l2(const void* p, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-#else
-HE_INLINE void he_prefetch_l2(const void* p, unsigned bytes) {
-  for (unsigned o = (unsigned)(he_thread_idx() % 32) * 128; o < bytes; o += 32 * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"((const char*)p + o));
-}
-#endif
-
 // ------------------------------------------------------------------------------------------------------
 // Warp shuffles and reductions. All lanes of the warp must be active (kernels here launch whole warps and
 // keep every lane in the reduction, masking data instead of threads).

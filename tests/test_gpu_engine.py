@@ -124,27 +124,6 @@ def test_matvec_grid_caps(monkeypatch):
             o._grid(8192)
 
 
-def test_attention_prefetch_args(monkeypatch):
-    """HIPENGINE_ATTN_PREFETCH_MB -> bytes (32-byte multiples: half per region stays 16-aligned); the split
-    kernels' arguments give every block a 16-byte-aligned share that covers the range; a bad value is one error."""
-    from hipengine.errors import UnsupportedError
-    from hipengine.gpu import ops
-
-    monkeypatch.setenv("HIPENGINE_ATTN_PREFETCH_MB", "24")
-    assert ops.attention_prefetch_bytes() == 24 << 20
-    monkeypatch.setenv("HIPENGINE_ATTN_PREFETCH_MB", "0.001")
-    assert ops.attention_prefetch_bytes() == 1024
-    for bad in ("-1", "lots", "2000"):
-        monkeypatch.setenv("HIPENGINE_ATTN_PREFETCH_MB", bad)
-        with pytest.raises(UnsupportedError, match="HIPENGINE_ATTN_PREFETCH_MB"):
-            ops.attention_prefetch_bytes()
-    assert [a.value for a in ops.attention_prefetch_args(None, 128)] == [None, None, 0, 0]
-    for nbytes, blocks in ((12 << 20, 128), (1000, 7), (16, 128)):
-        args = ops.attention_prefetch_args((4096, 8192, nbytes), blocks)
-        got, share = args[2].value, args[3].value
-        assert got == nbytes // 16 * 16 and share % 16 == 0 and share * blocks >= got and share < got / blocks + 16
-
-
 def test_attention_one_kernel_rule(monkeypatch):
     """Decode attention runs as one kernel when its grid puts more than 1.5 blocks on an SM (v36, llama-3.2-1b
     on 132 SMs: it loses at 1K / 8K with 128 blocks and at 16K with 136, wins at 32K with 256); the knob
@@ -542,12 +521,8 @@ class EmulatedRuntime:
             K[:, p] = self._kv_enc(O.ref_rope(k, c, s))
             V[:, p] = self._kv_enc(v)
 
-    def _k_attention_split(self, grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx,
-                           pf_a=0, pf_b=0, pf_bytes=0, pf_share=0):
+    def _k_attention_split(self, grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx):
         T, G = grid[1], nh // nkv
-        if pf_bytes:  # the L2 prefetch (HeAttnPrefetch) changes no value: check its ranges only
-            assert T == 1 and pf_bytes % 16 == 0 and pf_share % 16 == 0 and pf_share * grid[0] >= pf_bytes
-            self.view(pf_a, np.uint8, pf_bytes), self.view(pf_b, np.uint8, pf_bytes)
         p0 = int(self.view(pos, np.int32, 1)[0])
         K = self._kv_dec(self.view(kc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd).astype(np.float64)
         V = self._kv_dec(self.view(vc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd).astype(np.float64)
@@ -569,9 +544,9 @@ class EmulatedRuntime:
                     P[t, h, sp, hd], P[t, h, sp, hd + 1] = m, e.sum()
 
     def _k_attention_decode(self, grid, q, kc, vc, partial, pos, count, out, nsplit, chunk, nh, nkv, hd, max_ctx,
-                            early, *pf):
+                            early):
         assert not any(self.view(count, np.uint32, nkv)), "arrival counters must be left at zero"
-        self._k_attention_split(grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx, *pf)
+        self._k_attention_split(grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx)
         self._k_attention_combine((nh, 1), partial, pos, nsplit, nh, hd, out)
 
     def _k_attention_combine(self, grid, partial, pos, nsplit, nh, hd, out):
@@ -648,15 +623,11 @@ def emulated(monkeypatch):
     return E.GpuBackend
 
 
-@pytest.mark.parametrize("kind,one_kernel,prefetch", [("llama", "0", "1"), ("llama", "1", "0.004"),
-                                                      ("llama3", "", "0"), ("qwen2", "1", "0"), ("qwen3", "", "1"),
-                                                      ("smollm", "", "0")])
-def test_executor_wiring_matches_reference(emulated, kind, one_kernel, prefetch, tmp_path, monkeypatch):
-    """one_kernel: HIPENGINE_ATTN_ONE_KERNEL (decode attention as one kernel or two; "" = by grid size);
-    prefetch: HIPENGINE_ATTN_PREFETCH_MB (the split blocks' L2 prefetch of gate/up; the emulated kernel checks
-    its ranges lie inside the weights)."""
+@pytest.mark.parametrize("kind,one_kernel", [("llama", "0"), ("llama", "1"), ("llama3", ""), ("qwen2", "1"),
+                                             ("qwen3", ""), ("smollm", "")])
+def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path, monkeypatch):
+    """one_kernel: HIPENGINE_ATTN_ONE_KERNEL (decode attention as one kernel or two; "" = by grid size)."""
     monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", one_kernel)
-    monkeypatch.setenv("HIPENGINE_ATTN_PREFETCH_MB", prefetch)
     from hipengine.loader import load_model
     from hipengine.reference import ReferenceBackend
     from tiny_models import save_tiny_model
@@ -688,7 +659,7 @@ def test_per_op_generation_stops_where_a_host_loop_would(emulated, tmp_path, mon
     still yield exactly what a token-by-token loop yields — max_tokens, a full context (the last step writes K/V
     at max_context - 1), an end-of-sequence id (yielded, then nothing), should_stop() — and leave pos where
     the device stopped: at most RUN_AHEAD steps past the last token it handed out. Greedy steps end in
-    decode_advance + argmax + emit_token (HIPENGINE_FUSED_PICK=0, the default) or in argmax_step (1)."""
+    decode_advance + argmax + emit_token (HIPENGINE_FUSED_PICK=0) or in argmax_step (1, the default)."""
     import dataclasses
 
     monkeypatch.setenv("HIPENGINE_FUSED_PICK", fused)

@@ -222,7 +222,7 @@ class GpuBackend(Backend):
             ops.attention(self.q, self._kc(i), self._vc(i), self.partial, self.att, self.pos_buf, T=1,
                           nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                           nsplit=self.nsplit, chunk=self.chunk, count=self.attn_count,
-                          early=self._capturing, prefetch=self._gate_up_prefetch(L, d, F), stream=s)
+                          early=self._capturing, stream=s)
             ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s, role="o")
             yield 1
             ops.matvec_gate_up(L["w_gate"], L["w_up"], self.x, self.h, F, d, gamma=L["ffn_norm"], eps=eps,
@@ -231,15 +231,6 @@ class GpuBackend(Backend):
             yield 1
         ops.matvec(self.lm_head, self.x, self.logits, cfg.vocab_size, d, gamma=self.final_norm, eps=eps,
                    f16=self.head_f16, stream=s, role="lm_head")
-
-    @staticmethod
-    def _gate_up_prefetch(L, d: int, F: int):
-        """(w_gate, w_up, bytes of each): the start of the gate/up matrices that the layer's attention split
-        blocks request into L2 (ops.attention_prefetch_bytes, half from each; Ops.attention), or None."""
-        total = O.attention_prefetch_bytes()
-        if total <= 0:
-            return None
-        return L["w_gate"], L["w_up"], min(total // 2, F * d * 2)
 
     def _decode_graph(self):
         if self._graph is None and os.environ.get("HIPENGINE_NO_GRAPH") != "1":

@@ -170,31 +170,6 @@ def prefill_blocks_per_sm() -> int:
     return _blocks_per_sm("HIPENGINE_PREFILL_BLOCKS_PER_SM", 3)
 
 
-def attention_prefetch_bytes() -> int:
-    """Bytes of the next weights the decode attention's split blocks prefetch into L2 per layer
-    (attention_decode.hip HeAttnPrefetch; the executor takes them from the start of the gate and up matrices,
-    half from each): HIPENGINE_ATTN_PREFETCH_MB, default 0 (sweeps)."""
-    raw = os.environ.get("HIPENGINE_ATTN_PREFETCH_MB", "0")
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not 0 <= mb <= 1024:
-        raise UnsupportedError(f"HIPENGINE_ATTN_PREFETCH_MB={raw!r}: a number of MB from 0 to 1024")
-    return int(mb * (1 << 20)) // 32 * 32
-
-
-def attention_prefetch_args(prefetch, blocks: int) -> list:
-    """The split kernels' trailing arguments for an L2 prefetch of the first `nbytes` of regions a and b
-    (prefetch = (a, b, nbytes), or None): pointers, bytes per region and per block, multiples of 16."""
-    if not prefetch or prefetch[2] <= 0:
-        return [c_void_p(0), c_void_p(0), c_int32(0), c_int32(0)]
-    a, b, nbytes = prefetch
-    nbytes = min(int(nbytes), (1 << 31) - (1 << 20)) // 16 * 16
-    share = (-(-nbytes // blocks) + 15) // 16 * 16
-    return [_p(a), _p(b), c_int32(nbytes), c_int32(share)]
-
-
 def attention_one_kernel(blocks: int, num_sms: int) -> bool:
     """Whether decode attention (one query token) runs as one kernel, attention_decode_g* (the last split
     block of each KV head combines it), rather than attention_split_g* + attention_combine: when its grid of
@@ -219,10 +194,10 @@ def attention_early() -> bool:
 
 def fused_pick() -> bool:
     """Whether the per-op greedy loop ends a step with Ops.argmax_step (two launches) rather than
-    decode_advance, argmax and emit_token (four): HIPENGINE_FUSED_PICK=1. Off by default until its tokens have
-    been checked on a GPU (tests/test_gpu_engine.py test_tiny_greedy_matches_cpu[1]; the emulated runtime's
-    tests pass): measured +0.2% per-op at 1K on H200, −2.5 µs per token (docs/perf-log.md, session 11)."""
-    return bool(_env_switch("HIPENGINE_FUSED_PICK"))
+    decode_advance, argmax and emit_token (four): yes unless HIPENGINE_FUSED_PICK=0 (A/B). Measured +0.1–0.3%
+    per-op at 1K on H200, −2.5 µs per token (session 11); same tokens as the CPU path on the GPU
+    (tests/test_gpu_engine.py test_tiny_greedy_matches_cpu, both tails; docs/perf-log.md, session 12)."""
+    return _env_switch("HIPENGINE_FUSED_PICK") is not False
 
 
 def pdl_enabled(rt) -> bool:
@@ -366,7 +341,7 @@ class Ops:
 
     def attention(self, q, k_cache, v_cache, partial, out, pos, *, T: int, nh: int, nkv: int, hd: int,
                   max_ctx: int, nsplit: int, chunk: int, count=None, early: bool = False,
-                  one_kernel: bool | None = None, prefetch=None, stream=None):
+                  one_kernel: bool | None = None, stream=None):
         """partial: fp32 scratch of T·nh·nsplit·(hd+2) floats (see partial_floats).
 
         One query token with `count` (nkv uint32 words, zero, left zero by every launch), where `one_kernel`
@@ -376,27 +351,24 @@ class Ops:
         `early`: the caller guarantees that *pos and every cache row before the newest were written before
         the kernel before this one was launched (a captured decode graph: the position is set before the
         graph) — the kernel then loads those rows before it waits for the previous kernel (with
-        programmatic dependent launch only; elsewhere it changes nothing).
-        `prefetch` = (a, b, nbytes), one query token only: the split blocks also request the first nbytes of
-        device regions a and b into L2 (HeAttnPrefetch: the layer's gate and up matrices), values unchanged."""
+        programmatic dependent launch only; elsewhere it changes nothing)."""
         G = nh // nkv
         if not 1 <= G <= ATTN_MAX_GROUP or nh % nkv or hd % 8 or hd > 8 * self.rt.warp_size:
             raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
         shared = (G * hd + (ATTN_THREADS // self.rt.warp_size) * G * (hd + 2)) * 4
         lanes = attention_defines(hd)
-        pf = attention_prefetch_args(prefetch if T == 1 else None, nkv * nsplit)
         if T == 1 and count is not None and (one_kernel if one_kernel is not None
                                              else attention_one_kernel(nkv * nsplit, self.rt.num_sms)):
             self.rt.launch(self.fn("attention_decode", f"attention_decode_g{G}", lanes), nkv * nsplit,
                            ATTN_THREADS,
                            [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), _p(count), _p(out),
                             c_int32(nsplit), c_int32(chunk), c_int32(nh), c_int32(nkv), c_int32(hd),
-                            c_int32(max_ctx), c_int32(int(early and self._pdl("attn") and attention_early()))] + pf,
+                            c_int32(max_ctx), c_int32(int(early and self._pdl("attn") and attention_early()))],
                            shared=shared, stream=stream, pdl=self._pdl("attn"))
             return
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
-                        c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)] + pf, shared=shared, stream=stream,
+                        c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream,
                        pdl=self._pdl("attn"))
         self.rt.launch(self.fn("attention_decode", "attention_combine", lanes), (nh, T), 128,
                        [_p(partial), _p(pos), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)],

@@ -97,32 +97,6 @@ HE_INLINE int he_attn_len(int seq, int nsplit, int chunk) {
   return ns < nsplit ? he_attn_chunk(seq, ns, kAttnBatchRows) : he_attn_chunk(seq, nsplit, chunk);
 }
 
-// A split block's side job (the per-op decode kernels, docs/perf-log.md v39). The split stage is bound by its
-// instruction chain and leaves HBM nearly idle for ~10 µs per layer at short contexts, so each block requests
-// an L2 prefetch (port.h he_prefetch_l2) of its share — `share` bytes, block b the b-th — of the first
-// `bytes` of two weight regions that a later kernel of the layer streams: the gate and up matrices, whose
-// first rows are the first units every matvec warp takes (matvec.hip he_mv_first), so that kernel starts on
-// L2 hits. Warp 0 issues it, right after its first K/V requests. It writes nothing and orders nothing: no
-// value changes. HeAttnNoSide (the monokernel, prefill) does nothing.
-constexpr int kAttnPrefetchPiece = 32768;  // bytes per prefetch request
-struct HeAttnPrefetch {
-  const char* a;
-  const char* b;
-  int bytes, share;  // the host's: bytes per region, and per block (multiples of 16)
-  HE_INLINE void run() const {
-    if (bytes <= 0 || he_warp_id() != 0) return;
-    const int lo = he_block_idx() * share, hi = lo + share < bytes ? lo + share : bytes;
-    for (int o = lo; o < hi; o += kAttnPrefetchPiece) {  // warp-uniform: he_prefetch_l2 is warp-collective
-      const unsigned n = (unsigned)(hi - o < kAttnPrefetchPiece ? hi - o : kAttnPrefetchPiece);
-      he_prefetch_l2(a + o, n);
-      he_prefetch_l2(b + o, n);
-    }
-  }
-};
-struct HeAttnNoSide {
-  HE_INLINE void run() const {}
-};
-
 // kG = num_heads / num_kv_heads as a template parameter: the per-lane state is kG·10 registers, and a
 // runtime bound of kAttnMaxGroup cost 155 registers (one block per SM) even for G = 4.
 //
@@ -143,13 +117,13 @@ struct HeAttnNoSide {
 // kTrigger (the same kernel): he_pdl_trigger() once the first K/V batch is requested, so the next kernel
 // (the O-proj) launches — and requests its weights — only behind this block's K/V loads. Triggering at the
 // kernel's top let the O-proj's 8.4 MB of weight requests queue in front of them: −1.3% at 1K (v36).
-template <int kG, bool kEarly = false, bool kTrigger = false, class Side = HeAttnNoSide>
+template <int kG, bool kEarly = false, bool kTrigger = false>
 // q, the caches and partial are rewritten inside the monokernel, so none is `const __restrict__` here (that
 // lets the compiler use the non-coherent read-only path) and cache rows use the coherent streaming load.
 HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
                                         const he_kv* v_cache, float* partial, int seq,
                                         int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
-                                        int max_ctx, float* smem, const Side& side = Side()) {
+                                        int max_ctx, float* smem) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
   constexpr int G = kG, kL = kAttnLpr, kR = kWarpSize / kAttnLpr;  // lanes per row, rows per warp at once
   constexpr int U = kAttnUnroll;
@@ -160,7 +134,6 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
   if (n == 0) {  // nothing to attend in this split: mark it empty for the combine
     if (kTrigger) he_pdl_trigger();
-    side.run();
     if (kEarly) he_pdl_wait();  // partial is step data
     for (int g = t; g < G; g += nt) {
       float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
@@ -191,7 +164,6 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
     vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
   }
   if (kTrigger) he_pdl_trigger();
-  side.run();
   if (kEarly) {
     he_pdl_wait();  // port.h: the previous kernel (QKV) has completed; its writes are visible
 #pragma unroll
@@ -347,18 +319,16 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   HE_KERNEL(256) attention_split_g##g(const float* __restrict__ q, const he_kv* __restrict__ k_cache,      \
                                       const he_kv* __restrict__ v_cache, float* __restrict__ partial,       \
                                       const int* __restrict__ pos_p, int nsplit, int chunk, int nh, int nkv,  \
-                                      int hd, int max_ctx, const void* pf_a, const void* pf_b, int pf_bytes,  \
-                                      int pf_share) {                                                         \
+                                      int hd, int max_ctx) {                                                  \
     extern __shared__ float he_attn_smem[];                                                                 \
     he_pdl_trigger();                                                                                       \
     he_pdl_wait(); /* port.h: the position, q and the newest K/V row come from the kernels before */        \
     const int tq = he_block_idx_y();                                                                        \
     const int seq = *pos_p + tq + 1;                                                                        \
     const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
-    const HeAttnPrefetch pf{(const char*)pf_a, (const char*)pf_b, pf_bytes, pf_share};                      \
-    he_attention_split_block<g, false, false, HeAttnPrefetch>(                                              \
-        q + (he_i64)tq * nh * hd, k_cache, v_cache, partial + (he_i64)tq * nh * nsplit * (hd + 2), seq, kvh,  \
-        split, nsplit, chunk, nh, nkv, hd, max_ctx, he_attn_smem, pf);                                      \
+    he_attention_split_block<g>(q + (he_i64)tq * nh * hd, k_cache, v_cache,                                 \
+                                partial + (he_i64)tq * nh * nsplit * (hd + 2), seq, kvh, split, nsplit, chunk, \
+                                nh, nkv, hd, max_ctx, he_attn_smem);                                        \
   }
 HE_ATTN_KERNEL(1)
 HE_ATTN_KERNEL(2)
@@ -446,23 +416,19 @@ HE_KERNEL(256) attention_combine(const float* __restrict__ partial, const int* _
                                        const he_kv* __restrict__ v_cache, float* __restrict__ partial,      \
                                        const int* __restrict__ pos_p, he_u32* __restrict__ count,           \
                                        float* __restrict__ out, int nsplit, int chunk, int nh, int nkv,     \
-                                       int hd, int max_ctx, int early, const void* pf_a, const void* pf_b,  \
-                                       int pf_bytes, int pf_share) {                                        \
+                                       int hd, int max_ctx, int early) {                                    \
     extern __shared__ float he_attn_smem[];                                                                 \
-    const HeAttnPrefetch pf{(const char*)pf_a, (const char*)pf_b, pf_bytes, pf_share};                      \
     const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
     int seq;                                                                                                \
     if (early) {                                                                                            \
       seq = *pos_p + 1;                                                                                     \
-      he_attention_split_block<g, true, true, HeAttnPrefetch>(q, k_cache, v_cache, partial, seq, kvh, split,  \
-                                                              nsplit, chunk, nh, nkv, hd, max_ctx,          \
-                                                              he_attn_smem, pf);                            \
+      he_attention_split_block<g, true, true>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk,  \
+                                              nh, nkv, hd, max_ctx, he_attn_smem);                          \
     } else {                                                                                                \
       he_pdl_wait(); /* port.h: the position, q and the newest K/V row come from the kernels before */      \
       seq = *pos_p + 1;                                                                                     \
-      he_attention_split_block<g, false, true, HeAttnPrefetch>(q, k_cache, v_cache, partial, seq, kvh, split, \
-                                                               nsplit, chunk, nh, nkv, hd, max_ctx,         \
-                                                               he_attn_smem, pf);                           \
+      he_attention_split_block<g, false, true>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk, \
+                                               nh, nkv, hd, max_ctx, he_attn_smem);                         \
     }                                                                                                       \
     if (he_arrive_last(count + kvh, (he_u32)nsplit))                                                        \
       he_attention_combine(partial + (he_i64)kvh * (g) * nsplit * (hd + 2), (g), nsplit, seq, hd,           \
