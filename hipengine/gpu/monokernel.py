@@ -239,8 +239,8 @@ def write_layout(path=None) -> None:
 
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
                  tp: bool = False, q_regs: bool = False) -> dict:
-    """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row from
-    head_dim, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
+    """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row and
+    head_dim itself, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
     parallelism — ``tp`` or HIPENGINE_MK_LL=1 — and the long-context build ``q_regs``: q_regs_build).
     HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments only: the launch bound from MK_MIN_BLOCKS
     already sets 255 at one block per SM)."""
@@ -251,6 +251,7 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
     from .ops import attn_lanes
 
     defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), "HE_ATTN_LPR": attn_lanes(head_dim),
+               "HE_ATTN_HD": int(head_dim),
                "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll()}
     if profiling():
         defines["MK_PROFILE"] = 1

@@ -223,8 +223,9 @@ def pdl_off_roles() -> frozenset:
 
 
 def attention_defines(hd: int) -> dict:
-    """Compile-time defines of the per-op attention module (attention_decode.hip) for head_dim hd."""
-    return {"HE_ATTN_LPR": attn_lanes(hd)}
+    """Compile-time defines of the per-op attention module (attention_decode.hip) for head_dim hd: lanes per
+    K/V row and hd itself (HE_ATTN_HD: its index arithmetic folds)."""
+    return {"HE_ATTN_LPR": attn_lanes(hd), "HE_ATTN_HD": int(hd)}
 
 
 class Ops:

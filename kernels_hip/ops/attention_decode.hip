@@ -12,8 +12,9 @@
 // Flash-decoding with an online softmax kept in registers: each warp owns a slice of the chunk; inside it
 // each K/V row is read as 16-byte loads by a group of hd/8 lanes (kAttnUnroll rows of K and V in flight
 // per group), the score is reduced with xor shuffles inside the group, and the group updates its running
-// (max, sum, output) for every head of the KV group. States merge across lane groups (shuffles), then warps
-// (shared memory, fixed order), then splits (attention_combine). No block-wide barrier inside the loop:
+// (sum, output) for every head of the KV group against the warp's running max (log2 units). The state of an
+// online softmax (m, l, o) merges associatively, so lane groups (sums of l and o: they share m), then warps
+// (shared memory, fixed order), then splits (attention_combine) are combined in a fixed order. No block-wide barrier inside the loop:
 // the previous version (scores to shared memory, block reductions per head) spent ~15 µs per launch in
 // barriers and dependent latency even at 1K context.
 // Scores are in log2 units (q pre-scaled by log2(e)/sqrt(hd)) so the softmax uses exp2.
@@ -41,19 +42,6 @@ constexpr int kAttnUnroll = 4;  // rows of K and of V loaded per lane group befo
 #define HE_ATTN_Q_REGS 0
 #endif
 
-// Online-softmax state of one lane for the G heads of a group: running max m (log2 units), running sum l,
-// and 8 dims of the unnormalised output. Merging two states is associative, so lane groups, warps and
-// splits can be combined in any fixed order.
-HE_INLINE void he_softmax_merge(float& m, float& l, float (&o)[8], float m2, float l2, const float (&o2)[8]) {
-  const float M = he_fmax(m, m2);
-  // both empty (-inf): keep the empty state instead of computing 2^(-inf - -inf) = NaN
-  const float a = (m == he_neg_inf()) ? 0.f : he_exp2(m - M), b = (m2 == he_neg_inf()) ? 0.f : he_exp2(m2 - M);
-  l = l * a + l2 * b;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) o[j] = o[j] * a + o2[j] * b;
-  m = M;
-}
-
 // Lanes per K/V row: hd/8 rounded up to a power of two, so the score's xor-shuffle reduction stays inside
 // the lane group (lanes past the row's end, e.g. hd = 24 → 3 of 4 lanes busy, contribute zeros). A compile-
 // time constant (-DHE_ATTN_LPR from the host: hipengine/gpu/ops.py attn_lanes(hd); 8 = hd 64 when not given)
@@ -63,6 +51,14 @@ HE_INLINE void he_softmax_merge(float& m, float& l, float (&o)[8], float m2, flo
 #define HE_ATTN_LPR 8
 #endif
 constexpr int kAttnLpr = HE_ATTN_LPR;
+// The head dimension, where the module is built for one (-DHE_ATTN_HD from the host: ops.attention_defines,
+// the monokernel's compile_args; both build per head_dim anyway, for HE_ATTN_LPR): the index arithmetic over
+// G·hd values (divisions by hd), the q staging and the merges' loops then fold to constants. 0: the run-time
+// argument (generic builds: `hipengine kernels check`). A module built for one hd must only be launched with it.
+#ifndef HE_ATTN_HD
+#define HE_ATTN_HD 0
+#endif
+HE_INLINE int he_attn_hd(int hd) { return HE_ATTN_HD ? HE_ATTN_HD : hd; }
 static_assert(kAttnLpr >= 1 && kAttnLpr <= kWarpSize && (kAttnLpr & (kAttnLpr - 1)) == 0,
               "HE_ATTN_LPR: a power of two up to the warp width");
 
@@ -80,6 +76,7 @@ constexpr int kCombineBatch = 16;
 // The split's block size in both paths (ops.ATTN_THREADS, the monokernel's kMkThreads) and the rows such a
 // block scores in one batch (warps x rows per warp at once x kAttnUnroll: 128 at hd 64).
 constexpr int kAttnThreads = 256;
+constexpr int kAttnWarps = kAttnThreads / kWarpSize;
 constexpr int kAttnBatchRows = kAttnThreads / kAttnLpr * kAttnUnroll;
 
 // The splits a `seq`-row sequence uses: the plan's nsplit, or only the first kCombineBatch of them when the
@@ -128,7 +125,10 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   constexpr int G = kG, kL = kAttnLpr, kR = kWarpSize / kAttnLpr;  // lanes per row, rows per warp at once
   constexpr int U = kAttnUnroll;
   (void)nkv;
-  const int t = he_thread_idx(), nt = he_block_dim(), nw = he_num_warps();
+  hd = he_attn_hd(hd);
+  // the block is kAttnThreads wide in both paths (ops.ATTN_THREADS; decode.hip asserts kMkThreads): constants
+  const int t = he_thread_idx();
+  constexpr int nt = kAttnThreads, nw = kAttnWarps;
   chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
   const int start = split * chunk;
   const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
@@ -233,12 +233,16 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
       const int p = pn + rw + j * kR;
       kb[j] = (p < w1 && dim_ok) ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
     }
-    // one online-softmax step per head for the whole batch; scores become weights in place
+    // one online-softmax step per head for the whole batch; scores become weights in place. The running max
+    // is the WARP's (xor-max over its lane groups), so every lane group of a warp scales by the same 2^(m − M)
+    // and the groups' states merge by plain sums after the loop (no exp2, no rescale per merge step).
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
       float M = m[g];
 #pragma unroll
       for (int j = 0; j < U; ++j) M = he_fmax(M, s[j][g]);
+#pragma unroll
+      for (int x = kWarpSize / 2; x >= kL; x >>= 1) M = he_fmax(M, he_shfl_xor(M, x));
       const float Ms = (M == he_neg_inf()) ? 0.f : M;  // nothing seen yet: every weight below is 2^-inf = 0
       const float a = he_exp2(m[g] - Ms);              // m = -inf: a = 0
       float sum = 0.f;
@@ -271,15 +275,15 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
     }
   }
   HE_ATTN_MARK(1);  // this warp's rows scored and accumulated
-  // merge the lane groups of the warp (xor offsets ≥ kL pair rows, keep the dim slot) ...
+  // merge the lane groups of the warp (xor offsets ≥ kL pair rows, keep the dim slot): they share the warp's
+  // running max m, so the merge is a sum of their l and o ...
 #pragma unroll
   for (int g = 0; g < kG; ++g) {
 #pragma unroll
     for (int x = kWarpSize / 2; x >= kL; x >>= 1) {
-      float o2[8];
+      l[g] += he_shfl_xor(l[g], x);
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) o2[jj] = he_shfl_xor(o[g][jj], x);
-      he_softmax_merge(m[g], l[g], o[g], he_shfl_xor(m[g], x), he_shfl_xor(l[g], x), o2);
+      for (int jj = 0; jj < 8; ++jj) o[g][jj] += he_shfl_xor(o[g][jj], x);
     }
   }
   // ... then the warps, through shared memory, in warp order (deterministic).
