@@ -88,14 +88,17 @@ def test_cli_entry_point(capsys):
 @pytest.mark.parametrize("lanes", [1, 2, 4, 16, 32])
 def test_attention_builds_for_every_head_dim_class(tmp_path, monkeypatch, lanes):
     """The attention module is compiled per head_dim (HE_ATTN_LPR = attn_lanes(hd), HE_ATTN_HD = hd: ops.
-    attention_defines); `kernels check` builds the generic unit (8 lanes, hd a run-time argument): the per-hd
-    builds must compile too, warnings as errors, on both targets."""
+    attention_defines, with either softmax max: HE_ATTN_WARP_MAX); `kernels check` builds the generic unit (8
+    lanes, hd a run-time argument, the warp's max): the per-hd builds must compile too, warnings as errors,
+    on both targets."""
     from hipengine.gpu.ops import attn_lanes
 
     assert [attn_lanes(hd) for hd in (8, 16, 24, 32, 64, 128, 256)] == [1, 2, 4, 4, 8, 16, 32]
     monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
     unit = tmp_path / f"attention_lpr{lanes}.hip"
-    unit.write_text(f'#define HE_ATTN_LPR {lanes}\n#define HE_ATTN_HD {8 * lanes}\n#include "ops/attention_decode.hip"\n')
+    warp_max = {1: 0, 2: 1, 4: 0, 16: 1, 32: 0}[lanes]  # both softmax builds (ops.attn_warp_max)
+    unit.write_text(f'#define HE_ATTN_LPR {lanes}\n#define HE_ATTN_HD {8 * lanes}\n#define HE_ATTN_WARP_MAX {warp_max}\n'
+                    '#include "ops/attention_decode.hip"\n')
     for r in check.check_all(_targets(), [unit]):
         assert r.ok, f"{r.target}: {r.message}"
 

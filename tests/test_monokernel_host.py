@@ -219,3 +219,22 @@ def test_long_context_build_choice(monkeypatch):
     assert not mk.q_regs_build(32768)
     assert mk.compile_args("nvidia", False, 4, q_regs=True)["defines"]["HE_ATTN_Q_REGS"] == 1
     assert "HE_ATTN_Q_REGS" not in mk.compile_args("nvidia", False, 4)["defines"]
+
+
+def test_attention_build_follows_the_cache_size(monkeypatch):
+    """The split keeps the warp's running max below ops.ATTN_WARP_MAX_CTX tokens of KV cache and the lane
+    group's from there; the monokernel takes the per-op module's attention defines for the same cache, so
+    the paths stay bit-identical; HIPENGINE_ATTN_WARP_MAX forces either build; a bad value is one error."""
+    from hipengine.errors import UnsupportedError
+    from hipengine.gpu import ops
+
+    monkeypatch.delenv("HIPENGINE_ATTN_WARP_MAX", raising=False)
+    for n, want in ((1024, 1), (ops.ATTN_WARP_MAX_CTX - 1, 1), (ops.ATTN_WARP_MAX_CTX, 0), (32768, 0)):
+        d = mk.compile_args("nvidia", False, 4, head_dim=64, max_context=n)["defines"]
+        assert d["HE_ATTN_WARP_MAX"] == want and d["HE_ATTN_HD"] == 64 and d["HE_ATTN_LPR"] == 8
+        assert {k: d[k] for k in ops.attention_defines(64, n)} == ops.attention_defines(64, n)
+    monkeypatch.setenv("HIPENGINE_ATTN_WARP_MAX", "0")
+    assert ops.attention_defines(128, 1024)["HE_ATTN_WARP_MAX"] == 0
+    monkeypatch.setenv("HIPENGINE_ATTN_WARP_MAX", "maybe")
+    with pytest.raises(UnsupportedError, match="HIPENGINE_ATTN_WARP_MAX"):
+        ops.attn_warp_max(1024)

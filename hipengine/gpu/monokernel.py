@@ -238,20 +238,21 @@ def write_layout(path=None) -> None:
 
 
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
-                 tp: bool = False, q_regs: bool = False) -> dict:
+                 tp: bool = False, q_regs: bool = False, max_context: int = 4096) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row and
     head_dim itself, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
-    parallelism — ``tp`` or HIPENGINE_MK_LL=1 — and the long-context build ``q_regs``: q_regs_build).
+    parallelism — ``tp`` or HIPENGINE_MK_LL=1 — the long-context build ``q_regs``: q_regs_build — and the
+    attention split's build for a KV cache of ``max_context`` tokens: ops.attention_defines, as the per-op
+    path's).
     HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments only: the launch bound from MK_MIN_BLOCKS
     already sets 255 at one block per SM)."""
     opts = []
     cap = os.environ.get("HIPENGINE_MK_MAXRREG")
     if cap and vendor == "nvidia":
         opts.append(f"--maxrregcount={int(cap)}")
-    from .ops import attn_lanes
+    from .ops import attention_defines
 
-    defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), "HE_ATTN_LPR": attn_lanes(head_dim),
-               "HE_ATTN_HD": int(head_dim),
+    defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), **attention_defines(head_dim, max_context),
                "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll()}
     if profiling():
         defines["MK_PROFILE"] = 1
@@ -324,22 +325,20 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     from .runtime import KERNELS_DIR
 
     # fp16-weight models (GGUF) also keep an fp16 KV cache (GpuBackend.kv_f16): their op modules differ;
-    # the attention module is built per head_dim (Ops.attention: ops.attention_defines)
-    def op_defines(name: str, f16: bool):
-        d = dict(kv_defines(f16) or {})
-        if name == "attention_decode.hip":
-            d.update(attention_defines(head_dim))
-        return d or None
-
-    ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip"))]
-    jobs = [(f"ops/{n}", {"defines": op_defines(n, f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
+    # the attention module is built per head_dim and cache class (Ops.attention: ops.attention_defines, below)
+    ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip")) if p.name != "attention_decode.hip"]
+    jobs = [(f"ops/{n}", {"defines": kv_defines(f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
     # the one-row-unit matvec's build (Ops.matvec rows1)
     jobs += [("ops/matvec.hip", {"defines": {**(kv_defines(f16) or {}), "HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL}})
              for f16 in sorted(set(f16_variants))]
-    # both attention builds (short and long KV caches: q_regs_build; one of them when HIPENGINE_MK_QREGS forces it)
-    longs = sorted({q_regs_build(n) for n in (LONG_CONTEXT - 1, LONG_CONTEXT)})
-    jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q))
-             for f16 in f16_variants for g in groups for q in longs]
+    # the short- and long-cache builds (q_regs_build, ops.attn_warp_max: both change at LONG_CONTEXT); the
+    # per-op attention module of each
+    sizes = (LONG_CONTEXT - 1, LONG_CONTEXT)
+    jobs += [("ops/attention_decode.hip", {"defines": {**(kv_defines(f16) or {}), **attention_defines(head_dim, n)}})
+             for f16 in sorted(set(f16_variants)) for n in sizes]
+    jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q_regs_build(n),
+                                   max_context=n))
+             for f16 in f16_variants for g in groups for n in sizes]
     done = []
     for src, kw in jobs:
         path, text = compiler.resolve_source(src)
@@ -423,8 +422,10 @@ class MonokernelBackend(GpuBackend):
         from LONG_CONTEXT tokens (q_regs_build) — and load its kernel."""
         rt, cfg = self.rt, self.config
         self.q_regs = q_regs_build(self.max_context, rt.vendor)
+        self.warp_max = O.attn_warp_max(self.max_context)
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
-                                                        self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs))
+                                                        self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
+                                                        max_context=self.max_context))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 
@@ -631,8 +632,9 @@ class MonokernelBackend(GpuBackend):
         self._alloc_state()
         if self.hostmem is not None:
             self.hostmem.free()
-        if q_regs_build(self.max_context, self.rt.vendor) != self.q_regs:
-            self._build()  # the cache crossed LONG_CONTEXT: the other attention build
+        if (q_regs_build(self.max_context, self.rt.vendor), O.attn_warp_max(self.max_context)) != (self.q_regs,
+                                                                                               self.warp_max):
+            self._build()  # the cache crossed LONG_CONTEXT / ops.ATTN_WARP_MAX_CTX: the other attention build
         self._size_launch()
         self._setup_buffers()
         self.pos = 0

@@ -222,10 +222,24 @@ def pdl_off_roles() -> frozenset:
     return roles
 
 
-def attention_defines(hd: int) -> dict:
-    """Compile-time defines of the per-op attention module (attention_decode.hip) for head_dim hd: lanes per
-    K/V row and hd itself (HE_ATTN_HD: its index arithmetic folds)."""
-    return {"HE_ATTN_LPR": attn_lanes(hd), "HE_ATTN_HD": int(hd)}
+ATTN_WARP_MAX_CTX = 8192  # KV caches shorter than this take the warp's running max (attn_warp_max)
+
+
+def attn_warp_max(max_ctx: int) -> bool:
+    """Whether the attention split keeps the warp's running max (attention_decode.hip HE_ATTN_WARP_MAX) for a
+    KV cache of max_ctx tokens: below ATTN_WARP_MAX_CTX, where a warp scores few batches. Measured per-op on
+    H200 (llama-3.2-1b, docs/perf-log.md v40) against the lane group's max: +1.1% at 1K, −0.9% at 8K, −3.3%
+    at 32K. Both paths take the same build for one cache (the monokernel's compile_args), so they stay
+    bit-identical. HIPENGINE_ATTN_WARP_MAX=0|1 forces it (A/B)."""
+    forced = _env_switch("HIPENGINE_ATTN_WARP_MAX")
+    return forced if forced is not None else max_ctx < ATTN_WARP_MAX_CTX
+
+
+def attention_defines(hd: int, max_ctx: int) -> dict:
+    """Compile-time defines of the attention module (attention_decode.hip) for head_dim hd and a KV cache of
+    max_ctx tokens: lanes per K/V row, hd itself (HE_ATTN_HD: its index arithmetic folds) and whose running
+    max the softmax keeps (attn_warp_max)."""
+    return {"HE_ATTN_LPR": attn_lanes(hd), "HE_ATTN_HD": int(hd), "HE_ATTN_WARP_MAX": int(attn_warp_max(max_ctx))}
 
 
 class Ops:
@@ -357,7 +371,7 @@ class Ops:
         if not 1 <= G <= ATTN_MAX_GROUP or nh % nkv or hd % 8 or hd > 8 * self.rt.warp_size:
             raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
         shared = (G * hd + (ATTN_THREADS // self.rt.warp_size) * G * (hd + 2)) * 4
-        lanes = attention_defines(hd)
+        lanes = attention_defines(hd, max_ctx)
         if T == 1 and count is not None and (one_kernel if one_kernel is not None
                                              else attention_one_kernel(nkv * nsplit, self.rt.num_sms)):
             self.rt.launch(self.fn("attention_decode", f"attention_decode_g{G}", lanes), nkv * nsplit,

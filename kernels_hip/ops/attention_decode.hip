@@ -12,9 +12,10 @@
 // Flash-decoding with an online softmax kept in registers: each warp owns a slice of the chunk; inside it
 // each K/V row is read as 16-byte loads by a group of hd/8 lanes (kAttnUnroll rows of K and V in flight
 // per group), the score is reduced with xor shuffles inside the group, and the group updates its running
-// (sum, output) for every head of the KV group against the warp's running max (log2 units). The state of an
-// online softmax (m, l, o) merges associatively, so lane groups (sums of l and o: they share m), then warps
-// (shared memory, fixed order), then splits (attention_combine) are combined in a fixed order. No block-wide barrier inside the loop:
+// (max, sum, output) for every head of the KV group — the max is the warp's in the short-cache build
+// (kAttnWarpMax), log2 units. The state of an online softmax (m, l, o) merges associatively, so lane groups
+// (plain sums when they share m), then warps (shared memory, fixed order), then splits (attention_combine)
+// are combined in a fixed order. No block-wide barrier inside the loop:
 // the previous version (scores to shared memory, block reductions per head) spent ~15 µs per launch in
 // barriers and dependent latency even at 1K context.
 // Scores are in log2 units (q pre-scaled by log2(e)/sqrt(hd)) so the softmax uses exp2.
@@ -59,6 +60,28 @@ constexpr int kAttnLpr = HE_ATTN_LPR;
 #define HE_ATTN_HD 0
 #endif
 HE_INLINE int he_attn_hd(int hd) { return HE_ATTN_HD ? HE_ATTN_HD : hd; }
+// Whose running max the online softmax keeps: 1 = the warp's (two xor-max shuffles per head per batch; the
+// lane groups then merge by plain sums), 0 = each lane group's (no shuffle per batch; the groups merge with
+// a rescale, he_softmax_merge). The warp's is shorter where a warp scores one batch (the merges dominate)
+// and longer where it scores many (the shuffles sit in every batch's chain): measured per-op on H200
+// (docs/perf-log.md v40) +3.3% / +0.4% / −3.3% at 1K / 8K / 32K against the lane group's +2.1% / +1.4% / 0%.
+// The host builds it for KV caches shorter than ops.ATTN_WARP_MAX_CTX (ops.attn_warp_max: both paths, so
+// they stay bit-identical; the two builds' sums differ in order).
+#ifndef HE_ATTN_WARP_MAX
+#define HE_ATTN_WARP_MAX 1
+#endif
+constexpr bool kAttnWarpMax = HE_ATTN_WARP_MAX != 0;
+
+// Online-softmax state (m, l, o[8]) of a lane group for one head: merge (m2, l2, o2) into it.
+HE_INLINE void he_softmax_merge(float& m, float& l, float (&o)[8], float m2, float l2, const float (&o2)[8]) {
+  const float M = he_fmax(m, m2);
+  // both empty (-inf): keep the empty state instead of computing 2^(-inf - -inf) = NaN
+  const float a = (m == he_neg_inf()) ? 0.f : he_exp2(m - M), b = (m2 == he_neg_inf()) ? 0.f : he_exp2(m2 - M);
+  l = l * a + l2 * b;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = o[j] * a + o2[j] * b;
+  m = M;
+}
 static_assert(kAttnLpr >= 1 && kAttnLpr <= kWarpSize && (kAttnLpr & (kAttnLpr - 1)) == 0,
               "HE_ATTN_LPR: a power of two up to the warp width");
 
@@ -233,16 +256,17 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
       const int p = pn + rw + j * kR;
       kb[j] = (p < w1 && dim_ok) ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
     }
-    // one online-softmax step per head for the whole batch; scores become weights in place. The running max
-    // is the WARP's (xor-max over its lane groups), so every lane group of a warp scales by the same 2^(m − M)
-    // and the groups' states merge by plain sums after the loop (no exp2, no rescale per merge step).
+    // one online-softmax step per head for the whole batch; scores become weights in place. kAttnWarpMax:
+    // the running max is the WARP's (xor-max over its lane groups), so every lane group of a warp scales by
+    // the same 2^(m − M) and the groups' states merge by plain sums after the loop.
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
       float M = m[g];
 #pragma unroll
       for (int j = 0; j < U; ++j) M = he_fmax(M, s[j][g]);
+      if (kAttnWarpMax)
 #pragma unroll
-      for (int x = kWarpSize / 2; x >= kL; x >>= 1) M = he_fmax(M, he_shfl_xor(M, x));
+        for (int x = kWarpSize / 2; x >= kL; x >>= 1) M = he_fmax(M, he_shfl_xor(M, x));
       const float Ms = (M == he_neg_inf()) ? 0.f : M;  // nothing seen yet: every weight below is 2^-inf = 0
       const float a = he_exp2(m[g] - Ms);              // m = -inf: a = 0
       float sum = 0.f;
@@ -275,15 +299,22 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
     }
   }
   HE_ATTN_MARK(1);  // this warp's rows scored and accumulated
-  // merge the lane groups of the warp (xor offsets ≥ kL pair rows, keep the dim slot): they share the warp's
-  // running max m, so the merge is a sum of their l and o ...
+  // merge the lane groups of the warp (xor offsets ≥ kL pair rows, keep the dim slot): with the warp's
+  // running max they share m and the merge is a sum of their l and o, otherwise an online-softmax merge ...
 #pragma unroll
   for (int g = 0; g < kG; ++g) {
 #pragma unroll
     for (int x = kWarpSize / 2; x >= kL; x >>= 1) {
-      l[g] += he_shfl_xor(l[g], x);
+      if (kAttnWarpMax) {
+        l[g] += he_shfl_xor(l[g], x);
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) o[g][jj] += he_shfl_xor(o[g][jj], x);
+        for (int jj = 0; jj < 8; ++jj) o[g][jj] += he_shfl_xor(o[g][jj], x);
+      } else {
+        float o2[8];
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) o2[jj] = he_shfl_xor(o[g][jj], x);
+        he_softmax_merge(m[g], l[g], o[g], he_shfl_xor(m[g], x), he_shfl_xor(l[g], x), o2);
+      }
     }
   }
   // ... then the warps, through shared memory, in warp order (deterministic).
