@@ -16,6 +16,8 @@
 #   abperop: per-op trees $AB_PEROP_TREES (commits $AB_PEROP_COMMITS) alternated, 1K/8K/32K; op tests, bench_ops
 #   abenv : per-op A/B of environment settings $AB_ENVS on this tree, 1K/8K/32K; kernel timelines ($AB_PROFILE_ENVS)
 #   recordperop: op + engine tests, the decode bench (both paths), bench_ops, the per-op timeline (per-op changes)
+#   recordall: op, engine and monokernel tests, the decode bench (both paths), bench_ops, the per-op timeline
+#              (a change of a body both paths share)
 #   ncu   : Nsight Compute on per-op decode kernels at 1K ($NCU_KERNELS regex), CSV pages
 #   tests : engine + monokernel GPU tests
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
@@ -133,6 +135,10 @@ case "$MODE" in
                 # decode bench of both paths (tokens compared), bench_ops, the per-op kernel timeline at 1K
     ops_tests; engine_tests; bench; bench_ops
     run profile_perop 60 $PY scripts/profile_perop.py --context 1024 --json "$OUT/profile_perop.json" ;;
+  recordall)  # the figures of record after a change both paths share: every GPU test of one GPU, the decode
+              # bench of both paths (tokens compared), bench_ops, the per-op kernel timeline at 1K
+    ops_tests; engine_tests; mk_tests; bench; bench_ops
+    run profile_perop 60 $PY scripts/profile_perop.py --context 1024 --json "$OUT/profile_perop.json" ;;
   ncu)  # Nsight Compute on the per-op decode kernels at 1K ($NCU_KERNELS: a regex; default the attention), the
         # details and per-SASS-line (stall samples) pages as CSV; scripts/perop_steps.py is the workload
     N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -157,7 +163,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|ncu|tests)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|recordall|ncu|tests)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
