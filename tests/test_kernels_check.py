@@ -97,8 +97,8 @@ def test_attention_builds_for_every_head_dim_class(tmp_path, monkeypatch, lanes)
     monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
     unit = tmp_path / f"attention_lpr{lanes}.hip"
     warp_max = {1: 0, 2: 1, 4: 0, 16: 1, 32: 0}[lanes]  # both softmax builds (ops.attn_warp_max)
-    unit.write_text(f'#define HE_ATTN_LPR {lanes}\n#define HE_ATTN_HD {8 * lanes}\n#define HE_ATTN_WARP_MAX {warp_max}\n'
-                    '#include "ops/attention_decode.hip"\n')
+    unit.write_text(f'#define HE_ATTN_LPR {lanes}\n#define HE_ATTN_HD {8 * lanes}\n'
+                    f'#define HE_ATTN_WARP_MAX {warp_max}\n#include "ops/attention_decode.hip"\n')
     for r in check.check_all(_targets(), [unit]):
         assert r.ok, f"{r.target}: {r.message}"
 

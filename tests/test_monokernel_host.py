@@ -238,3 +238,22 @@ def test_attention_build_follows_the_cache_size(monkeypatch):
     monkeypatch.setenv("HIPENGINE_ATTN_WARP_MAX", "maybe")
     with pytest.raises(UnsupportedError, match="HIPENGINE_ATTN_WARP_MAX"):
         ops.attn_warp_max(1024)
+
+
+def test_precompile_covers_every_cache_class(monkeypatch):
+    """precompile fills the cache with the per-op attention module and the monokernel of each cache-size class
+    (either side of LONG_CONTEXT and of ops.ATTN_WARP_MAX_CTX), each build once: NVRTC is not called here."""
+    from hipengine.gpu import backend_cuda as bc, compiler, ops
+
+    seen = []
+    monkeypatch.setattr(compiler, "cached_build",
+                        lambda text, d, arch, key_opts, *a: seen.append((text, tuple(key_opts))))
+    monkeypatch.setattr(bc, "nvrtc_id", lambda: "test")
+    monkeypatch.delenv("HIPENGINE_ATTN_WARP_MAX", raising=False)
+    mk.precompile("sm_90", groups=(4,))
+    assert len(seen) == len(set(seen))
+    keys = [k for _, k in seen]
+    for n in (1024, 32768):
+        want = {f"-D{k}={v}" for k, v in ops.attention_defines(64, n).items()}
+        assert any(want <= set(k) and not any("MK_ATTN_G" in o for o in k) for k in keys), n  # per-op module
+        assert any(want <= set(k) and "-DMK_ATTN_G=4" in k for k in keys), n                  # monokernel

@@ -331,16 +331,19 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     # the one-row-unit matvec's build (Ops.matvec rows1)
     jobs += [("ops/matvec.hip", {"defines": {**(kv_defines(f16) or {}), "HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL}})
              for f16 in sorted(set(f16_variants))]
-    # the short- and long-cache builds (q_regs_build, ops.attn_warp_max: both change at LONG_CONTEXT); the
-    # per-op attention module of each
-    sizes = (LONG_CONTEXT - 1, LONG_CONTEXT)
+    # every cache-size class: either side of LONG_CONTEXT (q_regs_build) and of ops.ATTN_WARP_MAX_CTX
+    # (attn_warp_max), the per-op attention module and the monokernel of each; builds that coincide once
+    sizes = sorted({LONG_CONTEXT - 1, LONG_CONTEXT, O.ATTN_WARP_MAX_CTX - 1, O.ATTN_WARP_MAX_CTX})
     jobs += [("ops/attention_decode.hip", {"defines": {**(kv_defines(f16) or {}), **attention_defines(head_dim, n)}})
              for f16 in sorted(set(f16_variants)) for n in sizes]
     jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q_regs_build(n),
                                    max_context=n))
              for f16 in f16_variants for g in groups for n in sizes]
-    done = []
+    unique = {}
     for src, kw in jobs:
+        unique.setdefault((src, repr(sorted((kw.get("defines") or {}).items())), repr(kw.get("options"))), (src, kw))
+    done = []
+    for src, kw in unique.values():
         path, text = compiler.resolve_source(src)
         opts = bc.nvrtc_options(arch, path.parent, kw.get("defines"), kw.get("options"))
         key_opts = [o for o in opts if not o.startswith("-I")]
@@ -419,7 +422,8 @@ class MonokernelBackend(GpuBackend):
 
     def _build(self) -> None:
         """Compile (or take from the cache) the build for the current max_context — the long-context build
-        from LONG_CONTEXT tokens (q_regs_build) — and load its kernel."""
+        from LONG_CONTEXT tokens (q_regs_build), the attention split's softmax max (ops.attn_warp_max, as the
+        per-op path's) — and load its kernel."""
         rt, cfg = self.rt, self.config
         self.q_regs = q_regs_build(self.max_context, rt.vendor)
         self.warp_max = O.attn_warp_max(self.max_context)
@@ -662,7 +666,8 @@ def grid_info(backend: MonokernelBackend) -> dict:
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1),
-            "ll_exchange": backend._ll_on(), "q_regs": getattr(backend, "q_regs", False)}
+            "ll_exchange": backend._ll_on(), "q_regs": getattr(backend, "q_regs", False),
+            "attn_warp_max": getattr(backend, "warp_max", None)}
 
 
 def ll_words(world: int, d: int) -> int:

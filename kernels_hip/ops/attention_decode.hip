@@ -52,6 +52,8 @@ constexpr int kAttnUnroll = 4;  // rows of K and of V loaded per lane group befo
 #define HE_ATTN_LPR 8
 #endif
 constexpr int kAttnLpr = HE_ATTN_LPR;
+static_assert(kAttnLpr >= 1 && kAttnLpr <= kWarpSize && (kAttnLpr & (kAttnLpr - 1)) == 0,
+              "HE_ATTN_LPR: a power of two up to the warp width");
 // The head dimension, where the module is built for one (-DHE_ATTN_HD from the host: ops.attention_defines,
 // the monokernel's compile_args; both build per head_dim anyway, for HE_ATTN_LPR): the index arithmetic over
 // G·hd values (divisions by hd), the q staging and the merges' loops then fold to constants. 0: the run-time
@@ -63,8 +65,9 @@ HE_INLINE int he_attn_hd(int hd) { return HE_ATTN_HD ? HE_ATTN_HD : hd; }
 // Whose running max the online softmax keeps: 1 = the warp's (two xor-max shuffles per head per batch; the
 // lane groups then merge by plain sums), 0 = each lane group's (no shuffle per batch; the groups merge with
 // a rescale, he_softmax_merge). The warp's is shorter where a warp scores one batch (the merges dominate)
-// and longer where it scores many (the shuffles sit in every batch's chain): measured per-op on H200
-// (docs/perf-log.md v40) +3.3% / +0.4% / −3.3% at 1K / 8K / 32K against the lane group's +2.1% / +1.4% / 0%.
+// and longer where it scores many (the shuffles sit in every batch's chain): per-op on H200 against the
+// tree before (docs/perf-log.md v40), +3.3% / +0.4% / −3.3% at 1K / 8K / 32K with it, +2.1% / +1.4% / 0%
+// with the lane group's.
 // The host builds it for KV caches shorter than ops.ATTN_WARP_MAX_CTX (ops.attn_warp_max: both paths, so
 // they stay bit-identical; the two builds' sums differ in order).
 #ifndef HE_ATTN_WARP_MAX
@@ -82,8 +85,6 @@ HE_INLINE void he_softmax_merge(float& m, float& l, float (&o)[8], float m2, flo
   for (int j = 0; j < 8; ++j) o[j] = o[j] * a + o2[j] * b;
   m = M;
 }
-static_assert(kAttnLpr >= 1 && kAttnLpr <= kWarpSize && (kAttnLpr & (kAttnLpr - 1)) == 0,
-              "HE_ATTN_LPR: a power of two up to the warp width");
 
 // The split length for a `seq`-row sequence: the smallest multiple of kAttnChunkAlign positions that covers
 // it with nsplit splits, capped by the plan's chunk (nsplit · chunk >= max_ctx >= seq; the host rounds plans
