@@ -494,6 +494,13 @@ HE_INLINE he_u32 he_sm_id() {
 // step data (tests/test_port_rules.py checks that every kernel there has the wait). AMD has no such launch:
 // kernels run in stream order and both calls are empty.
 // ------------------------------------------------------------------------------------------------------
+// he_ld_step(p): a word of step data (a position, a token, a length) read after he_pdl_wait(). A plain `*p`
+// is not enough: when every store of a kernel goes through __restrict__ pointers, NVRTC proves any other
+// pointer read-only, loads it through the non-coherent path (ld.global.nc) — which assumes memory that does
+// not change while the kernel runs — and issued such loads BEFORE griddepcontrol.wait (the attention split's
+// and combine's position, qk_norm_rope's, the sampler's history length and step: docs/perf-log.md v41),
+// i.e. possibly before the kernel that writes them had finished. An asm volatile load is never moved across
+// the wait's asm volatile. AMD runs kernels in stream order: a plain load.
 #if HE_AMD
 HE_INLINE void he_pdl_trigger() {}
 HE_INLINE void he_pdl_wait() {}
@@ -503,4 +510,13 @@ HE_INLINE void he_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory")
 #else
 HE_INLINE void he_pdl_trigger() {}
 HE_INLINE void he_pdl_wait() {}
+#endif
+#if HE_AMD
+HE_INLINE int he_ld_step(const int* p) { return *p; }
+#else
+HE_INLINE int he_ld_step(const int* p) {
+  int v;
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 #endif

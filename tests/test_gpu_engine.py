@@ -235,13 +235,17 @@ def test_tiny_teacher_forced(kind, tmp_path_factory):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", ["0", "1"])
-def test_tiny_greedy_matches_cpu(tiny, monkeypatch, fused):
-    """fused: HIPENGINE_FUSED_PICK (greedy steps end in argmax_step, or in decode_advance + argmax + emit)."""
+@pytest.mark.parametrize("fused,graph", [("0", "1"), ("1", "1"), ("1", "0")])
+def test_tiny_greedy_matches_cpu(tiny, monkeypatch, fused, graph):
+    """fused: HIPENGINE_FUSED_PICK (greedy steps end in argmax_step, or in decode_advance + argmax + emit);
+    graph "0": every step launched eagerly (HIPENGINE_NO_GRAPH=1) — with programmatic dependent launch a
+    kernel may start while the step's end that writes the position is still running, so this catches a
+    position or token read before he_pdl_wait (port.h he_ld_step)."""
     from hipengine.gpu.executor import GpuBackend
     from hipengine.reference import ReferenceBackend
 
     monkeypatch.setenv("HIPENGINE_FUSED_PICK", fused)
+    monkeypatch.setenv("HIPENGINE_NO_GRAPH", "0" if graph == "1" else "1")
 
     prompt = np.array([5, 17, 99, 42, 7, 250, 31], np.int64)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -521,7 +525,7 @@ class EmulatedRuntime:
             K[:, p] = self._kv_enc(O.ref_rope(k, c, s))
             V[:, p] = self._kv_enc(v)
 
-    def _k_attention_split(self, grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx):
+    def _k_attention_split(self, grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx, early_pos=0):
         T, G = grid[1], nh // nkv
         p0 = int(self.view(pos, np.int32, 1)[0])
         K = self._kv_dec(self.view(kc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd).astype(np.float64)
@@ -549,7 +553,7 @@ class EmulatedRuntime:
         self._k_attention_split(grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx)
         self._k_attention_combine((nh, 1), partial, pos, nsplit, nh, hd, out)
 
-    def _k_attention_combine(self, grid, partial, pos, nsplit, nh, hd, out):
+    def _k_attention_combine(self, grid, partial, pos, nsplit, nh, hd, out, early_pos=0):
         T = grid[1]
         P = self._f32(partial, T * nh * nsplit * (hd + 2)).reshape(T, nh, nsplit, hd + 2).astype(np.float64)
         m, l = P[..., hd], P[..., hd + 1]

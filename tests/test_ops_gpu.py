@@ -251,7 +251,8 @@ def test_attention_decode_fused(gpu, nh, nkv, hd, seq, max_ctx, T):
     """The one-kernel decode form (attention_decode_g*: splits, the last split block of a KV head combines it)
     gives the bits of attention_split + attention_combine, with and without the early K/V loads (launched
     here after a synchronisation, so the previous kernel is long done: this checks the held-back newest row
-    and the indexing, not the overlap), and leaves its arrival counters at zero for the next launch."""
+    and the indexing, not the overlap), and leaves its arrival counters at zero for the next launch; so do
+    the two kernels when they read the position before their wait (early_pos)."""
     rt, ops, O = gpu
     nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd)
     k = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32) * 2)
@@ -273,6 +274,12 @@ def test_attention_decode_fused(gpu, nh, nkv, hd, seq, max_ctx, T):
         got = rt.download(out, (nh * hd,), np.float32)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), f"early={early}"
         assert not rt.download(count, (nkv,), np.uint32).any(), "arrival counters not reset"
+    # the two kernels with the position read before their wait (early_pos: Ops.attention early, two kernels)
+    part = poisoned(rt, O.Ops.partial_floats(1, nh, hd, nsplit))
+    out = poisoned(rt, nh * hd)
+    ops.attention(*args, part, out, pos, count=count, early=True, one_kernel=False, **kw)
+    got = rt.download(out, (nh * hd,), np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), "two kernels, early position"
 
 
 @pytest.mark.parametrize("M", [1, 3, 8])

@@ -83,3 +83,32 @@ def test_op_kernels_wait_for_the_previous_kernel(path):
     for name, body in kernels:
         waits = "he_pdl_wait()" in body or ("he_matvec_run<" in body and run and "he_pdl_wait()" in run.group(0))
         assert waits, f"{path.name}: kernel {name} never calls he_pdl_wait()"
+
+
+# Pointers a PDL kernel may declare `const T* __restrict__`: weights and tables that no kernel of the step
+# writes. Through such a pointer NVRTC loads with ld.global.nc, which assumes the memory unchanged for the
+# kernel's whole life, so the compiler may issue the load BEFORE he_pdl_wait — it did for the position
+# (attention split and combine, qk_norm_rope) and the sampler's history length and step (docs/perf-log.md
+# v41): data a kernel before it may still be writing. Step data (activations, caches, positions, tokens,
+# logits, candidates) takes plain pointers, whose loads stay behind the wait's memory clobber.
+READ_ONLY_PARAMS = {"W", "W2", "Wg", "Wu", "gamma", "bias", "cos_t", "sin_t", "table", "q_norm", "k_norm"}
+
+
+def _kernel_params(code: str):
+    for m in re.finditer(r"HE_KERNEL\([^)]*\)\s*([\w#]+)\s*\(", code):
+        i, depth = m.end(), 1
+        j = i
+        while depth:
+            depth += {"(": 1, ")": -1}.get(code[j], 0)
+            j += 1
+        yield m.group(1), code[i:j - 1]
+
+
+@pytest.mark.parametrize("path", PDL_FILES, ids=lambda p: p.name)
+def test_step_data_is_not_read_through_restrict_pointers(path):
+    bad = []
+    for name, params in _kernel_params(_code(path.read_text())):
+        for m in re.finditer(r"const\s+\w+\s*\*\s*__restrict__\s+(\w+)", params):
+            if m.group(1) not in READ_ONLY_PARAMS:
+                bad.append(f"{name}: {m.group(1)}")
+    assert not bad, f"{path.name}: step data behind const __restrict__ (loads may pass he_pdl_wait): {bad}"

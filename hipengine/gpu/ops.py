@@ -192,6 +192,13 @@ def attention_early() -> bool:
     return os.environ.get("HIPENGINE_ATTN_EARLY", "1") != "0"
 
 
+def attention_early_pos() -> bool:
+    """Whether the two-kernel decode attention (split, combine) reads the position before waiting for the
+    kernel before it, where the caller allows it (Ops.attention `early`: inside the captured decode graph);
+    HIPENGINE_ATTN_EARLY_POS=0 turns it off (A/B benchmarks)."""
+    return _env_switch("HIPENGINE_ATTN_EARLY_POS") is not False
+
+
 def fused_pick() -> bool:
     """Whether the per-op greedy loop ends a step with Ops.argmax_step (two launches) rather than
     decode_advance, argmax and emit_token (four): yes unless HIPENGINE_FUSED_PICK=0 (A/B). Measured +0.1–0.3%
@@ -365,8 +372,8 @@ class Ops:
         attention_split_g* then attention_combine; both give the same bits.
         `early`: the caller guarantees that *pos and every cache row before the newest were written before
         the kernel before this one was launched (a captured decode graph: the position is set before the
-        graph) — the kernel then loads those rows before it waits for the previous kernel (with
-        programmatic dependent launch only; elsewhere it changes nothing)."""
+        graph) — the one kernel then loads those rows, and the two kernels the position, before they wait
+        for the previous kernel (with programmatic dependent launch only; elsewhere it changes nothing)."""
         G = nh // nkv
         if not 1 <= G <= ATTN_MAX_GROUP or nh % nkv or hd % 8 or hd > 8 * self.rt.warp_size:
             raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
@@ -383,10 +390,12 @@ class Ops:
             return
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
-                        c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)], shared=shared, stream=stream,
-                       pdl=self._pdl("attn"))
+                        c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx),
+                        c_int32(int(early and self._pdl("attn") and attention_early_pos()))], shared=shared,
+                       stream=stream, pdl=self._pdl("attn"))
         self.rt.launch(self.fn("attention_decode", "attention_combine", lanes), (nh, T), 128,
-                       [_p(partial), _p(pos), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out)],
+                       [_p(partial), _p(pos), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out),
+                        c_int32(int(early and self._pdl("combine") and attention_early_pos()))],
                        stream=stream, pdl=self._pdl("combine"))
 
     @staticmethod

@@ -348,19 +348,27 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   }
 }
 
+// early_pos (the per-op split and combine kernels inside a captured decode graph, Ops.attention): the
+// position is read BEFORE he_pdl_wait — allowed because nothing in the graph writes it (the step's end,
+// outside the graph, advances it) — so its L2 round trip overlaps the wait for the kernel before instead of
+// heading the chain after it. Same value, same bits. Outside a graph (warm-up, prefill, tests) it is 0.
+HE_INLINE int he_attn_early_pos(const int* pos_p) { return *pos_p; }
+
 // One kernel per group size (attention_split_g1 ... _g8): a kernel's register allocation is the maximum over
 // everything it may run, so a single kernel switching on G would pay G = 8's 168 registers for G = 4.
 // The module is compiled per lane count (HE_ATTN_LPR, from hd).
 #define HE_ATTN_KERNEL(g)                                                                                   \
-  HE_KERNEL(256) attention_split_g##g(const float* __restrict__ q, const he_kv* __restrict__ k_cache,      \
-                                      const he_kv* __restrict__ v_cache, float* __restrict__ partial,       \
-                                      const int* __restrict__ pos_p, int nsplit, int chunk, int nh, int nkv,  \
-                                      int hd, int max_ctx) {                                                  \
+  HE_KERNEL(256) attention_split_g##g(const float* q, const he_kv* k_cache,                                 \
+                                      const he_kv* v_cache, float* __restrict__ partial,                    \
+                                      const int* pos_p, int nsplit, int chunk, int nh, int nkv,             \
+                                      int hd, int max_ctx, int early_pos) {                                 \
     extern __shared__ float he_attn_smem[];                                                                 \
     he_pdl_trigger();                                                                                       \
-    he_pdl_wait(); /* port.h: the position, q and the newest K/V row come from the kernels before */        \
     const int tq = he_block_idx_y();                                                                        \
-    const int seq = *pos_p + tq + 1;                                                                        \
+    int seq = 0;                                                                                            \
+    if (early_pos) seq = he_attn_early_pos(pos_p) + tq + 1;                                                 \
+    he_pdl_wait(); /* port.h: the position, q and the newest K/V row come from the kernels before */        \
+    if (!early_pos) seq = he_ld_step(pos_p) + tq + 1;                                                       \
     const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
     he_attention_split_block<g>(q + (he_i64)tq * nh * hd, k_cache, v_cache,                                 \
                                 partial + (he_i64)tq * nh * nsplit * (hd + 2), seq, kvh, split, nsplit, chunk, \
@@ -425,14 +433,17 @@ HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, in
   }
 }
 
-HE_KERNEL(256) attention_combine(const float* __restrict__ partial, const int* __restrict__ pos_p, int nsplit,
-                                 int nh, int hd, float* __restrict__ out) {
+HE_KERNEL(256) attention_combine(const float* partial, const int* pos_p, int nsplit,
+                                 int nh, int hd, float* __restrict__ out, int early_pos) {
   // The next kernel (the O-proj) may launch at once and request its weights during the splits: on this path
   // that measured faster than launching it after them (docs/perf-log.md v33), unlike the monokernel's v24.
   he_pdl_trigger();
-  he_pdl_wait();  // port.h: everything below reads or writes step data
   const int h = he_block_idx(), tq = he_block_idx_y();
-  he_attention_combine(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), 1, nsplit, *pos_p + tq + 1, hd,
+  int seq = 0;
+  if (early_pos) seq = he_attn_early_pos(pos_p) + tq + 1;
+  he_pdl_wait();  // port.h: everything below reads or writes step data
+  if (!early_pos) seq = he_ld_step(pos_p) + tq + 1;
+  he_attention_combine(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), 1, nsplit, seq, hd,
                        out + ((he_i64)tq * nh + h) * hd);
 }
 // ---- decode: split + combine in one kernel ----------------------------------------------------------------
@@ -448,21 +459,21 @@ HE_KERNEL(256) attention_combine(const float* __restrict__ partial, const int* _
 // body itself, and with these kernels beside it NVVM compiled its code differently (12,000 SASS lines moved).
 #ifndef HE_IN_MONOKERNEL
 #define HE_ATTN_DECODE_KERNEL(g)                                                                            \
-  HE_KERNEL(256) attention_decode_g##g(const float* __restrict__ q, const he_kv* __restrict__ k_cache,     \
-                                       const he_kv* __restrict__ v_cache, float* __restrict__ partial,      \
-                                       const int* __restrict__ pos_p, he_u32* __restrict__ count,           \
+  HE_KERNEL(256) attention_decode_g##g(const float* q, const he_kv* k_cache,                                \
+                                       const he_kv* v_cache, float* __restrict__ partial,                   \
+                                       const int* pos_p, he_u32* __restrict__ count,                        \
                                        float* __restrict__ out, int nsplit, int chunk, int nh, int nkv,     \
                                        int hd, int max_ctx, int early) {                                    \
     extern __shared__ float he_attn_smem[];                                                                 \
     const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
     int seq;                                                                                                \
     if (early) {                                                                                            \
-      seq = *pos_p + 1;                                                                                     \
-      he_attention_split_block<g, true, true>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk,  \
+      seq = he_ld_step(pos_p) + 1;                                                                          \
+      he_attention_split_block<g, true, true>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk, \
                                               nh, nkv, hd, max_ctx, he_attn_smem);                          \
     } else {                                                                                                \
       he_pdl_wait(); /* port.h: the position, q and the newest K/V row come from the kernels before */      \
-      seq = *pos_p + 1;                                                                                     \
+      seq = he_ld_step(pos_p) + 1;                                                                          \
       he_attention_split_block<g, false, true>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk, \
                                                nh, nkv, hd, max_ctx, he_attn_smem);                         \
     }                                                                                                       \

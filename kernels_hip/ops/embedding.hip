@@ -18,7 +18,7 @@ HE_INLINE void he_embedding_row(const he_u16* __restrict__ table, int token, int
 }
 
 // grid.x = number of tokens.
-HE_KERNEL(1024) embedding(const he_u16* __restrict__ table, const int* __restrict__ tokens, int vocab, int hidden,
+HE_KERNEL(1024) embedding(const he_u16* __restrict__ table, const int* tokens, int vocab, int hidden,
                           float* __restrict__ out, int w_f16) {
   he_pdl_trigger();
   he_pdl_wait();  // port.h: everything below reads or writes step data

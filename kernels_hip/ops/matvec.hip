@@ -432,7 +432,7 @@ struct HeMvQkvT {
   }
   HE_INLINE void pre(int, float (&pv)[2]) const {
     pv[0] = pv[1] = 0.f;
-    if (kEarlyPos && rope && he_lane_id() == 0) pv[0] = he_u32_as_f32((he_u32)*pos_p);  // its bits
+    if (kEarlyPos && rope && he_lane_id() == 0) pv[0] = he_u32_as_f32((he_u32)he_ld_step(pos_p));  // its bits
   }
   HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
     if (he_lane_id() != 0) return;
@@ -459,7 +459,7 @@ using HeMvQkv = HeMvQkvT<false>;  // the monokernel's
 
 HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
                            const float* __restrict__ bias, const float* __restrict__ cos_t,
-                           const float* __restrict__ sin_t, const int* __restrict__ pos_p, float* __restrict__ q_out,
+                           const float* __restrict__ sin_t, const int* pos_p, float* __restrict__ q_out,
                            he_kv* __restrict__ k_cache, he_kv* __restrict__ v_cache, int max_ctx, int q_dim,
                            int kv_dim, int hd, int in, int rope, int w_f16) {
   extern __shared__ float he_xs[];

@@ -57,7 +57,7 @@ HE_INLINE void he_matmul_small_m_body(const he_u16* __restrict__ W, const he_u16
 }
 
 HE_KERNEL(kMatvecMaxThreads) matmul_small_m(const he_u16* __restrict__ W, const he_u16* __restrict__ W2,
-                               const float* __restrict__ X, const float* __restrict__ bias, float* Y, int M, int rows,
+                               const float* X, const float* __restrict__ bias, float* Y, int M, int rows,
                                int in, int mode, int w_f16) {
   he_pdl_trigger();
   he_pdl_wait();  // port.h: everything below reads or writes step data

@@ -49,9 +49,9 @@ HE_INLINE void he_qk_norm_rope_head(const float* qkv, const float* __restrict__ 
   }
 }
 
-HE_KERNEL(1024) qk_norm_rope(const float* __restrict__ qkv, const float* __restrict__ q_norm,
+HE_KERNEL(1024) qk_norm_rope(const float* qkv, const float* __restrict__ q_norm,
                              const float* __restrict__ k_norm, float eps, const float* __restrict__ cos_t,
-                             const float* __restrict__ sin_t, const int* __restrict__ pos_p, float* __restrict__ q_out,
+                             const float* __restrict__ sin_t, const int* pos_p, float* __restrict__ q_out,
                              he_kv* __restrict__ k_cache, he_kv* __restrict__ v_cache, int max_ctx, int nh,
                              int nkv, int hd) {
   he_pdl_trigger();
@@ -59,7 +59,7 @@ HE_KERNEL(1024) qk_norm_rope(const float* __restrict__ qkv, const float* __restr
   __shared__ float scratch[kMaxWarpsPerBlock];
   const int t = he_block_idx_y();
   const he_i64 stride = (he_i64)(nh + 2 * nkv) * hd;
-  he_qk_norm_rope_head(qkv + t * stride, q_norm, k_norm, eps, cos_t, sin_t, *pos_p + t, q_out + (he_i64)t * nh * hd,
-                       k_cache, v_cache, max_ctx, nh, nkv, hd, he_block_idx(), scratch);
+  he_qk_norm_rope_head(qkv + t * stride, q_norm, k_norm, eps, cos_t, sin_t, he_ld_step(pos_p) + t,
+                       q_out + (he_i64)t * nh * hd, k_cache, v_cache, max_ctx, nh, nkv, hd, he_block_idx(), scratch);
 }
 #endif

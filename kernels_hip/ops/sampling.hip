@@ -179,16 +179,17 @@ HE_INLINE int he_sample_block(const float* logits, int n, const int* history,
 // Samples one token from logits [n]. history [hist_len] int32: tokens seen so far (prompt + generated),
 // for the repetition penalty. seed (64 bits as two words) and step (position) key the RNG, so the same
 // request replays the same tokens. Writes out_token[0]; z [n] is fp32 scratch (may alias logits).
-HE_KERNEL(1024) sample(const float* logits, int n, const int* __restrict__ history, const int* __restrict__ hist_len_p,
+HE_KERNEL(1024) sample(const float* logits, int n, const int* history, const int* hist_len_p,
                        float temperature, int top_k, float top_p, float min_p, float rep_pen, he_u32 seed_lo,
-                       he_u32 seed_hi, const int* __restrict__ step_p, int* __restrict__ out_token, float* z) {
+                       he_u32 seed_hi, const int* step_p, int* __restrict__ out_token, float* z) {
   he_pdl_trigger();
   he_pdl_wait();  // port.h: everything below reads or writes step data
   extern __shared__ he_u32 he_bitmap[];
   __shared__ float scratch[kMaxWarpsPerBlock];
   __shared__ float slice_sums[kSampleThreads];
-  const int tok = he_sample_block(logits, n, history, *hist_len_p, temperature, top_k, top_p, min_p, rep_pen,
-                                  seed_lo, seed_hi, (he_u32)*step_p, z, scratch, slice_sums, he_bitmap);
+  const int tok = he_sample_block(logits, n, history, he_ld_step(hist_len_p), temperature, top_k, top_p, min_p,
+                                  rep_pen, seed_lo, seed_hi, (he_u32)he_ld_step(step_p), z, scratch, slice_sums,
+                                  he_bitmap);
   if (he_thread_idx() == 0) out_token[0] = tok;
 }
 
@@ -198,7 +199,7 @@ HE_KERNEL(1024) sample(const float* logits, int n, const int* __restrict__ histo
 // argmax_pick (one block) reduces the nb candidates in block order — index order — and writes out_token[0].
 // Same tie and NaN rule as the one-block sampler's greedy path (he_block_argmax), so the same token, without
 // one SM streaming the whole 0.5 MB of a 128K vocabulary's logits (≈ 33 µs per token on H200).
-HE_KERNEL(kMaxBlockThreads) argmax_blocks(const float* __restrict__ logits, int n, float* __restrict__ cand) {
+HE_KERNEL(kMaxBlockThreads) argmax_blocks(const float* logits, int n, float* __restrict__ cand) {
   __shared__ float wv[kMaxWarpsPerBlock];
   __shared__ int wi[kMaxWarpsPerBlock];
   he_pdl_trigger();
@@ -232,7 +233,7 @@ HE_INLINE int he_argmax_fold(const float* cand, int nb, float* wv, int* wi) {
   return bi;
 }
 
-HE_KERNEL(kMaxBlockThreads) argmax_pick(const float* __restrict__ cand, int nb, int* __restrict__ out_token) {
+HE_KERNEL(kMaxBlockThreads) argmax_pick(const float* cand, int nb, int* __restrict__ out_token) {
   __shared__ float wv[kMaxWarpsPerBlock];
   __shared__ int wi[kMaxWarpsPerBlock];
   he_pdl_trigger();
@@ -249,12 +250,12 @@ HE_INLINE void he_decode_advance(int token, int* history, int* hist_len, int* po
   *pos = *pos + 1;
 }
 
-HE_KERNEL(kMaxBlockThreads) decode_advance(const int* __restrict__ token, int* __restrict__ history, int* __restrict__ hist_len,
+HE_KERNEL(kMaxBlockThreads) decode_advance(const int* token, int* __restrict__ history, int* __restrict__ hist_len,
                              int* __restrict__ pos, int hist_cap) {
   he_pdl_trigger();
   he_pdl_wait();  // port.h: everything below reads or writes step data
   if (he_thread_idx() != 0) return;
-  he_decode_advance(*token, history, hist_len, pos, hist_cap);
+  he_decode_advance(he_ld_step(token), history, hist_len, pos, hist_cap);
 }
 
 // Hand the sampled token to the host without a synchronisation (the per-op path's generation loop,
@@ -270,12 +271,12 @@ HE_INLINE void he_emit_token(int token, int* count, int* host_words, int cap) {
   he_store_release_system((he_u32*)host_words, (he_u32)(n + 1));
 }
 
-HE_KERNEL(kMaxBlockThreads) emit_token(const int* __restrict__ token, int* __restrict__ count, int* host_words,
+HE_KERNEL(kMaxBlockThreads) emit_token(const int* token, int* __restrict__ count, int* host_words,
                                        int cap) {
   he_pdl_trigger();
   he_pdl_wait();  // port.h: everything below reads or writes step data
   if (he_thread_idx() != 0) return;
-  he_emit_token(*token, count, host_words, cap);
+  he_emit_token(he_ld_step(token), count, host_words, cap);
 }
 
 // The greedy step's end in one launch (the per-op path; Ops.argmax_step): decode_advance for the token the
@@ -283,7 +284,7 @@ HE_KERNEL(kMaxBlockThreads) emit_token(const int* __restrict__ token, int* __res
 // kernels, two launch hops fewer per token. Thread 0 reads the consumed token before it writes the new
 // one; the other effects are the three kernels' own, in their order. Not in the monokernel's module.
 #ifndef HE_IN_MONOKERNEL
-HE_KERNEL(kMaxBlockThreads) argmax_pick_step(const float* __restrict__ cand, int nb, int* __restrict__ token,
+HE_KERNEL(kMaxBlockThreads) argmax_pick_step(const float* cand, int nb, int* __restrict__ token,
                                              int* __restrict__ history, int* __restrict__ hist_len,
                                              int* __restrict__ pos, int hist_cap, int* __restrict__ count,
                                              int* host_words, int cap) {
@@ -291,7 +292,7 @@ HE_KERNEL(kMaxBlockThreads) argmax_pick_step(const float* __restrict__ cand, int
   __shared__ int wi[kMaxWarpsPerBlock];
   he_pdl_trigger();
   he_pdl_wait();  // port.h: the candidates and the step's token come from the kernels before
-  if (he_thread_idx() == 0) he_decode_advance(*token, history, hist_len, pos, hist_cap);
+  if (he_thread_idx() == 0) he_decode_advance(he_ld_step(token), history, hist_len, pos, hist_cap);
   const int bi = he_argmax_fold(cand, nb, wv, wi);
   if (he_thread_idx() == 0) {
     *token = bi;
