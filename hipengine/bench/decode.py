@@ -118,6 +118,7 @@ def measure(be, contexts, paths, runs: int = RUNS, gen: int = GEN, log=print,
             max_context: int | None = None) -> list[dict]:
     """Decode tok/s per context and path. max_context: size the KV cache (and the attention plan) for that
     many tokens instead of for each context (a serving configuration: the Engine's default is 4096)."""
+    from ..gpu import ops as O
     from ..gpu.executor import GpuBackend
     from ..gpu.monokernel import read_profile, reset_profile
 
@@ -148,6 +149,11 @@ def measure(be, contexts, paths, runs: int = RUNS, gen: int = GEN, log=print,
                 reset_profile(be)
             first, ttfts, rates = timed_runs(once, runs, gen, f"{path} at context {C}")
             rows.append({"context": C, "max_context": be.max_context, "path": path,
+                         # the attention build this cache size takes (both paths; ops.attn_warp_max) and the
+                         # monokernel's long-context build (q_regs_build): the JSON's "monokernel" block is
+                         # the last context's
+                         "attn_warp_max": O.attn_warp_max(be.max_context),
+                         "q_regs": bool(getattr(be, "q_regs", False)),
                          "prompt": "real" if real else "synthetic-kv",
                          "ttft_ms": statistics.median(ttfts) * 1e3 if real else None,
                          "tok_s": statistics.median(rates), "tok_s_runs": rates, "tokens": first})
