@@ -12,6 +12,7 @@ plain `*p` the compiler proved read-only (docs/perf-log.md v41; port.h he_ld_ste
 """
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -77,14 +78,12 @@ def test_no_noncoherent_step_load_before_the_wait(tmp_path, unit, defines):
     path, text = compiler.resolve_source(unit)
     cubin, _ = bc.nvrtc_compile(text, path.name, bc.nvrtc_options("sm_90", path.parent, defines))
     (tmp_path / "k.cubin").write_bytes(cubin)
-    import subprocess
-
     sass = subprocess.run([exe, "-c", str(tmp_path / "k.cubin")], capture_output=True, text=True, check=True).stdout
     fns = _functions(sass)
     assert fns, "nvdisasm printed no functions"
     bad, waited = [], 0
     for fn, ins in fns.items():
-        at = next((i for i, x in enumerate(ins) if x.split()[-1:] == ["ACQBULK"] or x == "ACQBULK"), None)
+        at = next((i for i, x in enumerate(ins) if "ACQBULK" in x.split()), None)
         if at is None:
             continue
         waited += 1

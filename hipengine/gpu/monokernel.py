@@ -420,13 +420,16 @@ class MonokernelBackend(GpuBackend):
         self.grid = rt.num_sms * self.blocks_per_sm
         self.occupancy = occ
 
+    def _build_class(self) -> tuple[bool, bool]:
+        """(q_regs_build, ops.attn_warp_max) for the current max_context: what selects the build."""
+        return q_regs_build(self.max_context, self.rt.vendor), O.attn_warp_max(self.max_context)
+
     def _build(self) -> None:
         """Compile (or take from the cache) the build for the current max_context — the long-context build
         from LONG_CONTEXT tokens (q_regs_build), the attention split's softmax max (ops.attn_warp_max, as the
         per-op path's) — and load its kernel."""
         rt, cfg = self.rt, self.config
-        self.q_regs = q_regs_build(self.max_context, rt.vendor)
-        self.warp_max = O.attn_warp_max(self.max_context)
+        self.q_regs, self.warp_max = self._build_class()
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
                                                         max_context=self.max_context))
@@ -636,8 +639,7 @@ class MonokernelBackend(GpuBackend):
         self._alloc_state()
         if self.hostmem is not None:
             self.hostmem.free()
-        if (q_regs_build(self.max_context, self.rt.vendor), O.attn_warp_max(self.max_context)) != (self.q_regs,
-                                                                                               self.warp_max):
+        if self._build_class() != (self.q_regs, self.warp_max):
             self._build()  # the cache crossed LONG_CONTEXT / ops.ATTN_WARP_MAX_CTX: the other attention build
         self._size_launch()
         self._setup_buffers()

@@ -352,7 +352,9 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
 // position is read BEFORE he_pdl_wait — allowed because nothing in the graph writes it (the step's end,
 // outside the graph, advances it) — so its L2 round trip overlaps the wait for the kernel before instead of
 // heading the chain after it. Same value, same bits. Outside a graph (warm-up, prefill, tests) it is 0.
-HE_INLINE int he_attn_early_pos(const int* pos_p) { return *pos_p; }
+// The load is port.h's he_ld_step (coherent, issued where written) like the late read: a plain `*pos_p` may
+// become a non-coherent load the compiler moves at will (tests/test_pdl_sass.py).
+HE_INLINE int he_attn_early_pos(const int* pos_p) { return he_ld_step(pos_p); }
 
 // One kernel per group size (attention_split_g1 ... _g8): a kernel's register allocation is the maximum over
 // everything it may run, so a single kernel switching on G would pay G = 8's 168 registers for G = 4.
@@ -468,7 +470,7 @@ HE_KERNEL(256) attention_combine(const float* partial, const int* pos_p, int nsp
     const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
     int seq;                                                                                                \
     if (early) {                                                                                            \
-      seq = he_ld_step(pos_p) + 1;                                                                          \
+      seq = he_attn_early_pos(pos_p) + 1;                                                                   \
       he_attention_split_block<g, true, true>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk, \
                                               nh, nkv, hd, max_ctx, he_attn_smem);                          \
     } else {                                                                                                \
