@@ -324,6 +324,106 @@ HE_INLINE float he_block_max(float v, float* scratch) {
 }
 
 // ------------------------------------------------------------------------------------------------------
+// Matrix cores: one warp (wave) multiplies 16×16×16 tiles, 16-bit inputs, fp32 accumulation.
+//   C[m][n] += Σ_k A[m][k] · B[n][k]      (A: 16 rows m × 16 k; B: 16 rows n × 16 k — a weight tile as stored)
+// Operands come from shared memory as tiles of 16 rows with a row stride of `ld` elements (ld a multiple of
+// 4; 16-byte-aligned rows keep every fragment load aligned). Which (m, n) element a lane's accumulator
+// slot i holds is vendor-specific: he_mma_acc_m(i) / he_mma_acc_n(i) say it, so op code never needs the layout.
+//   NVIDIA sm_80+: two mma.sync.m16n8k16 (PTX ISA "Matrix Fragments for mma.m16n8k16"): lane = 4·g + t;
+//     A words {A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..]}, B words per n-half h
+//     {B[8h+g][2t..], B[8h+g][2t+8..]}, accumulator slot 4h+j at (g + 8·(j/2), 8h + 2t + j%2).
+//   AMD CDNA (gfx90a / gfx942, wave64): one v_mfma_f32_16x16x16{bf16_1k,f16} (AMD matrix instruction
+//     calculator): lane l holds A[l%16][4·(l/16) .. +3] and B[l%16][4·(l/16) .. +3] (B[n][k] = the
+//     instruction's B[k][n]), accumulator slot r at (4·(l/16) + r, l%16).
+// ------------------------------------------------------------------------------------------------------
+#if HE_AMD
+constexpr int kMmaAcc = 4;    // fp32 accumulator slots per lane for one 16×16 tile
+constexpr int kMmaWords = 2;  // 32-bit words per lane per 16×16 operand fragment (4 × 16-bit)
+#else
+constexpr int kMmaAcc = 8;
+constexpr int kMmaWords = 4;  // 8 × 16-bit
+#endif
+struct HeMmaAcc {
+  float v[kMmaAcc];
+};
+struct HeMmaFrag {
+  he_u32 w[kMmaWords];
+};
+HE_INLINE void he_mma_zero(HeMmaAcc& c) {
+#pragma unroll
+  for (int i = 0; i < kMmaAcc; ++i) c.v[i] = 0.f;
+}
+#if HE_AMD
+typedef short he_v4i16 __attribute__((ext_vector_type(4)));
+typedef _Float16 he_v4f16 __attribute__((ext_vector_type(4)));
+typedef float he_v4f32 __attribute__((ext_vector_type(4)));
+HE_INLINE HeMmaFrag he_mma_load(const he_u16* t, int ld) {  // A and B fragments have the same lane layout
+  const int l = he_lane_id();
+  const he_u32* p = (const he_u32*)(t + (l & 15) * ld + 4 * (l >> 4));
+  HeMmaFrag f;
+  f.w[0] = p[0];
+  f.w[1] = p[1];
+  return f;
+}
+HE_INLINE HeMmaFrag he_mma_load_a(const he_u16* t, int ld) { return he_mma_load(t, ld); }
+HE_INLINE HeMmaFrag he_mma_load_b(const he_u16* t, int ld) { return he_mma_load(t, ld); }
+template <bool kF16>
+HE_INLINE void he_mma(HeMmaAcc& c, const HeMmaFrag& a, const HeMmaFrag& b) {
+  static_assert(kF16 == kF16 && kWarpSize == 64, "port.h matrix cores: CDNA MFMA (wave64) only");
+  he_v4f32 acc = {c.v[0], c.v[1], c.v[2], c.v[3]};
+  if constexpr (kF16) {
+    acc = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(he_v4f16, a), __builtin_bit_cast(he_v4f16, b),
+                                                acc, 0, 0, 0);
+  } else {
+    acc = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(he_v4i16, a),
+                                                    __builtin_bit_cast(he_v4i16, b), acc, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c.v[i] = acc[i];
+}
+HE_INLINE int he_mma_acc_m(int i) { return 4 * (he_lane_id() >> 4) + i; }
+HE_INLINE int he_mma_acc_n(int i) { (void)i; return he_lane_id() & 15; }
+#else
+HE_INLINE HeMmaFrag he_mma_load_a(const he_u16* t, int ld) {
+  const int l = he_lane_id(), g = l >> 2, c = 2 * (l & 3);
+  HeMmaFrag f;
+  f.w[0] = *(const he_u32*)(t + g * ld + c);
+  f.w[1] = *(const he_u32*)(t + (g + 8) * ld + c);
+  f.w[2] = *(const he_u32*)(t + g * ld + c + 8);
+  f.w[3] = *(const he_u32*)(t + (g + 8) * ld + c + 8);
+  return f;
+}
+HE_INLINE HeMmaFrag he_mma_load_b(const he_u16* t, int ld) {
+  const int l = he_lane_id(), g = l >> 2, c = 2 * (l & 3);
+  HeMmaFrag f;
+  f.w[0] = *(const he_u32*)(t + g * ld + c);
+  f.w[1] = *(const he_u32*)(t + g * ld + c + 8);
+  f.w[2] = *(const he_u32*)(t + (g + 8) * ld + c);
+  f.w[3] = *(const he_u32*)(t + (g + 8) * ld + c + 8);
+  return f;
+}
+template <bool kF16>
+HE_INLINE void he_mma(HeMmaAcc& c, const HeMmaFrag& a, const HeMmaFrag& b) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (kF16) {
+      asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};"
+          : "+f"(c.v[4 * h]), "+f"(c.v[4 * h + 1]), "+f"(c.v[4 * h + 2]), "+f"(c.v[4 * h + 3])
+          : "r"(a.w[0]), "r"(a.w[1]), "r"(a.w[2]), "r"(a.w[3]), "r"(b.w[2 * h]), "r"(b.w[2 * h + 1]));
+    } else {
+      asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};"
+          : "+f"(c.v[4 * h]), "+f"(c.v[4 * h + 1]), "+f"(c.v[4 * h + 2]), "+f"(c.v[4 * h + 3])
+          : "r"(a.w[0]), "r"(a.w[1]), "r"(a.w[2]), "r"(a.w[3]), "r"(b.w[2 * h]), "r"(b.w[2 * h + 1]));
+    }
+  }
+}
+HE_INLINE int he_mma_acc_m(int i) { return (he_lane_id() >> 2) + 8 * ((i >> 1) & 1); }
+HE_INLINE int he_mma_acc_n(int i) { return 8 * (i >> 2) + 2 * (he_lane_id() & 3) + (i & 1); }
+#endif
+
+// ------------------------------------------------------------------------------------------------------
 // Fences. A fence orders this thread's earlier accesses before its later ones, as seen at the scope:
 //   he_fence_acq_rel_device(): e.g. "write data, fence, relaxed-store flag" publishes data to other blocks.
 //   he_fence_acq_rel_system(): same, seen by peer GPUs and the host (NVLink / xGMI / PCIe-mapped memory).

@@ -20,6 +20,8 @@
 #              (a change of a body both paths share)
 #   ncu   : Nsight Compute on per-op decode kernels at 1K ($NCU_KERNELS regex), CSV pages
 #   tests : engine + monokernel GPU tests
+#   prefill: the matrix-core prefill's op tests, the op and engine GPU tests, the prefill benchmark (TTFT of 64 to
+#            4K-token prompts, matrix cores against the 8-token FMA path, alternated in one process)
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
@@ -151,6 +153,13 @@ case "$MODE" in
     rm -f "$OUT/ncu.ncu-rep" ;;
   tests)  # engine + monokernel GPU tests of this tree
     engine_tests; mk_tests ;;
+  prefill)  # the matrix-core prefill (prefill.hip matmul_mma_m*): its op tests first, every op and engine test,
+            # then scripts/bench_prefill.py (JSON)
+    run mma_tests 60 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k prefill_matmul_mma
+    run ops_tests 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs
+    engine_tests
+    run bench_prefill 150 $PY scripts/bench_prefill.py --lengths ${PREFILL_LENGTHS:-64,512,1024,4096} \
+      --json "$OUT/bench_prefill.json" ;;
   perop)  # a per-op change: op + engine tests, then the per-op decode bench at 1K/8K/32K
     ops_tests; engine_tests
     run perop 150 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
@@ -163,7 +172,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|recordall|ncu|tests)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|recordall|ncu|tests|prefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -81,6 +81,31 @@ def test_attention_plan_covers_the_context():
             assert nsplit * chunk >= ctx and (nsplit - 1) * chunk < ctx and chunk % 32 == 0
 
 
+def test_mma_plan_covers_k_and_fits_the_scratch():
+    """The matrix-core prefill's split plan: every column in exactly one split (whole k-steps, none empty),
+    and S · tiles within mma_part_floats' bound when K is split; the constants match prefill.hip."""
+    import math
+    import re
+    from pathlib import Path
+
+    from hipengine.gpu import ops
+
+    src = (Path(ops.__file__).parents[2] / "kernels_hip/ops/prefill.hip").read_text()
+    assert re.search(rf"kPfBN = 16 \* kPfWarps;", src) and "constexpr int kPfWarps = 4;" in src
+    assert ops.MMA_TILE_ROWS == 64 and f"kPfBK = {ops.MMA_BK};" in src
+    assert re.search(rf"HE_MATMUL_MMA_KERNEL\(matmul_mma_m{ops.PREFILL_M}, {ops.PREFILL_M // 16}\)", src)
+    for sms in (8, 132, 304):
+        for rows in (1, 13, 576, 960, 2048, 3072, 8192, 128256):
+            for inn in (8, 72, 576, 2048, 2056, 8192, 14336):
+                for mode in (0, 2):
+                    tiles, S, kchunk = ops.mma_plan(rows, inn, mode, sms)
+                    assert tiles == math.ceil(rows / (32 if mode == 2 else 64))
+                    assert kchunk % ops.MMA_BK == 0 and S * kchunk >= inn and (S - 1) * kchunk < inn
+                    if S > 1:
+                        assert tiles < sms and S * tiles * ops.MMA_TILE_ROWS * 64 <= ops.mma_part_floats(sms, 64)
+    assert ops.mma_supported("sm_90") and ops.mma_supported("gfx942") and not ops.mma_supported("sm_75")
+
+
 def test_attention_plan_caps_splits_when_free():
     """More splits than one combine batch only when 16 splits would need more than one batch of rows."""
     import re
@@ -454,7 +479,8 @@ class EmulatedRuntime:
         return O.ref_rmsnorm(x, None if not gamma_p else self._f32(gamma_p, n), eps)
 
     def _execute(self, name, grid, v):
-        getattr(self, "_k_" + re.sub(r"^(attention_split|attention_decode)_g\d+$", r"\1", name))(grid, *v)
+        name = re.sub(r"^(attention_split|attention_decode)_g\d+$", r"\1", name)
+        getattr(self, "_k_" + re.sub(r"^matmul_mma_m\d+$", "matmul_mma", name))(grid, *v)
 
     def _k_embedding(self, grid, table, tokens, vocab, hidden, out, f16):
         T = grid[0]
@@ -501,6 +527,10 @@ class EmulatedRuntime:
             y[:] = y + r
         else:
             y[:] = O.ref_silu(r) * (Xs @ self._w(W2, rows, inn, f16).T)
+
+    def _k_matmul_mma(self, grid, W, W2, X, bias, Y, M, rows, inn, mode, f16, kchunk, part, count):
+        assert grid[1] * kchunk >= inn and kchunk % 64 == 0 and part and count  # the split plan covers K
+        self._k_matmul_small_m(grid, W, W2, X, bias, Y, M, rows, inn, mode, f16)
 
     def _k_qk_norm_rope(self, grid, qkv, qn, kn, eps, cos, sin, pos, q_out, kc, vc, max_ctx, nh, nkv, hd):
         T, half = grid[1], hd // 2

@@ -308,6 +308,42 @@ def test_matmul_small_m(gpu, M, mode, rows, inn):
     close(rt.download(Y, (M, rows), np.float32), ref, 1e-4, 1e-4)
 
 
+@pytest.mark.parametrize("M", [1, 17, 64])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("f16", [False, True])
+@pytest.mark.parametrize("rows,inn", [(13, 72), (333, 2056), (9000, 136)])
+def test_prefill_matmul_mma(gpu, M, mode, f16, rows, inn):
+    """The matrix-core prefill projection (hi/lo activations) against float64: split K (13 and 333 rows:
+    one or a few 64-row tiles) and one split (9,000 rows), rows and columns that are not tile multiples,
+    outputs poisoned; then bit-identical on a second launch, arrival counters left zero."""
+    rt, ops, O = gpu
+    if not O.mma_supported(rt.arch):
+        pytest.skip(f"no matrix cores on {rt.arch}")
+    bits, W = weights(O, rows, inn, f16)
+    bits2, W2 = weights(O, rows, inn, f16)
+    X = RNG.standard_normal((M, inn)).astype(np.float32)
+    b = RNG.standard_normal(rows).astype(np.float32)
+    Y0 = RNG.standard_normal((M, rows)).astype(np.float32)
+    if mode == 2:
+        ref = O.ref_silu(X @ W.T) * (X @ W2.T)
+    elif mode == 1:
+        ref = Y0 + X @ W.T
+    else:
+        ref = X @ W.T + b
+    part, count = rt.malloc(O.mma_part_floats(rt.num_sms, M) * 4), rt.upload(np.zeros(rt.num_sms, np.uint32))
+    args = (rt.upload(bits), rt.upload(X))
+    kw = dict(mode=mode, W2=rt.upload(bits2) if mode == 2 else None, bias=rt.upload(b) if mode == 0 else None,
+              f16=f16, part=part, count=count)
+    outs = []
+    for _ in range(2):
+        Y = rt.upload(Y0) if mode == 1 else poisoned(rt, M * rows)
+        ops.prefill_matmul(*args, Y, M, rows, inn, **kw)
+        outs.append(rt.download(Y, (M, rows), np.float32))
+    close(outs[0], ref, 1e-4, 1e-4)
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), "not deterministic"
+    assert not rt.download(count, (rt.num_sms,), np.uint32).any(), "arrival counters not reset"
+
+
 def _run_sample(rt, ops, logits, history, step, **kw):
     n = logits.size
     out = rt.upload(np.array([-7], np.int32))

@@ -11,13 +11,15 @@ Device state
             constant arguments.
 Decode (one step): embedding -> per layer [matvec_qkv (norm prologue, RoPE, append) -> attention split +
 combine (one kernel when its grid is large: ops.attention_one_kernel) -> O-proj + residual -> gate/up (norm
-prologue, SiLU·mul) -> down + residual] -> LM head (final norm prologue). Prefill runs chunks of up to 8
-tokens through the small-M matmul so each weight is read once per chunk. Sampling runs on the device
+prologue, SiLU·mul) -> down + residual] -> LM head (final norm prologue). Prefill runs chunks of up to
+prefill_m (64) tokens, each projection one matrix-core matmul (Ops.prefill_matmul), so each weight is read once
+per chunk. Sampling runs on the device
 (sampling.hip); each token reaches the host through mapped memory while the next steps are already
 enqueued (_generate_per_op).
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Callable, Iterator
@@ -42,6 +44,8 @@ def kv_defines(kv_f16: bool) -> dict | None:
 
 
 class GpuBackend(Backend):
+    prefill_m = O.PREFILL_M  # prompt tokens per prefill chunk (rows of the chunk buffers)
+
     def __new__(cls, *args, **kwargs):  # monokernel=True on a GPU with cooperative launch: decode and
         # generate_ids run in the monokernel (hipengine/gpu/monokernel.py, a subclass); prefill stays per-op.
         # Engine.load asks for it by default (per-op where it cannot run); this class defaults to per-op.
@@ -158,7 +162,7 @@ class GpuBackend(Backend):
     def _alloc_state(self) -> None:
         cfg, C = self.config, self.max_context
         d, qd, kvd, hd = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim
-        M = O.MAX_M
+        M = self.prefill_m
         per_layer = cfg.num_kv_heads * C * hd * 2
         self.k_cache = self._buf(cfg.num_layers * per_layer)
         self.v_cache = self._buf(cfg.num_layers * per_layer)
@@ -175,6 +179,10 @@ class GpuBackend(Backend):
         self.attn_count = self._buf(cfg.num_kv_heads * 4)  # decode attention's arrival counters (Ops.attention)
         self.rt.copy_htod(self.attn_count, np.zeros(cfg.num_kv_heads, np.uint32))
         self.logits = self._buf(M * cfg.vocab_size * f4)
+        # the matrix-core prefill's split-K scratch and arrival counters (Ops.prefill_matmul)
+        self.mm_part = self._buf(O.mma_part_floats(self.rt.num_sms, M) * f4)
+        self.mm_count = self._buf(self.rt.num_sms * 4)
+        self.rt.copy_htod(self.mm_count, np.zeros(self.rt.num_sms, np.uint32))
         self.z = self._buf(cfg.vocab_size * f4)
         self.cand = self._buf(2 * self.ops.argmax_blocks() * f4)  # grid-wide greedy candidates (Ops.argmax)
         self.pos_buf = self._buf(4)
@@ -280,9 +288,9 @@ class GpuBackend(Backend):
             raise RequestError(f"prompt of {ids.size} tokens at position {self.pos} exceeds the context of "
                                f"{self.max_context} tokens")
         out = []
-        for c0 in range(0, ids.size, O.MAX_M):
-            chunk = ids[c0:c0 + O.MAX_M]
-            last = c0 + O.MAX_M >= ids.size
+        for c0 in range(0, ids.size, self.prefill_m):
+            chunk = ids[c0:c0 + self.prefill_m]
+            last = c0 + self.prefill_m >= ids.size
             self._prefill_chunk(chunk, logits=all_logits or last)
             if all_logits or last:
                 lg = self._read_logits(chunk.size)
@@ -301,30 +309,29 @@ class GpuBackend(Backend):
         mode = 1 if res is not None else 0  # 1: Y += X Wᵀ (in place on x); 0: Y = X Wᵀ (a bare partial sum)
         d, qd, kvd, hd, F = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.intermediate_size
         eps, M = cfg.rms_norm_eps, int(ids.size)
+        mm = functools.partial(ops.prefill_matmul, part=self.mm_part, count=self.mm_count, stream=s)
         self.rt.copy_htod(self.tokens, ids.astype(np.int32), stream=s)
         self._set_int(self.pos_buf, self.pos)
         ops.embedding(self.embed, self.tokens, M, self.embed_vocab, d, self.x, self.embed_f16, stream=s)
         for i, L in enumerate(self.layers):
             f16 = L["f16"]
             ops.rmsnorm(self.x, L["attn_norm"], eps, d, self.xn, rows=M, stream=s)
-            ops.matmul_small_m(L["wqkv"], self.xn, self.qkv, M, qd + 2 * kvd, d, mode=0, bias=L["bqkv"], f16=f16,
-                               stream=s)
+            mm(L["wqkv"], self.xn, self.qkv, M, qd + 2 * kvd, d, mode=0, bias=L["bqkv"], f16=f16)
             ops.qk_norm_rope(self.qkv, self.q, self._kc(i), self._vc(i), self.cos, self.sin, self.pos_buf, T=M,
                              nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                              q_norm=L.get("q_norm"), k_norm=L.get("k_norm"), eps=eps, stream=s)
             ops.attention(self.q, self._kc(i), self._vc(i), self.partial, self.att, self.pos_buf, T=M,
                           nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                           nsplit=self.nsplit, chunk=self.chunk, stream=s)
-            ops.matmul_small_m(L["wo"], self.att, out, M, d, qd, mode=mode, f16=f16, stream=s)
+            mm(L["wo"], self.att, out, M, d, qd, mode=mode, f16=f16)
             yield M
             ops.rmsnorm(self.x, L["ffn_norm"], eps, d, self.xn, rows=M, stream=s)
-            ops.matmul_small_m(L["w_gate"], self.xn, self.h, M, F, d, mode=2, W2=L["w_up"], f16=f16, stream=s)
-            ops.matmul_small_m(L["w_down"], self.h, out, M, d, F, mode=mode, f16=f16, stream=s)
+            mm(L["w_gate"], self.xn, self.h, M, F, d, mode=2, W2=L["w_up"], f16=f16)
+            mm(L["w_down"], self.h, out, M, d, F, mode=mode, f16=f16)
             yield M
         if logits:
             ops.rmsnorm(self.x, self.final_norm, eps, d, self.xn, rows=M, stream=s)
-            ops.matmul_small_m(self.lm_head, self.xn, self.logits, M, cfg.vocab_size, d, mode=0, f16=self.head_f16,
-                               stream=s)
+            mm(self.lm_head, self.xn, self.logits, M, cfg.vocab_size, d, mode=0, f16=self.head_f16)
         self.pos += M
 
     def generate_ids(self, prompt_ids, params: SamplingParams,
@@ -337,8 +344,8 @@ class GpuBackend(Backend):
             return
         self.reset()
         self.prefill(prompt)
-        # the last prompt row's logits are row (size-1) % 8 of the chunk buffer: move them to row 0
-        last_row = (prompt.size - 1) % O.MAX_M
+        # the last prompt row's logits are row (size-1) % prefill_m of the chunk buffer: move them to row 0
+        last_row = (prompt.size - 1) % self.prefill_m
         if last_row:
             self.rt.copy_dtod(self.logits, self.logits.ptr + last_row * self.config.vocab_size * 4,
                               self.config.vocab_size * 4, stream=self.stream)

@@ -569,7 +569,7 @@ class MonokernelBackend(GpuBackend):
             return
         self.reset()
         self.prefill(prompt)
-        last_row = (prompt.size - 1) % O.MAX_M  # the last prompt row's logits -> row 0 (as the per-op path)
+        last_row = (prompt.size - 1) % self.prefill_m  # the last prompt row's logits -> row 0 (as the per-op path)
         if last_row:
             self.rt.copy_dtod(self.logits, self.logits.ptr + last_row * self.config.vocab_size * 4,
                               self.config.vocab_size * 4, stream=self.stream)

@@ -21,7 +21,10 @@ from .runtime import DeviceBuffer, HostBuffer
 MATVEC_THREADS = 256  # 8 warps (NVIDIA) / 4 waves (AMD) per block; kernels allow up to 512
 ATTN_THREADS = 256
 SAMPLE_THREADS = 1024  # must equal kSampleThreads in sampling.hip
-MAX_M = 8  # kMaxM in prefill.hip
+MAX_M = 8  # kMaxM in prefill.hip: token rows per matmul_small_m launch
+PREFILL_M = 64  # prompt tokens per prefill chunk (the largest matmul_mma_m* instantiation)
+MMA_TILE_ROWS = 64  # kPfBN in prefill.hip: weight rows per matmul_mma block (mode 2: 32 of Wg + 32 of Wu)
+MMA_BK = 64  # kPfBK: columns per k-step (a K split is a multiple of it)
 ATTN_MAX_GROUP = 8  # kAttnMaxGroup in attention_decode.hip
 
 
@@ -59,6 +62,11 @@ def _p(x) -> c_void_p:
     if isinstance(x, HostBuffer):
         return c_void_p(x.dptr)
     return c_void_p(int(x))
+
+
+def _addr(x) -> int:
+    """The device address of a pointer argument (see _p), for offsets into a buffer."""
+    return int(_p(x).value or 0)
 
 
 def attn_lanes(hd: int) -> int:
@@ -168,6 +176,38 @@ def prefill_blocks_per_sm() -> int:
     """Grid cap of the prefill matmul (matmul_small_m), blocks per SM: 3 (HIPENGINE_PREFILL_BLOCKS_PER_SM).
     Time to first token of a 1K prompt on H200 with the cap at 1 / 2 / 3 / 4: 641 / 380 / 327 / 361 ms (v35)."""
     return _blocks_per_sm("HIPENGINE_PREFILL_BLOCKS_PER_SM", 3)
+
+
+def mma_supported(arch: str) -> bool:
+    """Whether port.h's matrix-core tiles (he_mma) exist on `arch`: NVIDIA sm_80 and later (mma.sync
+    m16n8k16 bf16/f16), AMD CDNA with bf16 MFMA (gfx90a, gfx94x, gfx95x; wave64)."""
+    if arch.startswith("sm_"):
+        digits = "".join(ch for ch in arch[3:] if ch.isdigit())
+        return bool(digits) and int(digits) >= 80
+    return arch.startswith(("gfx90a", "gfx94", "gfx95"))
+
+
+def prefill_mma(arch: str) -> bool:
+    """Whether the prefill projections run on the matrix cores (matmul_mma_m*) rather than matmul_small_m:
+    where mma_supported(arch), unless HIPENGINE_PREFILL_MMA=0 (A/B benchmarks)."""
+    return mma_supported(arch) and _env_switch("HIPENGINE_PREFILL_MMA") is not False
+
+
+def mma_plan(rows: int, inn: int, mode: int, num_sms: int) -> tuple[int, int, int]:
+    """(tiles, splits, kchunk) of one matmul_mma launch: tiles of MMA_TILE_ROWS weight rows (mode 2: half as
+    many output rows per tile); when they cannot fill the GPU, K is split so that about 2 blocks per SM
+    run, each split a whole number of k-steps (no empty split). tiles · splits ≤ 2.5 · num_sms whenever
+    splits > 1 (mma_part_floats relies on it)."""
+    tiles = math.ceil(rows / (MMA_TILE_ROWS // 2 if mode == 2 else MMA_TILE_ROWS))
+    steps = math.ceil(inn / MMA_BK)
+    splits = 1 if tiles >= num_sms else min(steps, max(1, round(2 * num_sms / tiles)))
+    kchunk = math.ceil(steps / splits) * MMA_BK
+    return tiles, math.ceil(inn / kchunk), kchunk
+
+
+def mma_part_floats(num_sms: int, max_m: int) -> int:
+    """Size of matmul_mma's split-K scratch for chunks of up to max_m tokens (see mma_plan)."""
+    return 3 * num_sms * MMA_TILE_ROWS * (math.ceil(max_m / 16) * 16)
 
 
 def attention_one_kernel(blocks: int, num_sms: int) -> bool:
@@ -350,6 +390,30 @@ class Ops:
                        MATVEC_THREADS,
                        [_p(W), _p(W2), _p(X), _p(bias), _p(Y), c_int32(M), c_int32(rows), c_int32(inn),
                         c_int32(mode), c_int32(int(f16))], stream=stream, pdl=self.pdl)
+
+    def prefill_matmul(self, W, X, Y, M: int, rows: int, inn: int, mode: int = 0, W2=None, bias=None, f16=False,
+                       part=None, count=None, stream=None):
+        """A prefill projection of M ≤ PREFILL_M tokens, modes as matmul_small_m: on the matrix cores
+        (matmul_mma_m16/32/64; part: mma_part_floats(num_sms, M) floats of scratch, count: num_sms zeroed
+        uint32 words, left zero) where prefill_mma(arch), else matmul_small_m over slabs of MAX_M rows."""
+        if not 1 <= M <= PREFILL_M:
+            raise DeviceError(f"prefill_matmul takes 1..{PREFILL_M} rows of X, got {M}")
+        if inn % 8:
+            raise UnsupportedError(f"matmul input length {inn} is not a multiple of 8")
+        if not prefill_mma(self.rt.arch):
+            for m0 in range(0, M, MAX_M):  # X and Y rows are contiguous: a slab is a pointer offset
+                xo, yo = _addr(X) + m0 * inn * 4, _addr(Y) + m0 * rows * 4
+                self.matmul_small_m(W, xo, yo, min(MAX_M, M - m0), rows, inn, mode=mode, W2=W2, bias=bias,
+                                    f16=f16, stream=stream)
+            return
+        if part is None or count is None:
+            raise DeviceError("prefill_matmul on the matrix cores needs its split-K scratch (part, count)")
+        mt = 16 if M <= 16 else 32 if M <= 32 else 64
+        tiles, splits, kchunk = mma_plan(rows, inn, mode, self.rt.num_sms)
+        self.rt.launch(self.fn("prefill", f"matmul_mma_m{mt}"), (tiles, splits), 4 * self.rt.warp_size,
+                       [_p(W), _p(W2), _p(X), _p(bias), _p(Y), c_int32(M), c_int32(rows), c_int32(inn),
+                        c_int32(mode), c_int32(int(f16)), c_int32(kchunk), _p(part), _p(count)],
+                       stream=stream, pdl=self.pdl)
 
     # ---- attention ----------------------------------------------------------------------------------------
     def qk_norm_rope(self, qkv, q_out, k_cache, v_cache, cos, sin, pos, *, T: int, nh: int, nkv: int, hd: int,

@@ -75,14 +75,16 @@ class _RankModel:
 class TpRank(GpuBackend):
     """One rank: the single-GPU executor on its shard, writing partial sums where tp=1 adds in place."""
 
+    prefill_m = O.MAX_M  # 8-token prefill chunks: the all-reduce's largest message (TpGpuBackend.prefill_m)
+
     def __init__(self, model: _RankModel, rank: int, max_context: int, device: int):
         self.rank = rank
         super().__init__(model, max_context=max_context, tp=1, device=device)
 
     def _alloc_state(self) -> None:
         super()._alloc_state()
-        # rank > 0: the partial-sum buffer [MAX_M, hidden] that the all-reduce adds into x
-        self.y = self._buf(O.MAX_M * self.config.hidden_size * 4) if self.rank else None
+        # rank > 0: the partial-sum buffer [prefill_m, hidden] that the all-reduce adds into x
+        self.y = self._buf(self.prefill_m * self.config.hidden_size * 4) if self.rank else None
 
     def _proj_out(self):
         return (self.x, self.x) if self.rank == 0 else (self.y, None)
@@ -96,6 +98,7 @@ def _rank_config(plan: ShardPlan, rank: int):
 
 class TpGpuBackend(Backend):
     rank_cls = TpRank  # the tensor-parallel monokernel (tp_monokernel.py) builds its ranks from a subclass
+    prefill_m = TpRank.prefill_m  # GpuBackend.prefill's chunk, as every rank's
 
     def __init__(self, loaded, max_context: int | None = None, tp: int = 2, monokernel: bool = True,
                  allreduce: str = "custom", devices: list[int] | None = None):
@@ -123,7 +126,7 @@ class TpGpuBackend(Backend):
                     raise type(e)(f"tp={tp}, rank {r} (GPU {dev}): {e}") from None
             self.streams = [rk.stream for rk in self.ranks]
             self.rts = [rk.rt for rk in self.ranks]
-            nbytes = O.MAX_M * cfg.hidden_size * 4  # the largest all-reduce: one prefill chunk of x (fp32)
+            nbytes = self.prefill_m * cfg.hidden_size * 4  # the largest all-reduce: one prefill chunk of x (fp32)
             if allreduce == "custom":
                 from ..comm.allreduce import CustomAllReduce
 

@@ -141,7 +141,7 @@ class TpMonokernelBackend(TpGpuBackend):
             return
         self.reset()
         self.prefill(prompt)
-        last_row = (prompt.size - 1) % O.MAX_M  # the last prompt row's logits -> row 0 on every rank
+        last_row = (prompt.size - 1) % self.prefill_m  # the last prompt row's logits -> row 0 on every rank
         for rk in self.ranks:
             if last_row:
                 v = rk.config.vocab_size
