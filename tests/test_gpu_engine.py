@@ -91,7 +91,7 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
     from hipengine.gpu import ops
 
     src = (Path(ops.__file__).parents[2] / "kernels_hip/ops/prefill.hip").read_text()
-    assert re.search(rf"kPfBN = 16 \* kPfWarps;", src) and "constexpr int kPfWarps = 4;" in src
+    assert re.search(r"kPfBN = 16 \* kPfWarps;", src) and "constexpr int kPfWarps = 4;" in src
     assert ops.MMA_TILE_ROWS == 64 and f"kPfBK = {ops.MMA_BK};" in src
     assert re.search(rf"HE_MATMUL_MMA_KERNEL\(matmul_mma_m{ops.PREFILL_M}, {ops.PREFILL_M // 16}\)", src)
     for sms in (8, 132, 304):
