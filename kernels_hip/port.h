@@ -335,6 +335,14 @@ HE_INLINE float he_block_max(float v, float* scratch) {
 //   AMD CDNA (gfx90a / gfx942, wave64): one v_mfma_f32_16x16x16{bf16_1k,f16} (AMD matrix instruction
 //     calculator): lane l holds A[l%16][4·(l/16) .. +3] and B[l%16][4·(l/16) .. +3] (B[n][k] = the
 //     instruction's B[k][n]), accumulator slot r at (4·(l/16) + r, l%16).
+// he_mma_load_a_split<kF16>: an A fragment from an fp32 tile, as two 16-bit fragments hi = round(a) and
+//   lo = round(a − hi) (hi + lo keeps ~16 bits of mantissa in bf16, ~22 in fp16).
+// he_pack2<kF16>(a, b): one word of two 16-bit values, a in the low half, round to nearest even.
+// Asynchronous copies global -> shared (the multi-stage k-loops): he_cp_async16(dst, src, valid) copies 16
+//   bytes (zeros when !valid; src must still be a mapped address), he_cp_async_commit() closes a group,
+//   he_cp_async_wait<N>() returns once at most N of this thread's groups are still in flight; a block
+//   barrier after it makes every thread's copies visible. NVIDIA sm_80+: cp.async.cg (L2 only, no
+//   registers); elsewhere a plain 16-byte load and store, complete at once.
 // ------------------------------------------------------------------------------------------------------
 #if HE_AMD
 constexpr int kMmaAcc = 4;    // fp32 accumulator slots per lane for one 16×16 tile
@@ -383,6 +391,11 @@ HE_INLINE void he_mma(HeMmaAcc& c, const HeMmaFrag& a, const HeMmaFrag& b) {
 }
 HE_INLINE int he_mma_acc_m(int i) { return 4 * (he_lane_id() >> 4) + i; }
 HE_INLINE int he_mma_acc_n(int i) { (void)i; return he_lane_id() & 15; }
+template <bool kF16>
+HE_INLINE he_u32 he_pack2(float a, float b) {
+  return kF16 ? ((he_u32)he_f32_to_f16(a) | ((he_u32)he_f32_to_f16(b) << 16))
+              : ((he_u32)he_f32_to_bf16(a) | ((he_u32)he_f32_to_bf16(b) << 16));
+}
 #else
 HE_INLINE HeMmaFrag he_mma_load_a(const he_u16* t, int ld) {
   const int l = he_lane_id(), g = l >> 2, c = 2 * (l & 3);
@@ -421,6 +434,61 @@ HE_INLINE void he_mma(HeMmaAcc& c, const HeMmaFrag& a, const HeMmaFrag& b) {
 }
 HE_INLINE int he_mma_acc_m(int i) { return (he_lane_id() >> 2) + 8 * ((i >> 1) & 1); }
 HE_INLINE int he_mma_acc_n(int i) { return 8 * (i >> 2) + 2 * (he_lane_id() & 3) + (i & 1); }
+template <bool kF16>
+HE_INLINE he_u32 he_pack2(float a, float b) {  // cvt ... d, x, y puts x in the high half
+  he_u32 r;
+  if constexpr (kF16) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  return r;
+}
+#endif
+// hi/lo split of two fp32 values into 16-bit pairs (he_mma_load_a_split).
+template <bool kF16>
+HE_INLINE void he_split2(float a, float b, he_u32& hi, he_u32& lo) {
+  hi = he_pack2<kF16>(a, b);
+  const float ha = kF16 ? he_f16lo_to_f32(hi) : he_bf16lo_to_f32(hi);
+  const float hb = kF16 ? he_f16hi_to_f32(hi) : he_bf16hi_to_f32(hi);
+  lo = he_pack2<kF16>(a - ha, b - hb);
+}
+struct alignas(8) he_f32x2 {
+  float x, y;
+};
+#if HE_AMD
+template <bool kF16>
+HE_INLINE void he_mma_load_a_split(const float* t, int ld, HeMmaFrag& hi, HeMmaFrag& lo) {
+  const int l = he_lane_id();
+  const he_vec16 v = *(const he_vec16*)(t + (l & 15) * ld + 4 * (l >> 4));
+  he_split2<kF16>(he_u32_as_f32(v.x), he_u32_as_f32(v.y), hi.w[0], lo.w[0]);
+  he_split2<kF16>(he_u32_as_f32(v.z), he_u32_as_f32(v.w), hi.w[1], lo.w[1]);
+}
+#else
+template <bool kF16>
+HE_INLINE void he_mma_load_a_split(const float* t, int ld, HeMmaFrag& hi, HeMmaFrag& lo) {
+  const int l = he_lane_id(), g = l >> 2, c = 2 * (l & 3);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // word order of he_mma_load_a: (g, c), (g+8, c), (g, c+8), (g+8, c+8)
+    const he_f32x2 v = *(const he_f32x2*)(t + (g + 8 * (q & 1)) * ld + c + 8 * (q >> 1));
+    he_split2<kF16>(v.x, v.y, hi.w[q], lo.w[q]);
+  }
+}
+#endif
+
+#if HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+HE_INLINE void he_cp_async16(void* dst, const void* src, bool valid) {
+  he_u32 s;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+HE_INLINE void he_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+HE_INLINE void he_cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+#else
+HE_INLINE void he_cp_async16(void* dst, const void* src, bool valid) {
+  *(he_vec16*)dst = valid ? *(const he_vec16*)src : he_vec16{0u, 0u, 0u, 0u};
+}
+HE_INLINE void he_cp_async_commit() {}
+template <int N>
+HE_INLINE void he_cp_async_wait() {}
 #endif
 
 // ------------------------------------------------------------------------------------------------------

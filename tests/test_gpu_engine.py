@@ -92,7 +92,9 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
 
     src = (Path(ops.__file__).parents[2] / "kernels_hip/ops/prefill.hip").read_text()
     assert re.search(r"kPfBN = 16 \* kPfWarps;", src) and "constexpr int kPfWarps = 4;" in src
-    assert ops.MMA_TILE_ROWS == 64 and f"kPfBK = {ops.MMA_BK};" in src
+    assert ops.MMA_TILE_ROWS == 64 and f"kPfBK = {ops.MMA_BK};" in src and f"kPfStages = {ops.MMA_STAGES};" in src
+    assert "kPfWld = kPfBK + 8;" in src and "kPfXld = kPfBK + 8;" in src and "kPfCld = kPfBN + 4;" in src
+    assert ops.mma_shared_bytes(64) == 61440 <= 64 * 1024  # gfx942's LDS per workgroup
     assert re.search(rf"HE_MATMUL_MMA_KERNEL\(matmul_mma_m{ops.PREFILL_M}, {ops.PREFILL_M // 16}\)", src)
     for sms in (8, 132, 304):
         for rows in (1, 13, 576, 960, 2048, 3072, 8192, 128256):
@@ -529,7 +531,7 @@ class EmulatedRuntime:
             y[:] = O.ref_silu(r) * (Xs @ self._w(W2, rows, inn, f16).T)
 
     def _k_matmul_mma(self, grid, W, W2, X, bias, Y, M, rows, inn, mode, f16, kchunk, part, count):
-        assert grid[1] * kchunk >= inn and kchunk % 64 == 0 and part and count  # the split plan covers K
+        assert grid[1] * kchunk >= inn and kchunk % O.MMA_BK == 0 and part and count  # the split plan covers K
         self._k_matmul_small_m(grid, W, W2, X, bias, Y, M, rows, inn, mode, f16)
 
     def _k_qk_norm_rope(self, grid, qkv, qn, kn, eps, cos, sin, pos, q_out, kc, vc, max_ctx, nh, nkv, hd):

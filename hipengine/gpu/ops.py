@@ -24,7 +24,8 @@ SAMPLE_THREADS = 1024  # must equal kSampleThreads in sampling.hip
 MAX_M = 8  # kMaxM in prefill.hip: token rows per matmul_small_m launch
 PREFILL_M = 64  # prompt tokens per prefill chunk (the largest matmul_mma_m* instantiation)
 MMA_TILE_ROWS = 64  # kPfBN in prefill.hip: weight rows per matmul_mma block (mode 2: 32 of Wg + 32 of Wu)
-MMA_BK = 64  # kPfBK: columns per k-step (a K split is a multiple of it)
+MMA_BK = 32  # kPfBK: columns per k-step (a K split is a multiple of it)
+MMA_STAGES = 4  # kPfStages: the k-loop's shared-memory ring
 ATTN_MAX_GROUP = 8  # kAttnMaxGroup in attention_decode.hip
 
 
@@ -203,6 +204,13 @@ def mma_plan(rows: int, inn: int, mode: int, num_sms: int) -> tuple[int, int, in
     splits = 1 if tiles >= num_sms else min(steps, max(1, round(2 * num_sms / tiles)))
     kchunk = math.ceil(steps / splits) * MMA_BK
     return tiles, math.ceil(inn / kchunk), kchunk
+
+
+def mma_shared_bytes(mt: int) -> int:
+    """Dynamic shared memory of matmul_mma_m{mt} (prefill.hip HePfSmem): the stage ring (a weight tile of
+    bf16 rows padded to MMA_BK + 8, an X tile of fp32 rows padded to MMA_BK + 8), which the result tile reuses."""
+    stage = MMA_TILE_ROWS * (MMA_BK + 8) * 2 + mt * (MMA_BK + 8) * 4
+    return max(MMA_STAGES * stage, mt * (MMA_TILE_ROWS + 4) * 4)
 
 
 def mma_part_floats(num_sms: int, max_m: int) -> int:
@@ -413,7 +421,7 @@ class Ops:
         self.rt.launch(self.fn("prefill", f"matmul_mma_m{mt}"), (tiles, splits), 4 * self.rt.warp_size,
                        [_p(W), _p(W2), _p(X), _p(bias), _p(Y), c_int32(M), c_int32(rows), c_int32(inn),
                         c_int32(mode), c_int32(int(f16)), c_int32(kchunk), _p(part), _p(count)],
-                       stream=stream, pdl=self.pdl)
+                       shared=mma_shared_bytes(mt), stream=stream, pdl=self.pdl)
 
     # ---- attention ----------------------------------------------------------------------------------------
     def qk_norm_rope(self, qkv, q_out, k_cache, v_cache, cos, sin, pos, *, T: int, nh: int, nkv: int, hd: int,

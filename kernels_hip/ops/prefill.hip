@@ -70,14 +70,16 @@ HE_KERNEL(kMatvecMaxThreads) matmul_small_m(const he_u16* __restrict__ W, const 
 // ---- the matrix-core form ------------------------------------------------------------------------------
 // A block owns kPfBN = 64 "virtual" weight rows — rows n0 .. n0+63 of W (modes 0, 1), or 32 rows of Wg
 // followed by the same 32 rows of Wu (mode 2, so SiLU·mul finds both halves in the block) — and all
-// 16·kMT token rows of the chunk; warp w computes virtual rows 16w .. 16w+15 for every 16-token tile. Each
-// k-step stages 64 columns of the block's weight rows and of X into shared memory, and the global loads of
-// the next step are in flight while the matrix cores work on this one.
-// X stays fp32 where it matters: it is staged as two 16-bit halves, hi = round(x) and lo = round(x − hi),
-// and every tile takes both products (W·hi + W·lo), so the activations keep ~16 (bf16) / ~22 (fp16) bits of
-// mantissa instead of 8 / 11 — prefill stays as close to the fp32 reference as the FMA path (the weights are
-// exact either way) for twice the matrix work, which the chunk sizes here leave idle anyway. (fp16 weights:
-// |x| must stay below 65504, as in any fp16 model.)
+// 16·kMT token rows of the chunk. Warp w takes token tile w % kMT against kMT of the four 16-row weight
+// tiles, so each A fragment is built once per warp and k-step. K advances kPfBK columns per step through a
+// ring of kPfStages shared-memory stages filled by asynchronous copies (port.h he_cp_async16: no registers,
+// kPfStages − 1 steps in flight while the matrix cores work on one); the weights of the first steps are
+// requested before the wait for the previous kernel.
+// X stays fp32 where it matters: staged as fp32, each A fragment is taken as two 16-bit halves, hi = round(x)
+// and lo = round(x − hi) (he_mma_load_a_split), and every tile takes both products (W·hi + W·lo), so the
+// activations keep ~16 (bf16) / ~22 (fp16) bits of mantissa instead of 8 / 11 — prefill stays as close to
+// the fp32 reference as the FMA path (the weights are exact either way) for twice the matrix work, which
+// these chunk sizes leave idle anyway. (fp16 weights: |x| must stay below 65504, as in any fp16 model.)
 // Split K (grid.y = S > 1, for weights with too few 64-row tiles to fill the GPU): split s sums columns
 // [s·kchunk, (s+1)·kchunk) into its slice of `part`, and the last of a tile's S blocks to arrive (sync.h
 // he_arrive_last; count: one zeroed word per tile, left zero) adds the S slices in split order — the result
@@ -86,50 +88,50 @@ HE_KERNEL(kMatvecMaxThreads) matmul_small_m(const he_u16* __restrict__ W, const 
 constexpr int kPfWarps = 4;
 constexpr int kPfThreads = kPfWarps * kWarpSize;
 constexpr int kPfBN = 16 * kPfWarps;  // virtual weight rows per block
-constexpr int kPfBK = 64;             // columns per k-step
-constexpr int kPfLd = kPfBK + 8;      // shared row stride in elements: 16-byte rows, conflict-free fragments
-constexpr int kPfCld = kPfBN + 4;     // the epilogue's fp32 tile stride
+constexpr int kPfBK = 32;             // columns per k-step
+constexpr int kPfStages = 4;          // shared-memory ring: kPfStages - 1 k-steps in flight
+constexpr int kPfWld = kPfBK + 8;     // staged weight row, 16-bit elements: 80 B, conflict-free B fragments
+constexpr int kPfXld = kPfBK + 8;     // staged X row, floats: 160 B, conflict-free split A fragments
+constexpr int kPfCld = kPfBN + 4;     // the epilogue's fp32 result tile stride
 
-template <bool kF16>
-HE_INLINE he_u16 he_pf_round(float x) { return kF16 ? he_f32_to_f16(x) : he_f32_to_bf16(x); }
-template <bool kF16>
-HE_INLINE float he_pf_widen(he_u16 h) { return kF16 ? he_f16_to_f32(h) : he_bf16_to_f32(h); }
-
-// Shared memory of one block: the staged tiles during the k-loop, the fp32 result tile after it.
+// Shared memory of one block: the stage ring during the k-loop, the fp32 result tile after it (dynamic
+// shared memory: kBytes is 60 KiB at kMT = 4, within gfx942's 64 KiB of LDS).
 template <int kMT>
 struct HePfSmem {
-  static constexpr int kStage = (kPfBN + 2 * 16 * kMT) * kPfLd * 2;
+  static constexpr int kW = kPfBN * kPfWld * 2;     // one stage's weight tile
+  static constexpr int kX = 16 * kMT * kPfXld * 4;  // one stage's X tile
+  static constexpr int kStage = kW + kX;
   static constexpr int kTile = 16 * kMT * kPfCld * 4;
-  static constexpr int kBytes = kStage > kTile ? kStage : kTile;
+  static constexpr int kBytes = kPfStages * kStage > kTile ? kPfStages * kStage : kTile;
 };
 
 template <bool kF16, int kMT>
 HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __restrict__ W2, const float* X,
                                   const float* bias, float* Y, int M, int rows, int in, int mode, int kchunk,
                                   float* part, he_u32* count, char* smem) {
+  using Sm = HePfSmem<kMT>;
   constexpr int kBM = 16 * kMT;
-  constexpr int kWVec = kPfBN * kPfBK / 8;  // 16-byte weight loads per k-step
-  constexpr int kXVec = kBM * kPfBK / 4;    // 16-byte X loads per k-step
-  static_assert(kWVec % kPfThreads == 0 && kXVec % kPfThreads == 0, "k-step loads per thread");
-  constexpr int kWPer = kWVec / kPfThreads, kXPer = kXVec / kPfThreads;
-  he_u16* Ws = (he_u16*)smem;
-  he_u16* Xh = Ws + kPfBN * kPfLd;
-  he_u16* Xl = Xh + kBM * kPfLd;
+  constexpr int kWVec = kPfBN * kPfBK / 8;  // 16-byte copies per stage: weights
+  constexpr int kXVec = kBM * kPfBK / 4;    // and X
+  constexpr int kWPer = (kWVec + kPfThreads - 1) / kPfThreads, kXPer = (kXVec + kPfThreads - 1) / kPfThreads;
   const int tid = he_thread_idx(), nt = he_block_idx(), split = he_block_idx_y(), S = he_grid_dim_y();
   const int kbeg = split * kchunk, kend = (kbeg + kchunk < in) ? kbeg + kchunk : in;
+  const int nsteps = (kend - kbeg + kPfBK - 1) / kPfBK;
   const int half = kPfBN / 2;
 
-  // This thread's k-step loads: row pointers (nullptr: a row past the weight / the chunk) and columns.
+  // This thread's copies of a stage: source rows (nullptr: past the weight / the chunk, or no such copy),
+  // columns inside the step, and offsets inside the stage.
   const he_u16* wp[kWPer];
   int wc[kWPer], ws[kWPer];
 #pragma unroll
   for (int i = 0; i < kWPer; ++i) {
     const int idx = tid + i * kPfThreads, vr = idx / (kPfBK / 8);
     wc[i] = (idx % (kPfBK / 8)) * 8;
-    ws[i] = vr * kPfLd + wc[i];
+    ws[i] = vr * kPfWld * 2 + wc[i] * 2;
     const int n = (mode == 2) ? nt * half + (vr % half) : nt * kPfBN + vr;
     const he_u16* base = (mode == 2 && vr >= half) ? W2 : W;
-    wp[i] = (n < rows) ? base + (he_i64)n * in + wc[i] : nullptr;
+    wp[i] = (idx < kWVec && n < rows) ? base + (he_i64)n * in + wc[i] : nullptr;
+    if (idx >= kWVec) ws[i] = -1;
   }
   const float* xp[kXPer];
   int xc[kXPer], xs[kXPer];
@@ -137,72 +139,77 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
   for (int i = 0; i < kXPer; ++i) {
     const int idx = tid + i * kPfThreads, m = idx / (kPfBK / 4);
     xc[i] = (idx % (kPfBK / 4)) * 4;
-    xs[i] = m * kPfLd + xc[i];
-    xp[i] = (m < M) ? X + (he_i64)m * in + xc[i] : nullptr;
+    xs[i] = (idx < kXVec) ? Sm::kW + m * kPfXld * 4 + xc[i] * 4 : -1;
+    xp[i] = (idx < kXVec && m < M) ? X + (he_i64)m * in + xc[i] : nullptr;
   }
-  he_vec16 wr[kWPer], xr[kXPer];
-  const he_vec16 zero = {0u, 0u, 0u, 0u};
-  // in % 8 == 0 and kchunk % 64 == 0, so a 16-byte vector is wholly inside [kbeg, kend) or wholly outside.
-  auto load_w = [&](int k0) {
+  // in % 8 == 0 and kchunk % kPfBK == 0: a 16-byte copy is wholly inside [kbeg, kend) or wholly outside.
+  auto copy_w = [&](int step) {
+    char* st = smem + (step % kPfStages) * Sm::kStage;
+    const int k0 = kbeg + step * kPfBK;
 #pragma unroll
-    for (int i = 0; i < kWPer; ++i) wr[i] = (wp[i] && k0 + wc[i] < kend) ? he_load16_stream(wp[i] + k0) : zero;
+    for (int i = 0; i < kWPer; ++i)
+      if (ws[i] >= 0) {
+        const bool ok = wp[i] && k0 + wc[i] < kend;
+        he_cp_async16(st + ws[i], ok ? (const void*)(wp[i] + k0) : (const void*)W, ok);
+      }
   };
-  auto load_x = [&](int k0) {
+  auto copy_x = [&](int step) {
+    char* st = smem + (step % kPfStages) * Sm::kStage;
+    const int k0 = kbeg + step * kPfBK;
 #pragma unroll
-    for (int i = 0; i < kXPer; ++i) xr[i] = (xp[i] && k0 + xc[i] < kend) ? he_load16(xp[i] + k0) : zero;
+    for (int i = 0; i < kXPer; ++i)
+      if (xs[i] >= 0) {
+        const bool ok = xp[i] && k0 + xc[i] < kend;
+        he_cp_async16(st + xs[i], ok ? (const void*)(xp[i] + k0) : (const void*)X, ok);
+      }
   };
 
   HeMmaAcc acc[kMT];
 #pragma unroll
-  for (int t = 0; t < kMT; ++t) he_mma_zero(acc[t]);
-  load_w(kbeg);  // weights never depend on the previous kernel
+  for (int j = 0; j < kMT; ++j) he_mma_zero(acc[j]);
+  // The ring's first kPfStages - 1 steps: weights before the wait (they never depend on the previous kernel),
+  // X after it; one copy group per step (group 0 also holds the early weights of steps 1 ..).
+  for (int s = 0; s < kPfStages - 1; ++s)
+    if (s < nsteps) copy_w(s);
   he_pdl_wait();  // port.h: X, Y, part and count are step data
-  load_x(kbeg);
-  const he_u16* wt = Ws + he_warp_id() * 16 * kPfLd;
-  for (int k0 = kbeg; k0 < kend; k0 += kPfBK) {
-#pragma unroll
-    for (int i = 0; i < kWPer; ++i) *(he_vec16*)(Ws + ws[i]) = wr[i];
-#pragma unroll
-    for (int i = 0; i < kXPer; ++i) {
-      const float f[4] = {he_u32_as_f32(xr[i].x), he_u32_as_f32(xr[i].y), he_u32_as_f32(xr[i].z),
-                          he_u32_as_f32(xr[i].w)};
-      he_u16 hi[4], lo[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        hi[j] = he_pf_round<kF16>(f[j]);
-        lo[j] = he_pf_round<kF16>(f[j] - he_pf_widen<kF16>(hi[j]));
-      }
-      he_u32* h = (he_u32*)(Xh + xs[i]);
-      he_u32* l = (he_u32*)(Xl + xs[i]);
-      h[0] = (he_u32)hi[0] | ((he_u32)hi[1] << 16);
-      h[1] = (he_u32)hi[2] | ((he_u32)hi[3] << 16);
-      l[0] = (he_u32)lo[0] | ((he_u32)lo[1] << 16);
-      l[1] = (he_u32)lo[2] | ((he_u32)lo[3] << 16);
+  for (int s = 0; s < kPfStages - 1; ++s) {
+    if (s < nsteps) copy_x(s);
+    he_cp_async_commit();
+  }
+  const int warp = he_warp_id(), mt = warp % kMT, nb = warp / kMT;
+  for (int step = 0; step < nsteps; ++step) {
+    he_cp_async_wait<kPfStages - 2>();  // this thread's copies of `step` have landed ...
+    he_sync_block();                    // ... and everyone's; everyone is done with step - 1's stage
+    if (step + kPfStages - 1 < nsteps) {
+      copy_w(step + kPfStages - 1);  // into the stage step - 1 used
+      copy_x(step + kPfStages - 1);
     }
-    he_sync_block();
-    if (k0 + kPfBK < kend) {  // the next k-step's loads fly while this one is multiplied
-      load_w(k0 + kPfBK);
-      load_x(k0 + kPfBK);
-    }
+    he_cp_async_commit();
+    const char* st = smem + (step % kPfStages) * Sm::kStage;
+    const he_u16* Ws = (const he_u16*)st;
+    const float* Xs = (const float*)(st + Sm::kW) + mt * 16 * kPfXld;
 #pragma unroll
     for (int kk = 0; kk < kPfBK; kk += 16) {
-      const HeMmaFrag b = he_mma_load_b(wt + kk, kPfLd);
+      HeMmaFrag hi, lo;
+      he_mma_load_a_split<kF16>(Xs + kk, kPfXld, hi, lo);
 #pragma unroll
-      for (int t = 0; t < kMT; ++t) {
-        he_mma<kF16>(acc[t], he_mma_load_a(Xh + t * 16 * kPfLd + kk, kPfLd), b);
-        he_mma<kF16>(acc[t], he_mma_load_a(Xl + t * 16 * kPfLd + kk, kPfLd), b);
+      for (int j = 0; j < kMT; ++j) {
+        const HeMmaFrag b = he_mma_load_b(Ws + (nb + j * (kPfWarps / kMT)) * 16 * kPfWld + kk, kPfWld);
+        he_mma<kF16>(acc[j], hi, b);
+        he_mma<kF16>(acc[j], lo, b);
       }
     }
-    he_sync_block();
   }
+  he_cp_async_wait<0>();
+  he_sync_block();  // the ring is free: the result tile reuses it
 
-  // The block's [kBM, kPfBN] result tile, fp32, in shared memory (the staging area is free now).
+  // The block's [kBM, kPfBN] result tile, fp32, in shared memory.
   float* C = (float*)smem;
 #pragma unroll
-  for (int t = 0; t < kMT; ++t)
+  for (int j = 0; j < kMT; ++j)
 #pragma unroll
     for (int i = 0; i < kMmaAcc; ++i)
-      C[(t * 16 + he_mma_acc_m(i)) * kPfCld + he_warp_id() * 16 + he_mma_acc_n(i)] = acc[t].v[i];
+      C[(mt * 16 + he_mma_acc_m(i)) * kPfCld + (nb + j * (kPfWarps / kMT)) * 16 + he_mma_acc_n(i)] = acc[j].v[i];
   he_sync_block();
   if (S > 1) {
     constexpr int kTile = kBM * kPfBN;
@@ -235,15 +242,16 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
   }
 }
 
-// Launch: grid (tiles, S), kPfThreads threads; tiles = ceil(rows / 64) (mode 2: ceil(rows / 32)); M ≤ 16·kMT;
-// in % 8 == 0; kchunk a multiple of 64 with S·kchunk ≥ in; part: S·tiles·16·kMT·64 floats when S > 1.
+// Launch: grid (tiles, S), kPfThreads threads, HePfSmem<kMT>::kBytes of dynamic shared memory; tiles =
+// ceil(rows / 64) (mode 2: ceil(rows / 32)); M ≤ 16·kMT; in % 8 == 0; kchunk a multiple of kPfBK with
+// S·kchunk ≥ in and (S − 1)·kchunk < in; part: S·tiles·16·kMT·64 floats when S > 1.
 #define HE_MATMUL_MMA_KERNEL(NAME, MT)                                                                           \
   HE_KERNEL(kPfThreads) NAME(const he_u16* __restrict__ W, const he_u16* __restrict__ W2,       \
                                           const float* X, const float* bias, float* Y, int M, int rows,      \
                                           int in, int mode, int w_f16, int kchunk, float* part,              \
                                           he_u32* count) {                                                   \
-    __shared__ he_vec16 smem_v[(HePfSmem<MT>::kBytes + 15) / 16]; /* 16-byte aligned */              \
-    char* smem = (char*)smem_v;                                                                              \
+    extern __shared__ he_vec16 he_pf_smem[]; /* HePfSmem<MT>::kBytes (Ops.prefill_matmul), 16-byte aligned */ \
+    char* smem = (char*)he_pf_smem;                                                                          \
     he_pdl_trigger();                                                                                        \
     if (w_f16) he_matmul_mma_body<true, MT>(W, W2, X, bias, Y, M, rows, in, mode, kchunk, part, count, smem); \
     else he_matmul_mma_body<false, MT>(W, W2, X, bias, Y, M, rows, in, mode, kchunk, part, count, smem); \
