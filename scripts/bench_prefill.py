@@ -7,7 +7,10 @@ Per prompt length and path: wall time of GpuBackend.prefill (enqueue + the final
 TTFT pays before sampling) and the device time between events recorded around it, medians of --runs after a
 warm-up; the layers' projection FLOPs (2 · layer weights · tokens) over the device time; and the
 last row's logits against the reference path (max |diff| / max |logit|, same arg-max).
-Usage: PYTHONPATH=. python3 scripts/bench_prefill.py [--lengths 64,1024,4096] [--runs 5] [--json OUT]
+With --breakdown: one 64-token chunk at position 960 of a 1K prompt, op by op on the matrix-core path (each
+projection of layer 0 alone, launched 16 times back to back = one chunk's worth; RoPE + attention the same):
+device µs per chunk, GB/s of weights and TFLOP/s per projection.
+Usage: PYTHONPATH=. python3 scripts/bench_prefill.py [--lengths 64,1024,4096] [--runs 5] [--breakdown] [--json OUT]
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="64,512,1024,4096")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -90,6 +94,7 @@ def main() -> int:
                       f"{row['device_ms_best']:8.2f} ms ({row['tflops_device']:6.1f} TFLOP/s of layer projections); "
                       f"logits vs {paths[-1][0]}: {row['logits_rel_diff_vs_' + paths[-1][0]]:.2e}, "
                       f"argmax same {row['argmax_same']}", flush=True)
+        breakdown = chunk_breakdown(be, 960) if a.breakdown and O.mma_supported(rt.arch) else None
     finally:
         os.environ.pop("HIPENGINE_PREFILL_MMA", None)
         be.close()
@@ -98,11 +103,77 @@ def main() -> int:
            "date": datetime.now(timezone.utc).isoformat(), "runs": a.runs,
            "method": "per-op GpuBackend.prefill of a random prompt; medians of runs after a warm-up, paths "
                      "alternated twice (both medians listed); wall = enqueue + logits download, device = events "
-                     "around it", "rows": rows}
+                     "around it", "rows": rows, "breakdown": breakdown}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def chunk_breakdown(be, pos: int, M: int = 64, reps: int = 5) -> dict:
+    """Device µs of one M-token chunk at `pos`, op by op (layer 0's weights launched once per layer)."""
+    cfg, ops, rt, s = be.config, be.ops, be.rt, be.stream
+    d, qd, kvd, hd, F = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.intermediate_size
+    L, nl = be.layers[0], cfg.num_layers
+    os.environ["HIPENGINE_PREFILL_MMA"] = "1"
+    be.prefill_m = M
+    be.reset()
+    be.prefill(np.arange(pos) % cfg.vocab_size)  # fills the cache up to pos
+    be.rt.copy_htod(be.tokens, (np.arange(M) % cfg.vocab_size).astype(np.int32))
+    be._set_int(be.pos_buf, pos)
+    mm = dict(part=be.mm_part, count=be.mm_count, stream=s)
+    f16 = L["f16"]
+
+    def timed(fn) -> float:
+        fn()
+        out = []
+        for _ in range(reps):
+            e0, e1 = rt.event(), rt.event()
+            e0.record(s)
+            for _ in range(nl):
+                fn()
+            e1.record(s)
+            e1.synchronize()
+            out.append(e0.elapsed_ms(e1) * 1e3)
+        return statistics.median(out)
+
+    projections = {
+        "qkv": (lambda: ops.prefill_matmul(L["wqkv"], be.xn, be.qkv, M, qd + 2 * kvd, d, mode=0, bias=L["bqkv"],
+                                           f16=f16, **mm), (qd + 2 * kvd) * d),
+        "o": (lambda: ops.prefill_matmul(L["wo"], be.att, be.x, M, d, qd, mode=1, f16=f16, **mm), d * qd),
+        "gate_up": (lambda: ops.prefill_matmul(L["w_gate"], be.xn, be.h, M, F, d, mode=2, W2=L["w_up"], f16=f16,
+                                               **mm), 2 * F * d),
+        "down": (lambda: ops.prefill_matmul(L["w_down"], be.h, be.x, M, d, F, mode=1, f16=f16, **mm), d * F),
+    }
+    out = {"position": pos, "tokens": M, "us_per_chunk": {}, "weight_gbps": {}, "tflops": {}}
+    for k, (fn, n) in projections.items():
+        us = timed(fn)
+        out["us_per_chunk"][k] = us
+        out["weight_gbps"][k] = 2 * n * nl / us / 1e3
+        out["tflops"][k] = 2 * n * M * nl / us / 1e6
+    out["us_per_chunk"]["rmsnorm x2"] = timed(lambda: [ops.rmsnorm(be.x, L["attn_norm"], cfg.rms_norm_eps, d, be.xn,
+                                                                   rows=M, stream=s) for _ in range(2)])
+    out["us_per_chunk"]["qk_norm_rope"] = timed(lambda: ops.qk_norm_rope(
+        be.qkv, be.q, be._kc(0), be._vc(0), be.cos, be.sin, be.pos_buf, T=M, nh=cfg.num_heads, nkv=cfg.num_kv_heads,
+        hd=hd, max_ctx=be.max_context, q_norm=None, k_norm=None, eps=cfg.rms_norm_eps, stream=s))
+    out["us_per_chunk"]["attention"] = timed(lambda: ops.attention(
+        be.q, be._kc(0), be._vc(0), be.partial, be.att, be.pos_buf, T=M, nh=cfg.num_heads, nkv=cfg.num_kv_heads,
+        hd=hd, max_ctx=be.max_context, nsplit=be.nsplit, chunk=be.chunk, stream=s))
+    e0, e1 = rt.event(), rt.event()
+    chunks = []
+    for _ in range(reps):
+        be.pos = pos
+        e0.record(s)
+        be._prefill_chunk(np.arange(M) % cfg.vocab_size, logits=False)
+        e1.record(s)
+        e1.synchronize()
+        chunks.append(e0.elapsed_ms(e1) * 1e3)
+    out["us_per_chunk"]["whole chunk (layers)"] = statistics.median(chunks)
+    for k, v in out["us_per_chunk"].items():
+        extra = (f"  {out['weight_gbps'][k]:7.0f} GB/s of weights, {out['tflops'][k]:6.1f} TFLOP/s"
+                 if k in out["weight_gbps"] else "")
+        print(f"  chunk at {pos}: {k:22s} {v:9.1f} us{extra}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

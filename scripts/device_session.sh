@@ -158,7 +158,7 @@ case "$MODE" in
     run mma_tests 60 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k prefill_matmul_mma
     run ops_tests 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs
     engine_tests
-    run bench_prefill 150 $PY scripts/bench_prefill.py --lengths ${PREFILL_LENGTHS:-64,512,1024,4096} \
+    run bench_prefill 150 $PY scripts/bench_prefill.py --lengths ${PREFILL_LENGTHS:-64,512,1024,4096} --breakdown \
       --json "$OUT/bench_prefill.json" ;;
   perop)  # a per-op change: op + engine tests, then the per-op decode bench at 1K/8K/32K
     ops_tests; engine_tests
