@@ -8,8 +8,9 @@ TTFT pays before sampling) and the device time between events recorded around it
 warm-up; the layers' projection FLOPs (2 · layer weights · tokens) over the device time; and the
 last row's logits against the reference path (max |diff| / max |logit|, same arg-max).
 With --breakdown: one 64-token chunk at position 960 of a 1K prompt, op by op on the matrix-core path (each
-projection of layer 0 alone, launched 16 times back to back = one chunk's worth; RoPE + attention the same):
-device µs per chunk, GB/s of weights and TFLOP/s per projection.
+projection of layer 0 alone, launched 16 times back to back in a graph = one chunk's worth; norms, RoPE and
+attention the same): device µs per chunk, GB/s of weights and TFLOP/s per projection; and the whole chunk
+(GpuBackend._prefill_chunk: its captured graph).
 Usage: PYTHONPATH=. python3 scripts/bench_prefill.py [--lengths 64,1024,4096] [--runs 5] [--breakdown] [--json OUT]
 """
 from __future__ import annotations
@@ -124,17 +125,23 @@ def chunk_breakdown(be, pos: int, M: int = 64, reps: int = 5) -> dict:
     mm = dict(part=be.mm_part, count=be.mm_count, stream=s)
     f16 = L["f16"]
 
-    def timed(fn) -> float:
+    def timed(fn) -> float:  # nl launches captured in a graph (no host launch cost), replayed
         fn()
+        rt.begin_capture(s)
+        try:
+            for _ in range(nl):
+                fn()
+        finally:
+            g = rt.end_capture(s)
         out = []
         for _ in range(reps):
             e0, e1 = rt.event(), rt.event()
             e0.record(s)
-            for _ in range(nl):
-                fn()
+            g.launch(s)
             e1.record(s)
             e1.synchronize()
             out.append(e0.elapsed_ms(e1) * 1e3)
+        g.destroy()
         return statistics.median(out)
 
     projections = {

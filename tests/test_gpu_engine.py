@@ -673,9 +673,14 @@ def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path,
     ids = np.random.default_rng(2).integers(3, model.config.vocab_size, 21)
     want = ReferenceBackend(model, max_context=64).prefill(ids, all_logits=True)
     gpu = emulated(model, max_context=64)
-    got = gpu.prefill(ids, all_logits=True)  # 8-token chunks: 8 + 8 + 5
+    got = gpu.prefill(ids, all_logits=True)  # one chunk (prefill_m = 64)
     rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
     assert rel.max() < 2e-2, f"prefill logits rel err {rel.max():.3g}"
+    gpu.prefill_m = 8  # 8 + 8 + 5: the full chunks run eagerly once, then replay their captured graph
+    for _ in range(2):
+        gpu.reset()
+        assert np.array_equal(gpu.prefill(ids, all_logits=True), got)
+    assert list(gpu._prefill_graphs) == [(8, True, True)]
     gpu.reset()
     dec = [gpu.prefill(ids[:11], all_logits=True)] + [gpu.decode(int(t))[None] for t in ids[11:]]
     dec = np.concatenate(dec)

@@ -94,6 +94,7 @@ class GpuBackend(Backend):
         self._alloc_state()
         self._graph = None
         self._capturing = False  # True while the decode graph is captured (_decode_graph)
+        self._prefill_graphs: dict = {}  # captured full prefill chunks (_prefill_chunk)
         self.pos = 0
 
     # ---- setup ----------------------------------------------------------------------------------------------
@@ -299,19 +300,51 @@ class GpuBackend(Backend):
         return res if all_logits else res[-1]
 
     def _prefill_chunk(self, ids: np.ndarray, logits: bool) -> None:
-        for _ in self._prefill_steps(ids, logits):
-            pass
+        """One prefill chunk. A full chunk (prefill_m tokens) replays a captured graph of its launches — they
+        take their position and tokens from device memory — so the host pays one launch instead of ~9 per
+        layer; the first full chunk of each kind runs eagerly (compiling and warming its kernels) and is then
+        captured. Other sizes, and HIPENGINE_NO_GRAPH=1, launch eagerly."""
+        M = int(ids.size)
+        if M != self.prefill_m or os.environ.get("HIPENGINE_NO_GRAPH") == "1":
+            for _ in self._prefill_steps(ids, logits):
+                pass
+            return
+        key = (M, bool(logits), O.prefill_mma(self.rt.arch))  # what the launches depend on besides buffers
+        self._prefill_inputs(ids)
+        g = self._prefill_graphs.get(key)
+        if g is not None:
+            g.launch(self.stream)
+        else:
+            for _ in self._prefill_layers(M, logits):
+                pass
+            self.rt.begin_capture(self.stream)
+            try:
+                for _ in self._prefill_layers(M, logits):
+                    pass
+            finally:
+                self._prefill_graphs[key] = self.rt.end_capture(self.stream)
+        self.pos += M
 
     def _prefill_steps(self, ids: np.ndarray, logits: bool):
-        """One prefill chunk; yields its row count at the partial-sum points, as _decode_steps."""
+        """One prefill chunk, eagerly; yields its row count at the partial-sum points, as _decode_steps."""
+        self._prefill_inputs(ids)
+        yield from self._prefill_layers(int(ids.size), logits)
+        self.pos += int(ids.size)
+
+    def _prefill_inputs(self, ids: np.ndarray) -> None:
+        """The chunk's tokens and first position, into the device buffers its launches read."""
+        self.rt.copy_htod(self.tokens, ids.astype(np.int32), stream=self.stream)
+        self._set_int(self.pos_buf, self.pos)
+
+    def _prefill_layers(self, M: int, logits: bool):
+        """The launches of one M-token chunk (its inputs already on the device); yields M at the partial-sum
+        points. Captured as is into the prefill graphs."""
         cfg, ops, s = self.config, self.ops, self.stream
         out, res = self._proj_out()
         mode = 1 if res is not None else 0  # 1: Y += X Wᵀ (in place on x); 0: Y = X Wᵀ (a bare partial sum)
         d, qd, kvd, hd, F = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.intermediate_size
-        eps, M = cfg.rms_norm_eps, int(ids.size)
+        eps = cfg.rms_norm_eps
         mm = functools.partial(ops.prefill_matmul, part=self.mm_part, count=self.mm_count, stream=s)
-        self.rt.copy_htod(self.tokens, ids.astype(np.int32), stream=s)
-        self._set_int(self.pos_buf, self.pos)
         ops.embedding(self.embed, self.tokens, M, self.embed_vocab, d, self.x, self.embed_f16, stream=s)
         for i, L in enumerate(self.layers):
             f16 = L["f16"]
@@ -332,7 +365,6 @@ class GpuBackend(Backend):
         if logits:
             ops.rmsnorm(self.x, self.final_norm, eps, d, self.xn, rows=M, stream=s)
             mm(self.lm_head, self.xn, self.logits, M, cfg.vocab_size, d, mode=0, f16=self.head_f16)
-        self.pos += M
 
     def generate_ids(self, prompt_ids, params: SamplingParams,
                      should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
@@ -457,13 +489,19 @@ class GpuBackend(Backend):
                                       "error from the GPU")
             time.sleep(20e-6)
 
+    def _drop_graphs(self) -> None:
+        """Destroy the captured decode and prefill graphs (they hold the current buffers' addresses)."""
+        graphs = [getattr(self, "_graph", None), *getattr(self, "_prefill_graphs", {}).values()]
+        self._graph, self._prefill_graphs = None, {}
+        for g in graphs:
+            if g is not None:
+                try:
+                    g.destroy()
+                except Exception:
+                    pass
+
     def close(self) -> None:
-        if getattr(self, "_graph", None) is not None:
-            try:
-                self._graph.destroy()
-            except Exception:
-                pass
-            self._graph = None
+        self._drop_graphs()
         for b in getattr(self, "_bufs", []):
             try:
                 b.free()

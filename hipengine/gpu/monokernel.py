@@ -631,9 +631,7 @@ class MonokernelBackend(GpuBackend):
         """Re-size the KV cache, RoPE tables and attention split plan to a new max_context, keeping the
         weights (benchmarks sweep contexts without re-uploading a model). Old buffers are freed at close()."""
         self.max_context = int(max_context)
-        if self._graph is not None:
-            self._graph.destroy()
-            self._graph = None
+        self._drop_graphs()
         cos, sin = O.rope_tables(self.config.rope_inv_freq(), self.max_context)
         self.cos, self.sin = self._up(cos), self._up(sin)
         self._alloc_state()
