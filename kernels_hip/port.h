@@ -336,7 +336,8 @@ HE_INLINE float he_block_max(float v, float* scratch) {
 //     calculator): lane l holds A[l%16][4·(l/16) .. +3] and B[l%16][4·(l/16) .. +3] (B[n][k] = the
 //     instruction's B[k][n]), accumulator slot r at (4·(l/16) + r, l%16).
 // he_mma_load_a_split<kF16>: an A fragment from an fp32 tile, as two 16-bit fragments hi = round(a) and
-//   lo = round(a − hi) (hi + lo keeps ~16 bits of mantissa in bf16, ~22 in fp16).
+//   lo = round(a − hi) (hi + lo keeps ~16 bits of mantissa in bf16, ~22 in fp16); rows ≥ `rows` read as
+//   zeros (their memory is not touched). The tile may be in shared or global memory (8-byte aligned rows).
 // he_pack2<kF16>(a, b): one word of two 16-bit values, a in the low half, round to nearest even.
 // Asynchronous copies global -> shared (the multi-stage k-loops): he_cp_async16(dst, src, valid) copies 16
 //   bytes (zeros when !valid; src must still be a mapped address), he_cp_async_commit() closes a group,
@@ -455,19 +456,20 @@ struct alignas(8) he_f32x2 {
 };
 #if HE_AMD
 template <bool kF16>
-HE_INLINE void he_mma_load_a_split(const float* t, int ld, HeMmaFrag& hi, HeMmaFrag& lo) {
+HE_INLINE void he_mma_load_a_split(const float* t, int ld, HeMmaFrag& hi, HeMmaFrag& lo, int rows = 16) {
   const int l = he_lane_id();
-  const he_vec16 v = *(const he_vec16*)(t + (l & 15) * ld + 4 * (l >> 4));
+  const he_vec16 v = (l & 15) < rows ? *(const he_vec16*)(t + (l & 15) * ld + 4 * (l >> 4)) : he_vec16{0u, 0u, 0u, 0u};
   he_split2<kF16>(he_u32_as_f32(v.x), he_u32_as_f32(v.y), hi.w[0], lo.w[0]);
   he_split2<kF16>(he_u32_as_f32(v.z), he_u32_as_f32(v.w), hi.w[1], lo.w[1]);
 }
 #else
 template <bool kF16>
-HE_INLINE void he_mma_load_a_split(const float* t, int ld, HeMmaFrag& hi, HeMmaFrag& lo) {
+HE_INLINE void he_mma_load_a_split(const float* t, int ld, HeMmaFrag& hi, HeMmaFrag& lo, int rows = 16) {
   const int l = he_lane_id(), g = l >> 2, c = 2 * (l & 3);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {  // word order of he_mma_load_a: (g, c), (g+8, c), (g, c+8), (g+8, c+8)
-    const he_f32x2 v = *(const he_f32x2*)(t + (g + 8 * (q & 1)) * ld + c + 8 * (q >> 1));
+    const int r = g + 8 * (q & 1);
+    const he_f32x2 v = r < rows ? *(const he_f32x2*)(t + r * ld + c + 8 * (q >> 1)) : he_f32x2{0.f, 0.f};
     he_split2<kF16>(v.x, v.y, hi.w[q], lo.w[q]);
   }
 }

@@ -481,7 +481,7 @@ class EmulatedRuntime:
         return O.ref_rmsnorm(x, None if not gamma_p else self._f32(gamma_p, n), eps)
 
     def _execute(self, name, grid, v):
-        name = re.sub(r"^(attention_split|attention_decode)_g\d+$", r"\1", name)
+        name = re.sub(r"^(attention_split|attention_decode|attention_prefill)_g\d+$", r"\1", name)
         getattr(self, "_k_" + re.sub(r"^matmul_mma_m\d+$", "matmul_mma", name))(grid, *v)
 
     def _k_embedding(self, grid, table, tokens, vocab, hidden, out, f16):
@@ -530,7 +530,7 @@ class EmulatedRuntime:
         else:
             y[:] = O.ref_silu(r) * (Xs @ self._w(W2, rows, inn, f16).T)
 
-    def _k_matmul_mma(self, grid, W, W2, X, bias, Y, M, rows, inn, mode, f16, kchunk, part, count):
+    def _k_matmul_mma(self, grid, W, W2, X, bias, Y, M, rows, inn, mode, f16, kchunk, rotate, part, count):
         assert grid[1] * kchunk >= inn and kchunk % O.MMA_BK == 0 and part and count  # the split plan covers K
         self._k_matmul_small_m(grid, W, W2, X, bias, Y, M, rows, inn, mode, f16)
 
@@ -578,6 +578,12 @@ class EmulatedRuntime:
                     e = np.exp2(s - m)
                     P[t, h, sp, :hd] = e @ V[h // G, a:b]
                     P[t, h, sp, hd], P[t, h, sp, hd + 1] = m, e.sum()
+
+    def _k_attention_prefill(self, grid, q, kc, vc, partial, pos, T, nsp, nh, nkv, hd, max_ctx):
+        assert grid == (nkv * nsp, -(-T // 16)) and nsp <= O.AP_MAX_SPLITS
+        p0 = int(self.view(pos, np.int32, 1)[0])
+        length = -(-(-(-(p0 + T) // nsp)) // 64) * 64  # the splits: whole 64-key steps over [0, pos + T)
+        self._k_attention_split((nkv * nsp, T), q, kc, vc, partial, pos, nsp, length, nh, nkv, hd, max_ctx)
 
     def _k_attention_decode(self, grid, q, kc, vc, partial, pos, count, out, nsplit, chunk, nh, nkv, hd, max_ctx,
                             early):

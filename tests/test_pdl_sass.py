@@ -46,6 +46,7 @@ def _nvrtc():
 BUILDS = [  # (unit, defines): every PDL op module, the attention one in both softmax builds
     ("ops/attention_decode.hip", {"HE_ATTN_LPR": 8, "HE_ATTN_HD": 64, "HE_ATTN_WARP_MAX": 1}),
     ("ops/attention_decode.hip", {"HE_ATTN_LPR": 8, "HE_ATTN_HD": 64, "HE_ATTN_WARP_MAX": 0}),
+    ("ops/attention_prefill.hip", {"HE_AP_HD": 64}), ("ops/attention_prefill.hip", {"HE_AP_HD": 128}),
     ("ops/embedding.hip", None), ("ops/matvec.hip", None), ("ops/matvec.hip", {"HE_MATVEC_UNROLL": 8}),
     ("ops/prefill.hip", None), ("ops/qk_norm.hip", None), ("ops/rmsnorm.hip", None), ("ops/sampling.hip", None),
     ("comm/allreduce.hip", None),

@@ -326,8 +326,12 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
 
     # fp16-weight models (GGUF) also keep an fp16 KV cache (GpuBackend.kv_f16): their op modules differ;
     # the attention module is built per head_dim and cache class (Ops.attention: ops.attention_defines, below)
-    ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip")) if p.name != "attention_decode.hip"]
+    per_hd = ("attention_decode.hip", "attention_prefill.hip")
+    ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip")) if p.name not in per_hd]
     jobs = [(f"ops/{n}", {"defines": kv_defines(f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
+    # the prefill attention on the matrix cores, built per head_dim (Ops.attention)
+    jobs += [("ops/attention_prefill.hip", {"defines": {**(kv_defines(f16) or {}), "HE_AP_HD": head_dim}})
+             for f16 in sorted(set(f16_variants))]
     # the one-row-unit matvec's build (Ops.matvec rows1)
     jobs += [("ops/matvec.hip", {"defines": {**(kv_defines(f16) or {}), "HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL}})
              for f16 in sorted(set(f16_variants))]

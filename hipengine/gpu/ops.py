@@ -194,6 +194,12 @@ def prefill_mma(arch: str) -> bool:
     return mma_supported(arch) and _env_switch("HIPENGINE_PREFILL_MMA") is not False
 
 
+def mma_rotate() -> bool:
+    """Whether each matmul_mma tile starts its k-loop at its own step (tile % steps) rather than at column 0:
+    on unless HIPENGINE_MMA_ROTATE=0 (A/B)."""
+    return _env_switch("HIPENGINE_MMA_ROTATE") is not False
+
+
 def mma_plan(rows: int, inn: int, mode: int, num_sms: int) -> tuple[int, int, int]:
     """(tiles, splits, kchunk) of one matmul_mma launch: tiles of MMA_TILE_ROWS weight rows (mode 2: half as
     many output rows per tile); when they cannot fill the GPU, K is split so that about 2 blocks per SM
@@ -204,6 +210,23 @@ def mma_plan(rows: int, inn: int, mode: int, num_sms: int) -> tuple[int, int, in
     splits = 1 if tiles >= num_sms else min(steps, max(1, round(2 * num_sms / tiles)))
     kchunk = math.ceil(steps / splits) * MMA_BK
     return tiles, math.ceil(inn / kchunk), kchunk
+
+
+AP_MAX_SPLITS = 16  # attention_prefill's splits: at most the combine's one-round-trip batch (ATTN_COMBINE_BATCH)
+
+
+def ap_shared_bytes(G: int, hd: int) -> int:
+    """Dynamic shared memory of attention_prefill_g<G> for head size hd (attention_prefill.hip
+    he_ap_smem_bytes): K [64][hd + 8] and Vᵀ [hd][72] 16-bit, per warp scores [16][68] fp32, row states."""
+    return 64 * (hd + 8) * 2 + hd * 72 * 2 + G * 16 * 68 * 4 + 3 * G * 16 * 4
+
+
+def attention_prefill_mma(arch: str, G: int, hd: int, max_shared: int) -> bool:
+    """Whether a prefill chunk's attention runs on the matrix cores (attention_prefill_g*, then the combine)
+    rather than attention_split once per query: with prefill_mma(arch), hd a multiple of 16, G ≤ 8 and its
+    shared memory within the device's and gfx942's 64 KiB."""
+    return (prefill_mma(arch) and hd % 16 == 0 and 1 <= G <= 8
+            and ap_shared_bytes(G, hd) <= min(max_shared, 64 * 1024))
 
 
 def mma_shared_bytes(mt: int) -> int:
@@ -420,7 +443,8 @@ class Ops:
         tiles, splits, kchunk = mma_plan(rows, inn, mode, self.rt.num_sms)
         self.rt.launch(self.fn("prefill", f"matmul_mma_m{mt}"), (tiles, splits), 4 * self.rt.warp_size,
                        [_p(W), _p(W2), _p(X), _p(bias), _p(Y), c_int32(M), c_int32(rows), c_int32(inn),
-                        c_int32(mode), c_int32(int(f16)), c_int32(kchunk), _p(part), _p(count)],
+                        c_int32(mode), c_int32(int(f16)), c_int32(kchunk), c_int32(int(mma_rotate())), _p(part),
+                        _p(count)],
                        shared=mma_shared_bytes(mt), stream=stream, pdl=self.pdl)
 
     # ---- attention ----------------------------------------------------------------------------------------
@@ -459,6 +483,17 @@ class Ops:
                             c_int32(nsplit), c_int32(chunk), c_int32(nh), c_int32(nkv), c_int32(hd),
                             c_int32(max_ctx), c_int32(int(early and self._pdl("attn") and attention_early()))],
                            shared=shared, stream=stream, pdl=self._pdl("attn"))
+            return
+        if T > 1 and attention_prefill_mma(self.rt.arch, G, hd, self.rt.max_shared_per_block):
+            nsp = min(AP_MAX_SPLITS, nsplit)  # partial holds T·nh·nsplit·(hd + 2) floats: enough
+            self.rt.launch(self.fn("attention_prefill", f"attention_prefill_g{G}", {"HE_AP_HD": int(hd)}),
+                           (nkv * nsp, math.ceil(T / 16)), G * self.rt.warp_size,
+                           [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(T), c_int32(nsp),
+                            c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)],
+                           shared=ap_shared_bytes(G, hd), stream=stream, pdl=self.pdl)
+            self.rt.launch(self.fn("attention_decode", "attention_combine", lanes), (nh, T), 128,
+                           [_p(partial), _p(pos), c_int32(nsp), c_int32(nh), c_int32(hd), _p(out), c_int32(0)],
+                           stream=stream, pdl=self.pdl)
             return
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),

@@ -108,7 +108,7 @@ struct HePfSmem {
 template <bool kF16, int kMT>
 HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __restrict__ W2, const float* X,
                                   const float* bias, float* Y, int M, int rows, int in, int mode, int kchunk,
-                                  float* part, he_u32* count, char* smem) {
+                                  int rotate, float* part, he_u32* count, char* smem) {
   using Sm = HePfSmem<kMT>;
   constexpr int kBM = 16 * kMT;
   constexpr int kWVec = kPfBN * kPfBK / 8;  // 16-byte copies per stage: weights
@@ -117,6 +117,9 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
   const int tid = he_thread_idx(), nt = he_block_idx(), split = he_block_idx_y(), S = he_grid_dim_y();
   const int kbeg = split * kchunk, kend = (kbeg + kchunk < in) ? kbeg + kchunk : in;
   const int nsteps = (kend - kbeg + kPfBK - 1) / kPfBK;
+  // rotate: tile nt starts its k-loop at step nt % nsteps and wraps around, so the blocks in flight read
+  // different columns of X at a time instead of all the same ones (a fixed order per tile: deterministic).
+  const int rot = (rotate && nsteps > 0) ? nt % nsteps : 0;
   const int half = kPfBN / 2;
 
   // This thread's copies of a stage: source rows (nullptr: past the weight / the chunk, or no such copy),
@@ -145,7 +148,7 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
   // in % 8 == 0 and kchunk % kPfBK == 0: a 16-byte copy is wholly inside [kbeg, kend) or wholly outside.
   auto copy_w = [&](int step) {
     char* st = smem + (step % kPfStages) * Sm::kStage;
-    const int k0 = kbeg + step * kPfBK;
+    const int k0 = kbeg + ((step + rot) % nsteps) * kPfBK;
 #pragma unroll
     for (int i = 0; i < kWPer; ++i)
       if (ws[i] >= 0) {
@@ -155,7 +158,7 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
   };
   auto copy_x = [&](int step) {
     char* st = smem + (step % kPfStages) * Sm::kStage;
-    const int k0 = kbeg + step * kPfBK;
+    const int k0 = kbeg + ((step + rot) % nsteps) * kPfBK;
 #pragma unroll
     for (int i = 0; i < kXPer; ++i)
       if (xs[i] >= 0) {
@@ -212,16 +215,47 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
       C[(mt * 16 + he_mma_acc_m(i)) * kPfCld + (nb + j * (kPfWarps / kMT)) * 16 + he_mma_acc_n(i)] = acc[j].v[i];
   he_sync_block();
   if (S > 1) {
-    constexpr int kTile = kBM * kPfBN;
-    float* mine = part + ((he_i64)split * he_grid_dim() + nt) * kTile;
-    for (int e = tid; e < kTile; e += kPfThreads) mine[e] = C[(e / kPfBN) * kPfCld + e % kPfBN];
+    // 16-byte vectors: each thread stores kV of them, and the last arriver loads the next split's kV before
+    // adding the current ones (S dependent round trips of kV loads each, not S·kV).
+    constexpr int kTile = kBM * kPfBN, kV = kTile / 4 / kPfThreads;
+    static_assert(kTile % (4 * kPfThreads) == 0, "result tile in whole vectors per thread");
+    he_vec16* mine = (he_vec16*)(part + ((he_i64)split * he_grid_dim() + nt) * kTile);
+#pragma unroll
+    for (int v = 0; v < kV; ++v) {
+      const int e = 4 * (tid + v * kPfThreads);
+      mine[e / 4] = *(const he_vec16*)(C + (e / kPfBN) * kPfCld + e % kPfBN);
+    }
     he_fence_acq_rel_device();  // release: this thread's slice stores, before the arrival (AMD: per thread)
     if (!he_arrive_last(count + nt, (he_u32)S)) return;
     he_fence_acq_rel_device();  // acquire: every split's slice
-    for (int e = tid; e < kTile; e += kPfThreads) {
-      float v = 0.f;
-      for (int s = 0; s < S; ++s) v += part[((he_i64)s * he_grid_dim() + nt) * kTile + e];
-      C[(e / kPfBN) * kPfCld + e % kPfBN] = v;
+    const he_vec16* all = (const he_vec16*)(part + (he_i64)nt * kTile);  // split s at + s·grid·kTile floats
+    const he_i64 sstride = (he_i64)he_grid_dim() * kTile / 4;
+    float sum[kV][4];
+    he_vec16 cur[kV];
+#pragma unroll
+    for (int v = 0; v < kV; ++v) {
+      cur[v] = all[tid + v * kPfThreads];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) sum[v][c] = 0.f;
+    }
+    for (int s = 0; s < S; ++s) {  // split order: the result does not depend on the arrival order
+      he_vec16 nxt[kV];
+#pragma unroll
+      for (int v = 0; v < kV; ++v) nxt[v] = (s + 1 < S) ? all[(s + 1) * sstride + tid + v * kPfThreads] : cur[v];
+#pragma unroll
+      for (int v = 0; v < kV; ++v) {
+        sum[v][0] += he_u32_as_f32(cur[v].x);
+        sum[v][1] += he_u32_as_f32(cur[v].y);
+        sum[v][2] += he_u32_as_f32(cur[v].z);
+        sum[v][3] += he_u32_as_f32(cur[v].w);
+        cur[v] = nxt[v];
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < kV; ++v) {
+      const int e = 4 * (tid + v * kPfThreads);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) C[(e / kPfBN) * kPfCld + e % kPfBN + c] = sum[v][c];
     }
     he_sync_block();
   }
@@ -248,13 +282,13 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
 #define HE_MATMUL_MMA_KERNEL(NAME, MT)                                                                           \
   HE_KERNEL(kPfThreads) NAME(const he_u16* __restrict__ W, const he_u16* __restrict__ W2,       \
                                           const float* X, const float* bias, float* Y, int M, int rows,      \
-                                          int in, int mode, int w_f16, int kchunk, float* part,              \
-                                          he_u32* count) {                                                   \
+                                          int in, int mode, int w_f16, int kchunk, int rotate,               \
+                                          float* part, he_u32* count) {                                      \
     extern __shared__ he_vec16 he_pf_smem[]; /* HePfSmem<MT>::kBytes (Ops.prefill_matmul), 16-byte aligned */ \
     char* smem = (char*)he_pf_smem;                                                                          \
     he_pdl_trigger();                                                                                        \
-    if (w_f16) he_matmul_mma_body<true, MT>(W, W2, X, bias, Y, M, rows, in, mode, kchunk, part, count, smem); \
-    else he_matmul_mma_body<false, MT>(W, W2, X, bias, Y, M, rows, in, mode, kchunk, part, count, smem); \
+    if (w_f16) he_matmul_mma_body<true, MT>(W, W2, X, bias, Y, M, rows, in, mode, kchunk, rotate, part, count, smem); \
+    else he_matmul_mma_body<false, MT>(W, W2, X, bias, Y, M, rows, in, mode, kchunk, rotate, part, count, smem); \
   }
 HE_MATMUL_MMA_KERNEL(matmul_mma_m16, 1)  // M <= 16
 HE_MATMUL_MMA_KERNEL(matmul_mma_m32, 2)  // M <= 32

@@ -1,0 +1,204 @@
+// Prefill attention on the matrix cores: a chunk of T query tokens against the KV cache, causal (query t
+// sees positions [0, *pos + t]), grouped-query heads — the prefill's replacement for attention_split run
+// once per query token (grid.y = T), which re-read every K/V row for each query and each scored it alone.
+//
+// Layouts are attention_decode.hip's: q fp32 [T][num_heads·hd], caches he_kv [num_kv_heads][max_ctx][hd],
+// partial fp32 [T][num_heads][nsp][hd + 2] = (unnormalised o, m, l) per split in log2 units — so its
+// attention_combine (grid (num_heads, T), nsplit = nsp) finishes the job unchanged.
+//
+// attention_prefill_g<G>: grid (num_kv_heads·nsp, ceil(T / 16)), G warps (one per query head of the KV
+// group), dynamic shared memory he_ap_smem_bytes(G); the module built with HE_AP_HD = hd. A block takes 16 query tokens of its KV group against
+// one split of the keys; the splits divide [0, *pos + T) into nsp ranges of whole 64-key steps (nsp ≤
+// attention_decode.hip's kCombineBatch, so the combine folds all of them, in one round trip; splits past a
+// query's last key are empty, l = 0). Per 64-key
+// step the block stages K (rows = keys: the B operand of S = Q·Kᵀ) and Vᵀ (rows = dims: the B operand of
+// O += P·V) in shared memory; each warp takes S for its head on port.h's matrix-core tiles, keeps the
+// online softmax of its 16 rows in shared memory (masked scores are −inf, probabilities exp2(s − m)), and
+// adds P·V into its O tile after rescaling it. Q (pre-scaled by log2(e)/sqrt(hd) after the product) and P
+// enter the matrix cores as hi/lo 16-bit pairs (he_mma_load_a_split), K and V exactly: the scores and sums
+// keep ~16 bits, as close to the fp32 reference as the decode kernels' fp32 math.
+// Requirements: hd = HE_AP_HD (a multiple of 16, the module is built per head size), G ≤ 8.
+#ifndef HE_OPS_ATTENTION_PREFILL_HIP
+#define HE_OPS_ATTENTION_PREFILL_HIP
+#include "port.h"
+
+#ifndef HE_AP_HD
+#define HE_AP_HD 64
+#endif
+constexpr int kApHd = HE_AP_HD;
+static_assert(kApHd % 16 == 0 && kApHd >= 16, "HE_AP_HD: a multiple of 16");
+constexpr int kApKeys = 64;           // keys per step
+constexpr int kApQ = 16;              // query tokens per block
+constexpr int kApKld = kApHd + 8;     // staged K row (16-bit elements): 16-byte rows, conflict-free B fragments
+constexpr int kApVld = kApKeys + 8;   // staged Vᵀ row
+constexpr int kApSld = kApKeys + 4;   // a warp's fp32 score / probability row
+
+// Dynamic shared memory of attention_prefill_g<G> (Ops.attention mirrors it: ap_shared_bytes).
+HE_INLINE constexpr int he_ap_smem_bytes(int G) {
+  return kApKeys * kApKld * 2 + kApHd * kApVld * 2 + G * kApQ * kApSld * 4 + 3 * G * kApQ * 4;
+}
+
+template <int kG>
+HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, const he_kv* v_cache,
+                                          float* partial, int pos, int T, int nsp, int nh, int max_ctx,
+                                          char* smem) {
+  static_assert(kG >= 1 && kG <= 8, "group size out of range");
+  constexpr int kThreads = kG * kWarpSize;
+  constexpr int kDt = kApHd / 16;  // 16-wide tiles of the head dimension
+  he_u16* Ks = (he_u16*)smem;                    // [kApKeys][kApKld]
+  he_u16* Vt = Ks + kApKeys * kApKld;            // [kApHd][kApVld]
+  float* Ss = (float*)(Vt + kApHd * kApVld);     // [kG][kApQ][kApSld]
+  float* st = Ss + kG * kApQ * kApSld;           // [3][kG][kApQ]: running max, sum, this step's rescale
+  const int tid = he_thread_idx(), lane = he_lane_id(), g = he_warp_id();
+  const int kvh = he_block_idx() / nsp, sp = he_block_idx() % nsp, t0 = he_block_idx_y() * kApQ;
+  const int h = kvh * kG + g, qld = nh * kApHd;
+  const int nq = (T - t0 < kApQ) ? T - t0 : kApQ;  // query rows of this block
+  // The split's keys: nsp ranges of whole steps over [0, pos + T); this block's queries see up to pos + t0 + nq.
+  const int len = ((pos + T + nsp - 1) / nsp + kApKeys - 1) / kApKeys * kApKeys;
+  const int ks = sp * len;
+  const int kend = (ks + len < pos + t0 + nq) ? ks + len : pos + t0 + nq;
+  float* rm = st + g * kApQ;
+  float* rl = rm + kG * kApQ;
+  float* ra = rl + kG * kApQ;
+  constexpr int kR = kWarpSize / kApQ;  // lanes per score row in the softmax pass
+  const int row = lane / kR, part = lane % kR;
+  float* pr_row = partial + (((he_i64)(t0 + row) * nh + h) * nsp + sp) * (kApHd + 2);
+  if (ks >= kend) {  // no key of this split is visible to these queries: empty for the combine
+    if (part == 0 && row < nq) {
+      pr_row[kApHd] = he_neg_inf();
+      pr_row[kApHd + 1] = 0.f;
+    }
+    return;
+  }
+  if (part == 0) {
+    rm[row] = he_neg_inf();
+    rl[row] = 0.f;
+  }
+  HeMmaFrag qh[kDt], ql[kDt];
+  const float* qt = q + (he_i64)t0 * qld + h * kApHd;
+#pragma unroll
+  for (int d = 0; d < kDt; ++d) he_mma_load_a_split<HE_KV_F16 != 0>(qt + 16 * d, qld, qh[d], ql[d], nq);
+  HeMmaAcc o[kDt];
+#pragma unroll
+  for (int d = 0; d < kDt; ++d) he_mma_zero(o[d]);
+  const float qscale = he_rsqrt((float)kApHd) * kLog2e;
+  const he_kv* kbase = k_cache + (he_i64)kvh * max_ctx * kApHd;
+  const he_kv* vbase = v_cache + (he_i64)kvh * max_ctx * kApHd;
+  float* S = Ss + g * kApQ * kApSld;
+  constexpr int kVec = kApKeys * kApHd / 8;  // 16-byte vectors per K (or V) step
+
+  for (int kb = ks; kb < kend; kb += kApKeys) {
+    // K rows into Ks (asynchronous), V rows transposed into Vt; keys at or past kend are zeros.
+    for (int i = tid; i < kVec; i += kThreads) {
+      const int key = i / (kApHd / 8), c = (i % (kApHd / 8)) * 8;
+      const bool ok = kb + key < kend;
+      he_cp_async16(Ks + key * kApKld + c, ok ? (const void*)(kbase + (he_i64)(kb + key) * kApHd + c)
+                                             : (const void*)kbase, ok);
+      const he_vec16 v = ok ? he_load16(vbase + (he_i64)(kb + key) * kApHd + c) : he_vec16{0u, 0u, 0u, 0u};
+      const he_u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        Vt[(c + 2 * j) * kApVld + key] = (he_u16)(w[j] & 0xffffu);
+        Vt[(c + 2 * j + 1) * kApVld + key] = (he_u16)(w[j] >> 16);
+      }
+    }
+    he_cp_async_commit();
+    he_cp_async_wait<0>();
+    he_sync_block();
+    // S = Q·Kᵀ for this warp's head: 16 queries × 64 keys, scaled into log2 units and masked.
+#pragma unroll
+    for (int j = 0; j < kApKeys / 16; ++j) {
+      HeMmaAcc s;
+      he_mma_zero(s);
+#pragma unroll
+      for (int d = 0; d < kDt; ++d) {
+        const HeMmaFrag b = he_mma_load_b(Ks + 16 * j * kApKld + 16 * d, kApKld);
+        he_mma<HE_KV_F16 != 0>(s, qh[d], b);
+        he_mma<HE_KV_F16 != 0>(s, ql[d], b);
+      }
+#pragma unroll
+      for (int i = 0; i < kMmaAcc; ++i) {
+        const int m = he_mma_acc_m(i), key = kb + 16 * j + he_mma_acc_n(i);
+        const bool ok = m < nq && key < kend && key <= pos + t0 + m;
+        S[m * kApSld + 16 * j + he_mma_acc_n(i)] = ok ? s.v[i] * qscale : he_neg_inf();
+      }
+    }
+    he_sync_block();
+    // Online softmax over the step, kR lanes per row: new max, probabilities in place, sum, rescale.
+    {
+      float mx = he_neg_inf();
+      for (int n = part; n < kApKeys; n += kR) mx = he_fmax(mx, S[row * kApSld + n]);
+#pragma unroll
+      for (int x = 1; x < kR; x <<= 1) mx = he_fmax(mx, he_shfl_xor(mx, x));
+      const float mold = rm[row], mnew = he_fmax(mold, mx);
+      float sum = 0.f;
+      for (int n = part; n < kApKeys; n += kR) {
+        const float sc = S[row * kApSld + n];
+        const float p = (sc == he_neg_inf()) ? 0.f : he_exp2(sc - mnew);
+        S[row * kApSld + n] = p;
+        sum += p;
+      }
+#pragma unroll
+      for (int x = 1; x < kR; x <<= 1) sum += he_shfl_xor(sum, x);
+      const float a = (mold == he_neg_inf()) ? 0.f : he_exp2(mold - mnew);
+      if (part == 0) {
+        rm[row] = mnew;
+        rl[row] = rl[row] * a + sum;
+        ra[row] = a;
+      }
+    }
+    he_sync_block();
+    // O = O·a + P·V
+#pragma unroll
+    for (int d = 0; d < kDt; ++d)
+#pragma unroll
+      for (int i = 0; i < kMmaAcc; ++i) o[d].v[i] *= ra[he_mma_acc_m(i)];
+#pragma unroll
+    for (int kk = 0; kk < kApKeys / 16; ++kk) {
+      HeMmaFrag ph, pl;
+      he_mma_load_a_split<HE_KV_F16 != 0>(S + 16 * kk, kApSld, ph, pl);
+#pragma unroll
+      for (int d = 0; d < kDt; ++d) {
+        const HeMmaFrag b = he_mma_load_b(Vt + 16 * d * kApVld + 16 * kk, kApVld);
+        he_mma<HE_KV_F16 != 0>(o[d], ph, b);
+        he_mma<HE_KV_F16 != 0>(o[d], pl, b);
+      }
+    }
+    he_sync_block();  // Ks, Vt and S are rewritten by the next step
+  }
+  // This split's state for each (query, head): unnormalised o, then (m, l).
+#pragma unroll
+  for (int d = 0; d < kDt; ++d)
+#pragma unroll
+    for (int i = 0; i < kMmaAcc; ++i) {
+      const int m = he_mma_acc_m(i);
+      if (m < nq)
+        partial[(((he_i64)(t0 + m) * nh + h) * nsp + sp) * (kApHd + 2) + 16 * d + he_mma_acc_n(i)] = o[d].v[i];
+    }
+  if (part == 0 && row < nq) {
+    pr_row[kApHd] = rm[row];
+    pr_row[kApHd + 1] = rl[row];
+  }
+}
+
+#define HE_AP_KERNEL(g)                                                                                     \
+  HE_KERNEL(g * kWarpSize) attention_prefill_g##g(const float* q, const he_kv* k_cache,                        \
+                                                    const he_kv* v_cache, float* partial, const int* pos_p,  \
+                                                    int T, int nsp, int nh, int nkv, int hd, int max_ctx) {  \
+    extern __shared__ he_vec16 he_ap_smem[];                                                                  \
+    (void)nkv; (void)hd; /* = gridDim.x / nsp and HE_AP_HD: for the reader (and the host's emulation) */     \
+    he_pdl_trigger();                                                                                         \
+    he_pdl_wait(); /* port.h: the position, q and the chunk's K/V rows come from the kernels before */      \
+    he_attention_prefill_block<g>(q, k_cache, v_cache, partial, he_ld_step(pos_p), T, nsp, nh, max_ctx,      \
+                                  (char*)he_ap_smem);                                                         \
+  }
+HE_AP_KERNEL(1)
+HE_AP_KERNEL(2)
+HE_AP_KERNEL(3)
+HE_AP_KERNEL(4)
+HE_AP_KERNEL(5)
+HE_AP_KERNEL(6)
+HE_AP_KERNEL(7)
+HE_AP_KERNEL(8)
+#undef HE_AP_KERNEL
+#endif
