@@ -153,11 +153,11 @@ def chunk_breakdown(be, pos: int, M: int = 64, reps: int = 5) -> dict:
         "down": (lambda: ops.prefill_matmul(L["w_down"], be.h, be.x, M, d, F, mode=1, f16=f16, **mm), d * F),
     }
     out = {"position": pos, "tokens": M, "us_per_chunk": {}, "weight_gbps": {}, "tflops": {},
-           "us_per_chunk_no_rotate": {}}
+           "stages": O.mma_stages(rt), "us_per_chunk_4_stages": {}}
     for k, (fn, n) in projections.items():
-        os.environ["HIPENGINE_MMA_ROTATE"] = "0"  # A/B: every tile's k-loop from column 0
-        out["us_per_chunk_no_rotate"][k] = timed(fn)
-        os.environ.pop("HIPENGINE_MMA_ROTATE")
+        os.environ["HIPENGINE_MMA_STAGES"] = "4"  # A/B: gfx942's ring depth
+        out["us_per_chunk_4_stages"][k] = timed(fn)
+        os.environ.pop("HIPENGINE_MMA_STAGES")
         us = timed(fn)
         out["us_per_chunk"][k] = us
         out["weight_gbps"][k] = 2 * n * nl / us / 1e3
@@ -182,7 +182,7 @@ def chunk_breakdown(be, pos: int, M: int = 64, reps: int = 5) -> dict:
     out["us_per_chunk"]["whole chunk (layers)"] = statistics.median(chunks)
     for k, v in out["us_per_chunk"].items():
         extra = (f"  {out['weight_gbps'][k]:7.0f} GB/s of weights, {out['tflops'][k]:6.1f} TFLOP/s "
-                 f"(k-loops from column 0: {out['us_per_chunk_no_rotate'][k]:.1f} us)"
+                 f"({out['stages']} stages; 4 stages: {out['us_per_chunk_4_stages'][k]:.1f} us)"
                  if k in out["weight_gbps"] else "")
         print(f"  chunk at {pos}: {k:22s} {v:9.1f} us{extra}", flush=True)
     return out

@@ -92,9 +92,12 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
 
     src = (Path(ops.__file__).parents[2] / "kernels_hip/ops/prefill.hip").read_text()
     assert re.search(r"kPfBN = 16 \* kPfWarps;", src) and "constexpr int kPfWarps = 4;" in src
-    assert ops.MMA_TILE_ROWS == 64 and f"kPfBK = {ops.MMA_BK};" in src and f"kPfStages = {ops.MMA_STAGES};" in src
+    assert ops.MMA_TILE_ROWS == 64 and f"kPfBK = {ops.MMA_BK};" in src and "kPfStages = HE_PF_STAGES;" in src
     assert "kPfWld = kPfBK + 8;" in src and "kPfXld = kPfBK + 8;" in src and "kPfCld = kPfBN + 4;" in src
-    assert ops.mma_shared_bytes(64) == 61440 <= 64 * 1024  # gfx942's LDS per workgroup
+    assert ops.mma_shared_bytes(64, 4) == 61440 <= 64 * 1024  # gfx942's LDS per workgroup
+    from types import SimpleNamespace
+    assert ops.mma_stages(SimpleNamespace(max_shared_per_block=64 * 1024)) == 4  # gfx942
+    assert ops.mma_stages(SimpleNamespace(max_shared_per_block=227 * 1024)) == 6  # H100 / H200
     assert re.search(rf"HE_MATMUL_MMA_KERNEL\(matmul_mma_m{ops.PREFILL_M}, {ops.PREFILL_M // 16}\)", src)
     for sms in (8, 132, 304):
         for rows in (1, 13, 576, 960, 2048, 3072, 8192, 128256):

@@ -329,6 +329,9 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     per_hd = ("attention_decode.hip", "attention_prefill.hip")
     ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip")) if p.name not in per_hd]
     jobs = [(f"ops/{n}", {"defines": kv_defines(f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
+    # the prefill projections' build (Ops.prefill_matmul: ops.mma_stages, 6 on sm_90)
+    jobs += [("ops/prefill.hip", {"defines": {**(kv_defines(f16) or {}), "HE_PF_STAGES": 6}})
+             for f16 in sorted(set(f16_variants))]
     # the prefill attention on the matrix cores, built per head_dim (Ops.attention)
     jobs += [("ops/attention_prefill.hip", {"defines": {**(kv_defines(f16) or {}), "HE_AP_HD": head_dim}})
              for f16 in sorted(set(f16_variants))]

@@ -25,7 +25,6 @@ MAX_M = 8  # kMaxM in prefill.hip: token rows per matmul_small_m launch
 PREFILL_M = 64  # prompt tokens per prefill chunk (the largest matmul_mma_m* instantiation)
 MMA_TILE_ROWS = 64  # kPfBN in prefill.hip: weight rows per matmul_mma block (mode 2: 32 of Wg + 32 of Wu)
 MMA_BK = 32  # kPfBK: columns per k-step (a K split is a multiple of it)
-MMA_STAGES = 4  # kPfStages: the k-loop's shared-memory ring
 ATTN_MAX_GROUP = 8  # kAttnMaxGroup in attention_decode.hip
 
 
@@ -229,11 +228,26 @@ def attention_prefill_mma(arch: str, G: int, hd: int, max_shared: int) -> bool:
             and ap_shared_bytes(G, hd) <= min(max_shared, 64 * 1024))
 
 
-def mma_shared_bytes(mt: int) -> int:
-    """Dynamic shared memory of matmul_mma_m{mt} (prefill.hip HePfSmem): the stage ring (a weight tile of
-    bf16 rows padded to MMA_BK + 8, an X tile of fp32 rows padded to MMA_BK + 8), which the result tile reuses."""
+def mma_stages(rt) -> int:
+    """Stages of matmul_mma's shared-memory ring (prefill.hip HE_PF_STAGES): 6 where 6 stages of the largest
+    tile (90 KiB) fit a block's shared memory, else 4 (60 KiB: gfx942 has 64 KiB of LDS per workgroup);
+    HIPENGINE_MMA_STAGES overrides it (A/B)."""
+    forced = os.environ.get("HIPENGINE_MMA_STAGES")
+    if forced:
+        n = int(forced)
+        if not 2 <= n or mma_shared_bytes(PREFILL_M, n) > rt.max_shared_per_block:
+            raise UnsupportedError(f"HIPENGINE_MMA_STAGES={n}: needs 2 or more stages within "
+                                   f"{rt.max_shared_per_block} bytes of shared memory")
+        return n
+    return 6 if mma_shared_bytes(PREFILL_M, 6) <= min(rt.max_shared_per_block, 100 * 1024) else 4
+
+
+def mma_shared_bytes(mt: int, stages: int) -> int:
+    """Dynamic shared memory of matmul_mma_m{mt} (prefill.hip HePfSmem) with a ring of `stages`: each a weight
+    tile of bf16 rows padded to MMA_BK + 8 and an X tile of fp32 rows padded to MMA_BK + 8; the result tile
+    reuses it."""
     stage = MMA_TILE_ROWS * (MMA_BK + 8) * 2 + mt * (MMA_BK + 8) * 4
-    return max(MMA_STAGES * stage, mt * (MMA_TILE_ROWS + 4) * 4)
+    return max(stages * stage, mt * (MMA_TILE_ROWS + 4) * 4)
 
 
 def mma_part_floats(num_sms: int, max_m: int) -> int:
@@ -441,11 +455,13 @@ class Ops:
             raise DeviceError("prefill_matmul on the matrix cores needs its split-K scratch (part, count)")
         mt = 16 if M <= 16 else 32 if M <= 32 else 64
         tiles, splits, kchunk = mma_plan(rows, inn, mode, self.rt.num_sms)
-        self.rt.launch(self.fn("prefill", f"matmul_mma_m{mt}"), (tiles, splits), 4 * self.rt.warp_size,
+        stages = mma_stages(self.rt)
+        self.rt.launch(self.fn("prefill", f"matmul_mma_m{mt}", {"HE_PF_STAGES": stages}), (tiles, splits),
+                       4 * self.rt.warp_size,
                        [_p(W), _p(W2), _p(X), _p(bias), _p(Y), c_int32(M), c_int32(rows), c_int32(inn),
                         c_int32(mode), c_int32(int(f16)), c_int32(kchunk), c_int32(int(mma_rotate())), _p(part),
                         _p(count)],
-                       shared=mma_shared_bytes(mt), stream=stream, pdl=self.pdl)
+                       shared=mma_shared_bytes(mt, stages), stream=stream, pdl=self.pdl)
 
     # ---- attention ----------------------------------------------------------------------------------------
     def qk_norm_rope(self, qkv, q_out, k_cache, v_cache, cos, sin, pos, *, T: int, nh: int, nkv: int, hd: int,

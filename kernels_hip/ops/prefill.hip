@@ -89,13 +89,19 @@ constexpr int kPfWarps = 4;
 constexpr int kPfThreads = kPfWarps * kWarpSize;
 constexpr int kPfBN = 16 * kPfWarps;  // virtual weight rows per block
 constexpr int kPfBK = 32;             // columns per k-step
-constexpr int kPfStages = 4;          // shared-memory ring: kPfStages - 1 k-steps in flight
+// The shared-memory ring: kPfStages − 1 k-steps in flight. The host picks it (ops.mma_stages): 6 where a
+// block may have ~100 KB of shared memory (NVIDIA), 4 within gfx942's 64 KiB of LDS.
+#ifndef HE_PF_STAGES
+#define HE_PF_STAGES 4
+#endif
+constexpr int kPfStages = HE_PF_STAGES;
+static_assert(kPfStages >= 2, "HE_PF_STAGES: at least two stages");
 constexpr int kPfWld = kPfBK + 8;     // staged weight row, 16-bit elements: 80 B, conflict-free B fragments
 constexpr int kPfXld = kPfBK + 8;     // staged X row, floats: 160 B, conflict-free split A fragments
 constexpr int kPfCld = kPfBN + 4;     // the epilogue's fp32 result tile stride
 
 // Shared memory of one block: the stage ring during the k-loop, the fp32 result tile after it (dynamic
-// shared memory: kBytes is 60 KiB at kMT = 4, within gfx942's 64 KiB of LDS).
+// shared memory: 15 KiB per stage at kMT = 4, so 60 KiB with 4 stages, within gfx942's 64 KiB of LDS).
 template <int kMT>
 struct HePfSmem {
   static constexpr int kW = kPfBN * kPfWld * 2;     // one stage's weight tile
