@@ -22,6 +22,9 @@
 #   tests : engine + monokernel GPU tests
 #   prefill: the matrix-core prefill's op tests, the op and engine GPU tests, the prefill benchmark (TTFT of 64 to
 #            4K-token prompts, matrix cores against the 8-token FMA path, alternated in one process)
+#   prefillrecord: after a prefill change (decode kernels unchanged): its op tests, engine and monokernel tests,
+#            the prefill benchmark with its op breakdown, the decode bench of record (TTFT included), and the
+#            1B preset's 512-position check in the time that is left (the call stays under 575 s)
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
@@ -153,6 +156,14 @@ case "$MODE" in
     rm -f "$OUT/ncu.ncu-rep" ;;
   tests)  # engine + monokernel GPU tests of this tree
     engine_tests; mk_tests ;;
+  prefillrecord)
+    run mma_tests 30 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "prefill_matmul_mma or test_attention"
+    engine_tests; mk_tests
+    run bench_prefill 90 $PY scripts/bench_prefill.py --lengths 1024,4096 --runs 3 --breakdown \
+      --json "$OUT/bench_prefill.json"
+    bench
+    left=$((575 - SECONDS)); [ $left -gt 30 ] && run preset1b $left $PY -m pytest tests/test_gpu_engine.py -q -rs -s \
+      -k "1b_preset" ;;
   prefill)  # the matrix-core prefill (prefill.hip matmul_mma_m*): its op tests first, every op and engine test,
             # then scripts/bench_prefill.py (JSON)
     run mma_tests 60 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k prefill_matmul_mma
@@ -172,7 +183,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|recordall|ncu|tests|prefill)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|recordall|ncu|tests|prefill|prefillrecord)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

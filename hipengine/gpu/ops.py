@@ -201,12 +201,14 @@ def mma_rotate() -> bool:
 
 def mma_plan(rows: int, inn: int, mode: int, num_sms: int) -> tuple[int, int, int]:
     """(tiles, splits, kchunk) of one matmul_mma launch: tiles of MMA_TILE_ROWS weight rows (mode 2: half as
-    many output rows per tile); when they cannot fill the GPU, K is split so that about 2 blocks per SM
-    run, each split a whole number of k-steps (no empty split). tiles · splits ≤ 2.5 · num_sms whenever
+    many output rows per tile); when they cannot fill the GPU, K is split so that at most 2 blocks per SM
+    run, each split a whole number of k-steps (no empty split). tiles · splits ≤ 2 · num_sms whenever
     splits > 1 (mma_part_floats relies on it)."""
     tiles = math.ceil(rows / (MMA_TILE_ROWS // 2 if mode == 2 else MMA_TILE_ROWS))
     steps = math.ceil(inn / MMA_BK)
-    splits = 1 if tiles >= num_sms else min(steps, max(1, round(2 * num_sms / tiles)))
+    # at most 2 blocks per SM: with the 6-stage ring (90 KB) that is all that is resident at once, and a
+    # second wave of a few blocks cost QKV 21% (6 splits of 48 tiles = 288 blocks; v42e)
+    splits = 1 if tiles >= num_sms else min(steps, max(1, (2 * num_sms) // tiles))
     kchunk = math.ceil(steps / splits) * MMA_BK
     return tiles, math.ceil(inn / kchunk), kchunk
 
@@ -252,7 +254,7 @@ def mma_shared_bytes(mt: int, stages: int) -> int:
 
 def mma_part_floats(num_sms: int, max_m: int) -> int:
     """Size of matmul_mma's split-K scratch for chunks of up to max_m tokens (see mma_plan)."""
-    return 3 * num_sms * MMA_TILE_ROWS * (math.ceil(max_m / 16) * 16)
+    return 2 * num_sms * MMA_TILE_ROWS * (math.ceil(max_m / 16) * 16)
 
 
 def attention_one_kernel(blocks: int, num_sms: int) -> bool:
