@@ -345,6 +345,22 @@ HE_INLINE float he_block_max(float v, float* scratch) {
 //   barrier after it makes every thread's copies visible. NVIDIA sm_80+: cp.async.cg (L2 only, no
 //   registers); elsewhere a plain 16-byte load and store, complete at once.
 // ------------------------------------------------------------------------------------------------------
+// HE_HAS_MMA: this target has the instructions (the host launches matrix-core kernels only there:
+// hipengine/gpu/ops.py mma_supported). Elsewhere the functions compile to a trap, so that the modules which
+// hold such kernels next to plain ones (ops/prefill.hip) still build for every target.
+#if HE_AMD && (defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__) || \
+               defined(__gfx950__))
+#define HE_HAS_MMA 1
+#elif HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define HE_HAS_MMA 1
+#else
+#define HE_HAS_MMA 0
+#endif
+#if HE_AMD
+HE_INLINE void he_trap() { __builtin_trap(); }
+#else
+HE_INLINE void he_trap() { __trap(); }
+#endif
 #if HE_AMD
 constexpr int kMmaAcc = 4;    // fp32 accumulator slots per lane for one 16×16 tile
 constexpr int kMmaWords = 2;  // 32-bit words per lane per 16×16 operand fragment (4 × 16-bit)
@@ -366,7 +382,7 @@ HE_INLINE void he_mma_zero(HeMmaAcc& c) {
 typedef short he_v4i16 __attribute__((ext_vector_type(4)));
 typedef _Float16 he_v4f16 __attribute__((ext_vector_type(4)));
 typedef float he_v4f32 __attribute__((ext_vector_type(4)));
-HE_INLINE HeMmaFrag he_mma_load(const he_u16* t, int ld) {  // A and B fragments have the same lane layout
+HE_INLINE HeMmaFrag he_mma_load(const he_u16* t, int ld) {  // A and B: the same lane layout (wave64)
   const int l = he_lane_id();
   const he_u32* p = (const he_u32*)(t + (l & 15) * ld + 4 * (l >> 4));
   HeMmaFrag f;
@@ -378,7 +394,7 @@ HE_INLINE HeMmaFrag he_mma_load_a(const he_u16* t, int ld) { return he_mma_load(
 HE_INLINE HeMmaFrag he_mma_load_b(const he_u16* t, int ld) { return he_mma_load(t, ld); }
 template <bool kF16>
 HE_INLINE void he_mma(HeMmaAcc& c, const HeMmaFrag& a, const HeMmaFrag& b) {
-  static_assert(kF16 == kF16 && kWarpSize == 64, "port.h matrix cores: CDNA MFMA (wave64) only");
+#if HE_HAS_MMA
   he_v4f32 acc = {c.v[0], c.v[1], c.v[2], c.v[3]};
   if constexpr (kF16) {
     acc = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(he_v4f16, a), __builtin_bit_cast(he_v4f16, b),
@@ -389,6 +405,10 @@ HE_INLINE void he_mma(HeMmaAcc& c, const HeMmaFrag& a, const HeMmaFrag& b) {
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) c.v[i] = acc[i];
+#else
+  (void)c, (void)a, (void)b;
+  he_trap();
+#endif
 }
 HE_INLINE int he_mma_acc_m(int i) { return 4 * (he_lane_id() >> 4) + i; }
 HE_INLINE int he_mma_acc_n(int i) { (void)i; return he_lane_id() & 15; }
@@ -418,6 +438,10 @@ HE_INLINE HeMmaFrag he_mma_load_b(const he_u16* t, int ld) {
 }
 template <bool kF16>
 HE_INLINE void he_mma(HeMmaAcc& c, const HeMmaFrag& a, const HeMmaFrag& b) {
+#if !HE_HAS_MMA
+  (void)c, (void)a, (void)b;
+  he_trap();
+#else
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if constexpr (kF16) {
@@ -432,15 +456,21 @@ HE_INLINE void he_mma(HeMmaAcc& c, const HeMmaFrag& a, const HeMmaFrag& b) {
           : "r"(a.w[0]), "r"(a.w[1]), "r"(a.w[2]), "r"(a.w[3]), "r"(b.w[2 * h]), "r"(b.w[2 * h + 1]));
     }
   }
+#endif
 }
 HE_INLINE int he_mma_acc_m(int i) { return (he_lane_id() >> 2) + 8 * ((i >> 1) & 1); }
 HE_INLINE int he_mma_acc_n(int i) { return 8 * (i >> 2) + 2 * (he_lane_id() & 3) + (i & 1); }
 template <bool kF16>
-HE_INLINE he_u32 he_pack2(float a, float b) {  // cvt ... d, x, y puts x in the high half
+HE_INLINE he_u32 he_pack2(float a, float b) {  // cvt ... d, x, y puts x in the high half (sm_80+)
+#if HE_HAS_MMA
   he_u32 r;
   if constexpr (kF16) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
   else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
   return r;
+#else
+  return kF16 ? ((he_u32)he_f32_to_f16(a) | ((he_u32)he_f32_to_f16(b) << 16))
+              : ((he_u32)he_f32_to_bf16(a) | ((he_u32)he_f32_to_bf16(b) << 16));
+#endif
 }
 #endif
 // hi/lo split of two fp32 values into 16-bit pairs (he_mma_load_a_split).

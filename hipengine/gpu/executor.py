@@ -241,17 +241,29 @@ class GpuBackend(Backend):
         ops.matvec(self.lm_head, self.x, self.logits, cfg.vocab_size, d, gamma=self.final_norm, eps=eps,
                    f16=self.head_f16, stream=s, role="lm_head")
 
+    def _capture(self, launches: Callable[[], None]):
+        """A graph of what launches() enqueues on self.stream; if it raises, the capture ends and nothing is
+        kept (a partial graph must never be replayed)."""
+        self.rt.begin_capture(self.stream)
+        try:
+            launches()
+        except BaseException:
+            try:
+                self.rt.end_capture(self.stream).destroy()
+            except Exception:
+                pass
+            raise
+        return self.rt.end_capture(self.stream)
+
     def _decode_graph(self):
         if self._graph is None and os.environ.get("HIPENGINE_NO_GRAPH") != "1":
             self._decode_launches(self.stream)  # compile + warm every kernel outside the capture
             self.stream.synchronize()
-            self.rt.begin_capture(self.stream)
             self._capturing = True  # launches inside the graph may read the position early (Ops.attention)
             try:
-                self._decode_launches(self.stream)
+                self._graph = self._capture(lambda: self._decode_launches(self.stream))
             finally:
                 self._capturing = False
-                self._graph = self.rt.end_capture(self.stream)
         return self._graph
 
     def _run_decode(self) -> None:
@@ -315,14 +327,12 @@ class GpuBackend(Backend):
         if g is not None:
             g.launch(self.stream)
         else:
-            for _ in self._prefill_layers(M, logits):
-                pass
-            self.rt.begin_capture(self.stream)
-            try:
+            def launches() -> None:
                 for _ in self._prefill_layers(M, logits):
                     pass
-            finally:
-                self._prefill_graphs[key] = self.rt.end_capture(self.stream)
+
+            launches()  # compile + warm, and this chunk's work
+            self._prefill_graphs[key] = self._capture(launches)
         self.pos += M
 
     def _prefill_steps(self, ids: np.ndarray, logits: bool):
