@@ -103,13 +103,25 @@ class GpuBackend(Backend):
         # decode_bytes_per_token counts the LM head; an untied model also holds the embedding table
         w_bytes = cfg.decode_bytes_per_token(2.0) + (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
         kv_bytes = 2 * cfg.num_layers * cfg.kv_dim * self.max_context * 2
-        need = w_bytes + kv_bytes + 64 * 2**20
+        state = self._state_bytes()
+        need = w_bytes + kv_bytes + state + 64 * 2**20
         free, total = self.rt.mem_info()
         if need > free:
             raise DeviceError(f"model needs {need / 2**30:.2f} GiB on GPU {self.rt.device_index} "
-                              f"({w_bytes / 2**30:.2f} weights + {kv_bytes / 2**30:.2f} KV cache at "
-                              f"max_context {self.max_context}) but only {free / 2**30:.2f} GiB is free; "
-                              "lower --max-context or use a larger GPU / tp")
+                              f"({w_bytes / 2**30:.2f} weights + {kv_bytes / 2**30:.2f} KV cache + "
+                              f"{state / 2**30:.2f} buffers at max_context {self.max_context}) but only "
+                              f"{free / 2**30:.2f} GiB is free; lower --max-context or use a larger GPU / tp")
+
+    def _state_bytes(self) -> int:
+        """Device bytes of the buffers _alloc_state adds to the weights and the KV cache: a prefill chunk's
+        activations and logits, the attention partials, the matrix-core scratch, the history."""
+        cfg, M = self.config, self.prefill_m
+        nsplit, _ = O.attention_plan(self.max_context, cfg.num_kv_heads, self.rt.num_sms, head_dim=cfg.head_dim)
+        d, F = cfg.hidden_size, cfg.intermediate_size
+        rows = d + max(d, F) + (cfg.q_dim + 2 * cfg.kv_dim) + 2 * cfg.q_dim + F + cfg.vocab_size
+        floats = (M * rows + O.Ops.partial_floats(M, cfg.num_heads, cfg.head_dim, nsplit)
+                  + O.mma_part_floats(self.rt.num_sms, M) + cfg.vocab_size + self.max_context)
+        return 4 * floats
 
     def _buf(self, nbytes: int):
         b = self.rt.malloc(max(int(nbytes), 4))
