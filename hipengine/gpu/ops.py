@@ -276,7 +276,7 @@ def attention_one_kernel(blocks: int, num_sms: int) -> bool:
 def attention_early() -> bool:
     """Whether the decode attention kernel may load its K/V rows before the previous kernel completes, where
     the caller allows it (Ops.attention `early`); HIPENGINE_ATTN_EARLY=0 turns it off (A/B benchmarks)."""
-    return os.environ.get("HIPENGINE_ATTN_EARLY", "1") != "0"
+    return _env_switch("HIPENGINE_ATTN_EARLY") is not False
 
 
 def attention_early_pos() -> bool:
