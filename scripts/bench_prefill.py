@@ -6,7 +6,7 @@ in one process.
 Per prompt length and path: wall time of GpuBackend.prefill (enqueue + the final logits download: what
 TTFT pays before sampling) and the device time between events recorded around it, medians of --runs after a
 warm-up; the layers' projection FLOPs (2 · layer weights · tokens) over the device time; and the
-last row's logits against the reference path (max |diff| / max |logit|, same arg-max).
+last row's logits against the 8-token FMA path's (max |diff| / max |logit|, same arg-max).
 With --breakdown: one 64-token chunk at position 960 of a 1K prompt, op by op on the matrix-core path (each
 projection of layer 0 alone, launched 16 times back to back in a graph = one chunk's worth; norms, RoPE and
 attention the same): device µs per chunk, GB/s of weights and TFLOP/s per projection; and the whole chunk

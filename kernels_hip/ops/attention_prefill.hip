@@ -7,16 +7,16 @@
 // attention_combine (grid (num_heads, T), nsplit = nsp) finishes the job unchanged.
 //
 // attention_prefill_g<G>: grid (num_kv_heads·nsp, ceil(T / 16)), G warps (one per query head of the KV
-// group), dynamic shared memory he_ap_smem_bytes(G); the module built with HE_AP_HD = hd. A block takes 16 query tokens of its KV group against
-// one split of the keys; the splits divide [0, *pos + T) into nsp ranges of whole 64-key steps (nsp ≤
-// attention_decode.hip's kCombineBatch, so the combine folds all of them, in one round trip; splits past a
-// query's last key are empty, l = 0). Per 64-key
-// step the block stages K (rows = keys: the B operand of S = Q·Kᵀ) and Vᵀ (rows = dims: the B operand of
-// O += P·V) in shared memory; each warp takes S for its head on port.h's matrix-core tiles, keeps the
-// online softmax of its 16 rows in shared memory (masked scores are −inf, probabilities exp2(s − m)), and
-// adds P·V into its O tile after rescaling it. Q (pre-scaled by log2(e)/sqrt(hd) after the product) and P
-// enter the matrix cores as hi/lo 16-bit pairs (he_mma_load_a_split), K and V exactly: the scores and sums
-// keep ~16 bits, as close to the fp32 reference as the decode kernels' fp32 math.
+// group), dynamic shared memory he_ap_smem_bytes(G); the module built with HE_AP_HD = hd. A block takes 16
+// query tokens of its KV group against one split of the keys; the splits divide [0, *pos + T) into nsp
+// ranges of whole 64-key steps (nsp ≤ attention_decode.hip's kCombineBatch, so the combine folds all of
+// them in one round trip; splits past a query's last key are empty, l = 0). Per 64-key step the block
+// stages K (rows = keys: the B operand of S = Q·Kᵀ) and Vᵀ (rows = dims: the B operand of O += P·V) in
+// shared memory; each warp takes S for its head on port.h's matrix-core tiles, keeps the online softmax of
+// its 16 rows in shared memory (masked scores are −inf, probabilities exp2(s − m)), and adds P·V into its O
+// tile after rescaling it. Q (scaled by log2(e)/sqrt(hd) after the product) and P enter the matrix cores as
+// hi/lo 16-bit pairs (he_mma_load_a_split), K and V exactly, so scores and sums keep ~16 bits: the op tests
+// hold the output to 1e-3 of the float64 reference (the decode kernels' fp32 math: 1e-4).
 // Requirements: hd = HE_AP_HD (a multiple of 16, the module is built per head size), G ≤ 8.
 #ifndef HE_OPS_ATTENTION_PREFILL_HIP
 #define HE_OPS_ATTENTION_PREFILL_HIP
