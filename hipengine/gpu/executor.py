@@ -112,16 +112,27 @@ class GpuBackend(Backend):
                               f"{state / 2**30:.2f} buffers at max_context {self.max_context}) but only "
                               f"{free / 2**30:.2f} GiB is free; lower --max-context or use a larger GPU / tp")
 
+    def _state_sizes(self) -> dict:
+        """Bytes of the buffers _alloc_state adds to the weights and the KV cache, by name: a prefill chunk's
+        activations and logits, the attention partials, the matrix-core scratch, the history. One table for
+        the allocation and for _check_fits, which counts them before anything is allocated."""
+        cfg, M, C = self.config, self.prefill_m, self.max_context
+        d, qd, kvd, F = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+        nsplit, _ = O.attention_plan(C, cfg.num_kv_heads, self.rt.num_sms, head_dim=cfg.head_dim)
+        floats = {
+            "x": M * d,  # residual stream [M, d]
+            "xn": M * max(d, F),  # normed input / MLP hidden [M, *]
+            "qkv": M * (qd + 2 * kvd), "q": M * qd, "att": M * qd, "h": M * F,
+            "partial": O.Ops.partial_floats(M, cfg.num_heads, cfg.head_dim, nsplit),
+            "logits": M * cfg.vocab_size,
+            "mm_part": O.mma_part_floats(self.rt.num_sms, M),  # the matrix-core prefill's split-K scratch
+            "z": cfg.vocab_size,
+            "tokens": M, "history": C,  # int32
+        }
+        return {k: 4 * v for k, v in floats.items()}
+
     def _state_bytes(self) -> int:
-        """Device bytes of the buffers _alloc_state adds to the weights and the KV cache: a prefill chunk's
-        activations and logits, the attention partials, the matrix-core scratch, the history."""
-        cfg, M = self.config, self.prefill_m
-        nsplit, _ = O.attention_plan(self.max_context, cfg.num_kv_heads, self.rt.num_sms, head_dim=cfg.head_dim)
-        d, F = cfg.hidden_size, cfg.intermediate_size
-        rows = d + max(d, F) + (cfg.q_dim + 2 * cfg.kv_dim) + 2 * cfg.q_dim + F + cfg.vocab_size
-        floats = (M * rows + O.Ops.partial_floats(M, cfg.num_heads, cfg.head_dim, nsplit)
-                  + O.mma_part_floats(self.rt.num_sms, M) + cfg.vocab_size + self.max_context)
-        return 4 * floats
+        return sum(self._state_sizes().values())
 
     def _buf(self, nbytes: int):
         b = self.rt.malloc(max(int(nbytes), 4))
@@ -174,33 +185,19 @@ class GpuBackend(Backend):
 
     def _alloc_state(self) -> None:
         cfg, C = self.config, self.max_context
-        d, qd, kvd, hd = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim
-        M = self.prefill_m
-        per_layer = cfg.num_kv_heads * C * hd * 2
+        per_layer = cfg.num_kv_heads * C * cfg.head_dim * 2
         self.k_cache = self._buf(cfg.num_layers * per_layer)
         self.v_cache = self._buf(cfg.num_layers * per_layer)
         self.kv_layer_bytes = per_layer
         self.nsplit, self.chunk = O.attention_plan(C, cfg.num_kv_heads, self.rt.num_sms, head_dim=cfg.head_dim)
-        f4 = 4
-        self.x = self._buf(M * d * f4)  # residual stream [M, d]
-        self.xn = self._buf(M * max(d, cfg.intermediate_size) * f4)  # normed input / MLP hidden [M, *]
-        self.qkv = self._buf(M * (qd + 2 * kvd) * f4)
-        self.q = self._buf(M * qd * f4)
-        self.att = self._buf(M * qd * f4)
-        self.h = self._buf(M * cfg.intermediate_size * f4)
-        self.partial = self._buf(O.Ops.partial_floats(M, cfg.num_heads, hd, self.nsplit) * f4)
+        for name, nbytes in self._state_sizes().items():  # x, xn, qkv, q, att, h, partial, logits, mm_part, ...
+            setattr(self, name, self._buf(nbytes))
         self.attn_count = self._buf(cfg.num_kv_heads * 4)  # decode attention's arrival counters (Ops.attention)
         self.rt.copy_htod(self.attn_count, np.zeros(cfg.num_kv_heads, np.uint32))
-        self.logits = self._buf(M * cfg.vocab_size * f4)
-        # the matrix-core prefill's split-K scratch and arrival counters (Ops.prefill_matmul)
-        self.mm_part = self._buf(O.mma_part_floats(self.rt.num_sms, M) * f4)
-        self.mm_count = self._buf(self.rt.num_sms * 4)
+        self.mm_count = self._buf(self.rt.num_sms * 4)  # the matrix-core prefill's arrival counters
         self.rt.copy_htod(self.mm_count, np.zeros(self.rt.num_sms, np.uint32))
-        self.z = self._buf(cfg.vocab_size * f4)
-        self.cand = self._buf(2 * self.ops.argmax_blocks() * f4)  # grid-wide greedy candidates (Ops.argmax)
+        self.cand = self._buf(2 * self.ops.argmax_blocks() * 4)  # grid-wide greedy candidates (Ops.argmax)
         self.pos_buf = self._buf(4)
-        self.tokens = self._buf(M * 4)
-        self.history = self._buf(C * 4)
         self.hist_len = self._buf(4)
 
     # ---- one decode step (also what the graph captures) -------------------------------------------------
@@ -333,7 +330,8 @@ class GpuBackend(Backend):
             for _ in self._prefill_steps(ids, logits):
                 pass
             return
-        key = (M, bool(logits), O.prefill_mma(self.rt.arch))  # what the launches depend on besides buffers
+        # what the launches depend on besides the buffers: the chunk, and the A/B knobs read at launch time
+        key = (M, bool(logits), O.prefill_mma(self.rt.arch), O.mma_rotate(), O.mma_stages(self.rt))
         self._prefill_inputs(ids)
         g = self._prefill_graphs.get(key)
         if g is not None:
