@@ -11,7 +11,10 @@ With --breakdown: one 64-token chunk at position 960 of a 1K prompt, op by op on
 projection of layer 0 alone, launched 16 times back to back in a graph = one chunk's worth; norms, RoPE and
 attention the same): device µs per chunk, GB/s of weights and TFLOP/s per projection; and the whole chunk
 (GpuBackend._prefill_chunk: its captured graph).
-Usage: PYTHONPATH=. python3 scripts/bench_prefill.py [--lengths 64,1024,4096] [--runs 5] [--breakdown] [--json OUT]
+--builds W×BK,...: matmul_mma builds to compare (HIPENGINE_MMA_WARPS × HIPENGINE_MMA_BK, e.g. 4x32,8x32): each
+is a path of its own in the TTFT rows and gets its own breakdown; without it, the device's default build.
+Usage: PYTHONPATH=. python3 scripts/bench_prefill.py [--lengths 64,1024,4096] [--runs 5] [--breakdown]
+       [--builds 4x32,8x64] [--json OUT]
 """
 from __future__ import annotations
 
@@ -34,8 +37,10 @@ def main() -> int:
     ap.add_argument("--lengths", default="64,512,1024,4096")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--builds", default="", help="matmul_mma builds WARPSxBK, comma-separated")
     ap.add_argument("--json")
     a = ap.parse_args()
+    builds = [b.split("x") for b in a.builds.split(",") if b]
     lengths = [int(x) for x in a.lengths.split(",")]
 
     from hipengine.gpu.executor import GpuBackend
@@ -45,10 +50,12 @@ def main() -> int:
     cfg = model.config
     be = GpuBackend(model, max_context=max(lengths) + 64, monokernel=False)
     rt = be.rt
-    # (name, chunk tokens, HIPENGINE_PREFILL_MMA)
-    paths = [("mma", GpuBackend.prefill_m, "1"), ("small_m", O.MAX_M, "0")]
+    # (name, chunk tokens, environment): the matrix-core builds, then the FMA path (the logits' reference)
+    mma_envs = [(f"mma-{w}x{k}", {"HIPENGINE_MMA_WARPS": w, "HIPENGINE_MMA_BK": k}) for w, k in builds] or [("mma", {})]
+    paths = [(name, GpuBackend.prefill_m, {"HIPENGINE_PREFILL_MMA": "1", **env}) for name, env in mma_envs]
+    paths.append(("small_m", O.MAX_M, {"HIPENGINE_PREFILL_MMA": "0"}))
     if not O.mma_supported(rt.arch):
-        paths = paths[1:]
+        paths = paths[-1:]
     layer_params = cfg.num_layers * (cfg.hidden_size * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.hidden_size
                                      + 3 * cfg.hidden_size * cfg.intermediate_size)
     rng = np.random.default_rng(0)
@@ -59,7 +66,7 @@ def main() -> int:
             res = {}
             for rep in range(2):  # the paths alternated twice
                 for name, chunk, env in paths:
-                    os.environ["HIPENGINE_PREFILL_MMA"] = env
+                    set_env(env)
                     be.prefill_m = chunk
                     walls, devs, logits = [], [], None
                     for r in range(a.runs + 1):
@@ -95,9 +102,15 @@ def main() -> int:
                       f"{row['device_ms_best']:8.2f} ms ({row['tflops_device']:6.1f} TFLOP/s of layer projections); "
                       f"logits vs {paths[-1][0]}: {row['logits_rel_diff_vs_' + paths[-1][0]]:.2e}, "
                       f"argmax same {row['argmax_same']}", flush=True)
-        breakdown = chunk_breakdown(be, 960) if a.breakdown and O.mma_supported(rt.arch) else None
+        breakdown = None
+        if a.breakdown and O.mma_supported(rt.arch):
+            breakdown = {}
+            for name, env in mma_envs:
+                set_env({"HIPENGINE_PREFILL_MMA": "1", **env})
+                print(f"breakdown, {name} ({O.mma_build(rt)}):", flush=True)
+                breakdown[name] = chunk_breakdown(be, 960)
     finally:
-        os.environ.pop("HIPENGINE_PREFILL_MMA", None)
+        set_env({})
         be.close()
     out = {"bench": "prefill", "shape": "llama-3.2-1b", "weights": "random (hipengine.presets)",
            "gpu": rt.name, "arch": rt.arch, "commit": git_commit(),
@@ -111,12 +124,21 @@ def main() -> int:
     return 0
 
 
+KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_BK")
+
+
+def set_env(env: dict) -> None:
+    """The A/B knobs of one path: those in env set, the others unset."""
+    for k in KNOBS:
+        os.environ.pop(k, None)
+    os.environ.update({k: str(v) for k, v in env.items()})
+
+
 def chunk_breakdown(be, pos: int, M: int = 64, reps: int = 5) -> dict:
     """Device µs of one M-token chunk at `pos`, op by op (layer 0's weights launched once per layer)."""
     cfg, ops, rt, s = be.config, be.ops, be.rt, be.stream
     d, qd, kvd, hd, F = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.intermediate_size
     L, nl = be.layers[0], cfg.num_layers
-    os.environ["HIPENGINE_PREFILL_MMA"] = "1"
     be.prefill_m = M
     be.reset()
     be.prefill(np.arange(pos) % cfg.vocab_size)  # fills the cache up to pos
@@ -152,12 +174,9 @@ def chunk_breakdown(be, pos: int, M: int = 64, reps: int = 5) -> dict:
                                                **mm), 2 * F * d),
         "down": (lambda: ops.prefill_matmul(L["w_down"], be.h, be.x, M, d, F, mode=1, f16=f16, **mm), d * F),
     }
-    out = {"position": pos, "tokens": M, "us_per_chunk": {}, "weight_gbps": {}, "tflops": {},
-           "stages": O.mma_stages(rt), "us_per_chunk_4_stages": {}}
+    out = {"position": pos, "tokens": M, "build": O.mma_build(rt)._asdict(), "us_per_chunk": {}, "weight_gbps": {},
+           "tflops": {}}
     for k, (fn, n) in projections.items():
-        os.environ["HIPENGINE_MMA_STAGES"] = "4"  # A/B: gfx942's ring depth
-        out["us_per_chunk_4_stages"][k] = timed(fn)
-        os.environ.pop("HIPENGINE_MMA_STAGES")
         us = timed(fn)
         out["us_per_chunk"][k] = us
         out["weight_gbps"][k] = 2 * n * nl / us / 1e3
@@ -181,8 +200,7 @@ def chunk_breakdown(be, pos: int, M: int = 64, reps: int = 5) -> dict:
         chunks.append(e0.elapsed_ms(e1) * 1e3)
     out["us_per_chunk"]["whole chunk (layers)"] = statistics.median(chunks)
     for k, v in out["us_per_chunk"].items():
-        extra = (f"  {out['weight_gbps'][k]:7.0f} GB/s of weights, {out['tflops'][k]:6.1f} TFLOP/s "
-                 f"({out['stages']} stages; 4 stages: {out['us_per_chunk_4_stages'][k]:.1f} us)"
+        extra = (f"  {out['weight_gbps'][k]:7.0f} GB/s of weights, {out['tflops'][k]:6.1f} TFLOP/s"
                  if k in out["weight_gbps"] else "")
         print(f"  chunk at {pos}: {k:22s} {v:9.1f} us{extra}", flush=True)
     return out

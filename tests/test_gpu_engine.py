@@ -91,13 +91,31 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
     from hipengine.gpu import ops
 
     src = (Path(ops.__file__).parents[2] / "kernels_hip/ops/prefill.hip").read_text()
-    assert re.search(r"kPfBN = 16 \* kPfWarps;", src) and "constexpr int kPfWarps = 4;" in src
-    assert ops.MMA_TILE_ROWS == 64 and f"kPfBK = {ops.MMA_BK};" in src and "kPfStages = HE_PF_STAGES;" in src
+    assert re.search(r"kPfBN = 16 \* kPfWarps;", src) and "constexpr int kPfWarps = HE_PF_WARPS;" in src
+    assert "constexpr int kPfBK = HE_PF_BK;" in src and "kPfStages = HE_PF_STAGES;" in src
     assert "kPfWld = kPfBK + 8;" in src and "kPfXld = kPfBK + 8;" in src and "kPfCld = kPfBN + 4;" in src
+    assert ops.MMA_MAX_TILE_ROWS == 128 and "(kPfWarps == 4 || kPfWarps == 8)" in src
     assert ops.mma_shared_bytes(64, 4) == 61440 <= 64 * 1024  # gfx942's LDS per workgroup
     from types import SimpleNamespace
-    assert ops.mma_stages(SimpleNamespace(max_shared_per_block=64 * 1024)) == 4  # gfx942
-    assert ops.mma_stages(SimpleNamespace(max_shared_per_block=227 * 1024)) == 6  # H100 / H200
+    gfx942, h200 = SimpleNamespace(max_shared_per_block=64 * 1024), SimpleNamespace(max_shared_per_block=227 * 1024)
+    assert ops.mma_build(gfx942) == (4, 32, 4) and ops.mma_build(h200) == (4, 32, 6)
+    for env, on_h200, on_gfx942 in (({"HIPENGINE_MMA_WARPS": "8"}, (8, 32, 5), (8, 32, 3)),
+                                    ({"HIPENGINE_MMA_BK": "64"}, (4, 64, 4), (4, 64, 2)),
+                                    ({"HIPENGINE_MMA_WARPS": "8", "HIPENGINE_MMA_BK": "64"}, (8, 64, 3), None)):
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            b = ops.mma_build(h200)
+            assert b == on_h200 and 2 * (b.shared_bytes(64) + 1024) <= 228 * 1024  # two blocks per SM
+            if on_gfx942:
+                assert ops.mma_build(gfx942) == on_gfx942 and ops.mma_build(gfx942).shared_bytes(64) <= 64 * 1024
+            else:
+                with pytest.raises(ops.UnsupportedError):
+                    ops.mma_build(gfx942)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HIPENGINE_MMA_WARPS", "6")
+        with pytest.raises(ops.UnsupportedError, match="HIPENGINE_MMA_WARPS"):
+            ops.mma_build(h200)
     # attention_prefill.hip's shared memory, mirrored by ops.ap_shared_bytes
     ap = (Path(ops.__file__).parents[2] / "kernels_hip/ops/attention_prefill.hip").read_text()
     for c in ("kApKeys = 64;", "kApQ = 16;", "kApKld = kApHd + 8;", "kApVld = kApKeys + 8;", "kApSld = kApKeys + 4;",
@@ -109,11 +127,12 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
         for rows in (1, 13, 576, 960, 2048, 3072, 8192, 128256):
             for inn in (8, 72, 576, 2048, 2056, 8192, 14336):
                 for mode in (0, 2):
-                    tiles, S, kchunk = ops.mma_plan(rows, inn, mode, sms)
-                    assert tiles == math.ceil(rows / (32 if mode == 2 else 64))
-                    assert kchunk % ops.MMA_BK == 0 and S * kchunk >= inn and (S - 1) * kchunk < inn
-                    if S > 1:
-                        assert tiles < sms and S * tiles * ops.MMA_TILE_ROWS * 64 <= ops.mma_part_floats(sms, 64)
+                    for tr, bk in ((64, 32), (128, 32), (64, 64), (128, 64)):
+                        tiles, S, kchunk = ops.mma_plan(rows, inn, mode, sms, tr, bk)
+                        assert tiles == math.ceil(rows / (tr // 2 if mode == 2 else tr))
+                        assert kchunk % bk == 0 and S * kchunk >= inn and (S - 1) * kchunk < inn
+                        if S > 1:
+                            assert tiles < sms and S * tiles * tr * 64 <= ops.mma_part_floats(sms, 64)
     assert ops.mma_supported("sm_90") and ops.mma_supported("gfx942") and not ops.mma_supported("sm_75")
 
 
@@ -540,7 +559,7 @@ class EmulatedRuntime:
             y[:] = O.ref_silu(r) * (Xs @ self._w(W2, rows, inn, f16).T)
 
     def _k_matmul_mma(self, grid, W, W2, X, bias, Y, M, rows, inn, mode, f16, kchunk, rotate, part, count):
-        assert grid[1] * kchunk >= inn and kchunk % O.MMA_BK == 0 and part and count  # the split plan covers K
+        assert grid[1] * kchunk >= inn and kchunk % 32 == 0 and part and count  # the split plan covers K
         self._k_matmul_small_m(grid, W, W2, X, bias, Y, M, rows, inn, mode, f16)
 
     def _k_qk_norm_rope(self, grid, qkv, qn, kn, eps, cos, sin, pos, q_out, kc, vc, max_ctx, nh, nkv, hd):

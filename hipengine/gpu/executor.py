@@ -331,7 +331,7 @@ class GpuBackend(Backend):
                 pass
             return
         # what the launches depend on besides the buffers: the chunk, and the A/B knobs read at launch time
-        key = (M, bool(logits), O.prefill_mma(self.rt.arch), O.mma_rotate(), O.mma_stages(self.rt))
+        key = (M, bool(logits), O.prefill_mma(self.rt.arch), O.mma_rotate(), O.mma_build(self.rt))
         self._prefill_inputs(ids)
         g = self._prefill_graphs.get(key)
         if g is not None:

@@ -21,10 +21,12 @@ builds the stage-profiling variant, read with read_profile()).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import time
 from ctypes import c_float, c_int32, c_uint32, c_uint64, c_void_p
+from types import SimpleNamespace
 from typing import Callable, Iterator
 
 import numpy as np
@@ -316,7 +318,23 @@ def matvec_unroll() -> int:
     return int(os.environ.get("HIPENGINE_MK_UNROLL", "4"))
 
 
-def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_dim: int = 64) -> list[str]:
+@contextlib.contextmanager
+def _env(values: dict):
+    """These environment variables set inside the block, restored after it."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_dim: int = 64,
+               mma_builds=((4, 32),)) -> list[str]:
     """Fill the compile cache for an NVIDIA arch without a GPU (NVRTC only): the per-op modules and the
     monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling."""
     from . import backend_cuda as bc, compiler
@@ -329,9 +347,14 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     per_hd = ("attention_decode.hip", "attention_prefill.hip")
     ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip")) if p.name not in per_hd]
     jobs = [(f"ops/{n}", {"defines": kv_defines(f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
-    # the prefill projections' build (Ops.prefill_matmul: ops.mma_stages, 6 on sm_90)
-    jobs += [("ops/prefill.hip", {"defines": {**(kv_defines(f16) or {}), "HE_PF_STAGES": 6}})
-             for f16 in sorted(set(f16_variants))]
+    # the prefill projections' builds (Ops.prefill_matmul: ops.mma_build on an H100 / H200, each warps × k-step)
+    h200 = SimpleNamespace(max_shared_per_block=227 * 1024)
+    builds = []
+    for w, k in mma_builds:
+        with _env({"HIPENGINE_MMA_WARPS": str(w), "HIPENGINE_MMA_BK": str(k)}):
+            builds.append(O.mma_build(h200))
+    jobs += [("ops/prefill.hip", {"defines": {**(kv_defines(f16) or {}), **b.defines()}})
+             for f16 in sorted(set(f16_variants)) for b in builds]
     # the prefill attention on the matrix cores, built per head_dim (Ops.attention)
     jobs += [("ops/attention_prefill.hip", {"defines": {**(kv_defines(f16) or {}), "HE_AP_HD": head_dim}})
              for f16 in sorted(set(f16_variants)) if head_dim % 16 == 0]

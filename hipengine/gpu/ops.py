@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 from ctypes import c_float, c_int32, c_uint32, c_void_p
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,8 +24,7 @@ ATTN_THREADS = 256
 SAMPLE_THREADS = 1024  # must equal kSampleThreads in sampling.hip
 MAX_M = 8  # kMaxM in prefill.hip: token rows per matmul_small_m launch
 PREFILL_M = 64  # prompt tokens per prefill chunk (the largest matmul_mma_m* instantiation)
-MMA_TILE_ROWS = 64  # kPfBN in prefill.hip: weight rows per matmul_mma block (mode 2: 32 of Wg + 32 of Wu)
-MMA_BK = 32  # kPfBK: columns per k-step (a K split is a multiple of it)
+MMA_MAX_TILE_ROWS = 128  # kPfBN in prefill.hip (16 · HE_PF_WARPS): weight rows per matmul_mma block, at most
 ATTN_MAX_GROUP = 8  # kAttnMaxGroup in attention_decode.hip
 
 
@@ -199,17 +199,18 @@ def mma_rotate() -> bool:
     return _env_switch("HIPENGINE_MMA_ROTATE") is not False
 
 
-def mma_plan(rows: int, inn: int, mode: int, num_sms: int) -> tuple[int, int, int]:
-    """(tiles, splits, kchunk) of one matmul_mma launch: tiles of MMA_TILE_ROWS weight rows (mode 2: half as
+def mma_plan(rows: int, inn: int, mode: int, num_sms: int, tile_rows: int = 64,
+             bk: int = 32) -> tuple[int, int, int]:
+    """(tiles, splits, kchunk) of one matmul_mma launch: tiles of `tile_rows` weight rows (mode 2: half as
     many output rows per tile); when they cannot fill the GPU, K is split so that at most 2 blocks per SM
-    run, each split a whole number of k-steps (no empty split). tiles · splits ≤ 2 · num_sms whenever
-    splits > 1 (mma_part_floats relies on it)."""
-    tiles = math.ceil(rows / (MMA_TILE_ROWS // 2 if mode == 2 else MMA_TILE_ROWS))
-    steps = math.ceil(inn / MMA_BK)
-    # at most 2 blocks per SM: with the 6-stage ring (90 KB) that is all that is resident at once, and a
-    # second wave of a few blocks cost QKV 21% (6 splits of 48 tiles = 288 blocks; v42e)
+    run, each split a whole number of `bk`-column k-steps (no empty split). tiles · splits ≤ 2 · num_sms
+    whenever splits > 1 (mma_part_floats relies on it)."""
+    tiles = math.ceil(rows / (tile_rows // 2 if mode == 2 else tile_rows))
+    steps = math.ceil(inn / bk)
+    # at most 2 blocks per SM: with the ring sized for two blocks (MmaBuild) that is all that is resident at
+    # once, and a second wave of a few blocks cost QKV 21% (6 splits of 48 tiles = 288 blocks; v42e)
     splits = 1 if tiles >= num_sms else min(steps, max(1, (2 * num_sms) // tiles))
-    kchunk = math.ceil(steps / splits) * MMA_BK
+    kchunk = math.ceil(steps / splits) * bk
     return tiles, math.ceil(inn / kchunk), kchunk
 
 
@@ -230,31 +231,69 @@ def attention_prefill_mma(arch: str, G: int, hd: int, max_shared: int) -> bool:
             and ap_shared_bytes(G, hd) <= min(max_shared, 64 * 1024))
 
 
-def mma_stages(rt) -> int:
-    """Stages of matmul_mma's shared-memory ring (prefill.hip HE_PF_STAGES): 6 where 6 stages of the largest
-    tile (90 KiB) fit a block's shared memory, else 4 (60 KiB: gfx942 has 64 KiB of LDS per workgroup);
-    HIPENGINE_MMA_STAGES overrides it (A/B)."""
+MMA_SMEM_CAP = 112 * 1024  # a block's ring on NVIDIA: two blocks per SM (H100 / H200: 228 KB per SM)
+
+
+class MmaBuild(NamedTuple):
+    """One build of prefill.hip's matmul_mma (HE_PF_WARPS, HE_PF_BK, HE_PF_STAGES): warps per block (the
+    block's weight rows: 16 per warp), columns per k-step, stages of the shared-memory ring."""
+    warps: int
+    bk: int
+    stages: int
+
+    @property
+    def tile_rows(self) -> int:
+        return 16 * self.warps
+
+    def defines(self) -> dict:
+        return {"HE_PF_WARPS": self.warps, "HE_PF_BK": self.bk, "HE_PF_STAGES": self.stages}
+
+    def shared_bytes(self, mt: int) -> int:
+        return mma_shared_bytes(mt, self.stages, self.tile_rows, self.bk)
+
+
+def mma_build(rt) -> MmaBuild:
+    """The matmul_mma build for this device: 4 warps and 32-column k-steps, unless HIPENGINE_MMA_WARPS (4 | 8) /
+    HIPENGINE_MMA_BK (32 | 64) say otherwise (A/B); the ring as deep as fits (at most 6 stages) in a block's
+    shared memory — on NVIDIA within MMA_SMEM_CAP (two blocks per SM), on gfx942 its 64 KiB of LDS —
+    or HIPENGINE_MMA_STAGES."""
+    def knob(var: str, default: int, allowed: tuple) -> int:
+        raw = os.environ.get(var, "")
+        if not raw:
+            return default
+        if not raw.isdigit() or int(raw) not in allowed:
+            raise UnsupportedError(f"{var} must be one of {', '.join(map(str, allowed))}, not {raw!r}")
+        return int(raw)
+
+    warps, bk = knob("HIPENGINE_MMA_WARPS", 4, (4, 8)), knob("HIPENGINE_MMA_BK", 32, (32, 64))
+    cap = min(rt.max_shared_per_block, MMA_SMEM_CAP)
     forced = os.environ.get("HIPENGINE_MMA_STAGES")
     if forced:
-        n = int(forced)
-        if not 2 <= n or mma_shared_bytes(PREFILL_M, n) > rt.max_shared_per_block:
-            raise UnsupportedError(f"HIPENGINE_MMA_STAGES={n}: needs 2 or more stages within "
+        n = int(forced) if forced.isdigit() else 0
+        if n < 2 or mma_shared_bytes(PREFILL_M, n, 16 * warps, bk) > rt.max_shared_per_block:
+            raise UnsupportedError(f"HIPENGINE_MMA_STAGES={forced}: needs 2 or more stages within "
                                    f"{rt.max_shared_per_block} bytes of shared memory")
-        return n
-    return 6 if mma_shared_bytes(PREFILL_M, 6) <= min(rt.max_shared_per_block, 100 * 1024) else 4
+        return MmaBuild(warps, bk, n)
+    n = 6
+    while n > 2 and mma_shared_bytes(PREFILL_M, n, 16 * warps, bk) > cap:
+        n -= 1
+    if mma_shared_bytes(PREFILL_M, n, 16 * warps, bk) > rt.max_shared_per_block:
+        raise UnsupportedError(f"matmul_mma with {warps} warps and {bk}-column steps does not fit "
+                               f"{rt.max_shared_per_block} bytes of shared memory")
+    return MmaBuild(warps, bk, n)
 
 
-def mma_shared_bytes(mt: int, stages: int) -> int:
+def mma_shared_bytes(mt: int, stages: int, tile_rows: int = 64, bk: int = 32) -> int:
     """Dynamic shared memory of matmul_mma_m{mt} (prefill.hip HePfSmem) with a ring of `stages`: each a weight
-    tile of bf16 rows padded to MMA_BK + 8 and an X tile of fp32 rows padded to MMA_BK + 8; the result tile
-    reuses it."""
-    stage = MMA_TILE_ROWS * (MMA_BK + 8) * 2 + mt * (MMA_BK + 8) * 4
-    return max(stages * stage, mt * (MMA_TILE_ROWS + 4) * 4)
+    tile of tile_rows bf16 rows padded to bk + 8 and an X tile of mt fp32 rows padded to bk + 8; the result
+    tile [mt][tile_rows + 4] reuses it."""
+    stage = tile_rows * (bk + 8) * 2 + mt * (bk + 8) * 4
+    return max(stages * stage, mt * (tile_rows + 4) * 4)
 
 
 def mma_part_floats(num_sms: int, max_m: int) -> int:
-    """Size of matmul_mma's split-K scratch for chunks of up to max_m tokens (see mma_plan)."""
-    return 2 * num_sms * MMA_TILE_ROWS * (math.ceil(max_m / 16) * 16)
+    """Size of matmul_mma's split-K scratch for chunks of up to max_m tokens, any build (see mma_plan)."""
+    return 2 * num_sms * MMA_MAX_TILE_ROWS * (math.ceil(max_m / 16) * 16)
 
 
 def attention_one_kernel(blocks: int, num_sms: int) -> bool:
@@ -456,14 +495,14 @@ class Ops:
         if part is None or count is None:
             raise DeviceError("prefill_matmul on the matrix cores needs its split-K scratch (part, count)")
         mt = 16 if M <= 16 else 32 if M <= 32 else 64
-        tiles, splits, kchunk = mma_plan(rows, inn, mode, self.rt.num_sms)
-        stages = mma_stages(self.rt)
-        self.rt.launch(self.fn("prefill", f"matmul_mma_m{mt}", {"HE_PF_STAGES": stages}), (tiles, splits),
-                       4 * self.rt.warp_size,
+        build = mma_build(self.rt)
+        tiles, splits, kchunk = mma_plan(rows, inn, mode, self.rt.num_sms, build.tile_rows, build.bk)
+        self.rt.launch(self.fn("prefill", f"matmul_mma_m{mt}", build.defines()), (tiles, splits),
+                       build.warps * self.rt.warp_size,
                        [_p(W), _p(W2), _p(X), _p(bias), _p(Y), c_int32(M), c_int32(rows), c_int32(inn),
                         c_int32(mode), c_int32(int(f16)), c_int32(kchunk), c_int32(int(mma_rotate())), _p(part),
                         _p(count)],
-                       shared=mma_shared_bytes(mt, stages), stream=stream, pdl=self.pdl)
+                       shared=build.shared_bytes(mt), stream=stream, pdl=self.pdl)
 
     # ---- attention ----------------------------------------------------------------------------------------
     def qk_norm_rope(self, qkv, q_out, k_cache, v_cache, cos, sin, pos, *, T: int, nh: int, nkv: int, hd: int,

@@ -68,13 +68,15 @@ HE_KERNEL(kMatvecMaxThreads) matmul_small_m(const he_u16* __restrict__ W, const 
 }
 
 // ---- the matrix-core form ------------------------------------------------------------------------------
-// A block owns kPfBN = 64 "virtual" weight rows — rows n0 .. n0+63 of W (modes 0, 1), or 32 rows of Wg
-// followed by the same 32 rows of Wu (mode 2, so SiLU·mul finds both halves in the block) — and all
-// 16·kMT token rows of the chunk. Warp w takes token tile w % kMT against kMT of the four 16-row weight
-// tiles, so each A fragment is built once per warp and k-step. K advances kPfBK columns per step through a
-// ring of kPfStages shared-memory stages filled by asynchronous copies (port.h he_cp_async16: no registers,
-// kPfStages − 1 steps in flight while the matrix cores work on one); the weights of the first steps are
-// requested before the wait for the previous kernel.
+// A block of kPfWarps warps owns kPfBN = 16·kPfWarps "virtual" weight rows — rows n0 .. n0+kPfBN-1 of W
+// (modes 0, 1), or kPfBN/2 rows of Wg followed by the same rows of Wu (mode 2, so SiLU·mul finds both halves
+// in the block) — and all 16·kMT token rows of the chunk. Warp w takes token tile w % kMT against kMT of the
+// block's 16-row weight tiles, so each A fragment is built once per warp and k-step. K advances kPfBK
+// columns per step through a ring of kPfStages shared-memory stages filled by asynchronous copies (port.h
+// he_cp_async16: no registers, kPfStages − 1 steps in flight while the matrix cores work on one); the
+// weights of the first steps are requested before the wait for the previous kernel. The build (warps,
+// k-step, stages) is the host's choice (ops.mma_build): a wider block reads X once per more weight rows,
+// a longer k-step puts more matrix work between two block barriers.
 // X stays fp32 where it matters: staged as fp32, each A fragment is taken as two 16-bit halves, hi = round(x)
 // and lo = round(x − hi) (he_mma_load_a_split), and every tile takes both products (W·hi + W·lo), so the
 // activations keep ~16 (bf16) / ~22 (fp16) bits of mantissa instead of 8 / 11 — prefill stays as close to
@@ -85,12 +87,19 @@ HE_KERNEL(kMatvecMaxThreads) matmul_small_m(const he_u16* __restrict__ W, const 
 // he_arrive_last; count: one zeroed word per tile, left zero) adds the S slices in split order — the result
 // does not depend on which block finishes last — and applies the epilogue:
 //   mode 0: Y = X Wᵀ (+ bias)   1: Y += X Wᵀ   2: Y = silu(X Wgᵀ) * (X Wuᵀ)   (Y [M, rows], row stride rows).
-constexpr int kPfWarps = 4;
+#ifndef HE_PF_WARPS
+#define HE_PF_WARPS 4
+#endif
+#ifndef HE_PF_BK
+#define HE_PF_BK 32
+#endif
+constexpr int kPfWarps = HE_PF_WARPS;  // 4 or 8
 constexpr int kPfThreads = kPfWarps * kWarpSize;
 constexpr int kPfBN = 16 * kPfWarps;  // virtual weight rows per block
-constexpr int kPfBK = 32;             // columns per k-step
-// The shared-memory ring: kPfStages − 1 k-steps in flight. The host picks it (ops.mma_stages): 6 where a
-// block may have ~100 KB of shared memory (NVIDIA), 4 within gfx942's 64 KiB of LDS.
+constexpr int kPfBK = HE_PF_BK;       // columns per k-step: 32 or 64
+static_assert((kPfWarps == 4 || kPfWarps == 8) && (kPfBK == 32 || kPfBK == 64), "HE_PF_WARPS 4|8, HE_PF_BK 32|64");
+// The shared-memory ring: kPfStages − 1 k-steps in flight. The host picks it (ops.mma_build): as many as fit
+// two blocks per SM (at most 6) on NVIDIA, as fit gfx942's 64 KiB of LDS there.
 #ifndef HE_PF_STAGES
 #define HE_PF_STAGES 4
 #endif
@@ -101,7 +110,8 @@ constexpr int kPfXld = kPfBK + 8;     // staged X row, floats: 160 B, conflict-f
 constexpr int kPfCld = kPfBN + 4;     // the epilogue's fp32 result tile stride
 
 // Shared memory of one block: the stage ring during the k-loop, the fp32 result tile after it (dynamic
-// shared memory: 15 KiB per stage at kMT = 4, so 60 KiB with 4 stages, within gfx942's 64 KiB of LDS).
+// shared memory; 4 warps, kPfBK = 32, kMT = 4: 15 KiB per stage, so 60 KiB with 4 stages, within gfx942's
+// 64 KiB of LDS).
 template <int kMT>
 struct HePfSmem {
   static constexpr int kW = kPfBN * kPfWld * 2;     // one stage's weight tile
@@ -221,10 +231,13 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
       C[(mt * 16 + he_mma_acc_m(i)) * kPfCld + (nb + j * (kPfWarps / kMT)) * 16 + he_mma_acc_n(i)] = acc[j].v[i];
   he_sync_block();
   if (S > 1) {
-    // 16-byte vectors: each thread stores kV of them, and the last arriver loads the next split's kV before
-    // adding the current ones (S dependent round trips of kV loads each, not S·kV).
+    // 16-byte vectors: each thread stores kV of them, and the last arriver loads kSB splits' kV at once
+    // before adding them (ceil(S / kSB) dependent round trips of kSB·kV loads each: 32 vectors in flight
+    // per thread with 4 warps, 16 with 8, within the registers of two blocks per SM).
     constexpr int kTile = kBM * kPfBN, kV = kTile / 4 / kPfThreads;
     static_assert(kTile % (4 * kPfThreads) == 0, "result tile in whole vectors per thread");
+    constexpr int kSB = (kPfWarps == 4 ? 32 : 16) / kV;
+    static_assert(kSB >= 1, "at least one split per round trip");
     he_vec16* mine = (he_vec16*)(part + ((he_i64)split * he_grid_dim() + nt) * kTile);
 #pragma unroll
     for (int v = 0; v < kV; ++v) {
@@ -237,25 +250,28 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
     const he_vec16* all = (const he_vec16*)(part + (he_i64)nt * kTile);  // split s at + s·grid·kTile floats
     const he_i64 sstride = (he_i64)he_grid_dim() * kTile / 4;
     float sum[kV][4];
-    he_vec16 cur[kV];
 #pragma unroll
-    for (int v = 0; v < kV; ++v) {
-      cur[v] = all[tid + v * kPfThreads];
+    for (int v = 0; v < kV; ++v)
 #pragma unroll
       for (int c = 0; c < 4; ++c) sum[v][c] = 0.f;
-    }
-    for (int s = 0; s < S; ++s) {  // split order: the result does not depend on the arrival order
-      he_vec16 nxt[kV];
+    for (int s0 = 0; s0 < S; s0 += kSB) {  // split order: the result does not depend on the arrival order
+      he_vec16 cur[kSB][kV];
 #pragma unroll
-      for (int v = 0; v < kV; ++v) nxt[v] = (s + 1 < S) ? all[(s + 1) * sstride + tid + v * kPfThreads] : cur[v];
+      for (int b = 0; b < kSB; ++b)
 #pragma unroll
-      for (int v = 0; v < kV; ++v) {
-        sum[v][0] += he_u32_as_f32(cur[v].x);
-        sum[v][1] += he_u32_as_f32(cur[v].y);
-        sum[v][2] += he_u32_as_f32(cur[v].z);
-        sum[v][3] += he_u32_as_f32(cur[v].w);
-        cur[v] = nxt[v];
-      }
+        for (int v = 0; v < kV; ++v)
+          cur[b][v] = (s0 + b < S) ? all[(s0 + b) * sstride + tid + v * kPfThreads] : he_vec16{0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int b = 0; b < kSB; ++b)
+        if (s0 + b < S) {
+#pragma unroll
+          for (int v = 0; v < kV; ++v) {
+            sum[v][0] += he_u32_as_f32(cur[b][v].x);
+            sum[v][1] += he_u32_as_f32(cur[b][v].y);
+            sum[v][2] += he_u32_as_f32(cur[b][v].z);
+            sum[v][3] += he_u32_as_f32(cur[b][v].w);
+          }
+        }
     }
 #pragma unroll
     for (int v = 0; v < kV; ++v) {
@@ -283,8 +299,8 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
 }
 
 // Launch: grid (tiles, S), kPfThreads threads, HePfSmem<kMT>::kBytes of dynamic shared memory; tiles =
-// ceil(rows / 64) (mode 2: ceil(rows / 32)); M ≤ 16·kMT; in % 8 == 0; kchunk a multiple of kPfBK with
-// S·kchunk ≥ in and (S − 1)·kchunk < in; part: S·tiles·16·kMT·64 floats when S > 1.
+// ceil(rows / kPfBN) (mode 2: ceil(rows / (kPfBN / 2))); M ≤ 16·kMT; in % 8 == 0; kchunk a multiple of kPfBK
+// with S·kchunk ≥ in and (S − 1)·kchunk < in; part: S·tiles·16·kMT·kPfBN floats when S > 1.
 #define HE_MATMUL_MMA_KERNEL(NAME, MT)                                                                           \
   HE_KERNEL(kPfThreads) NAME(const he_u16* __restrict__ W, const he_u16* __restrict__ W2,       \
                                           const float* X, const float* bias, float* Y, int M, int rows,      \
