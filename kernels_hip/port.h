@@ -327,7 +327,7 @@ HE_INLINE float he_block_max(float v, float* scratch) {
 // Matrix cores: one warp (wave) multiplies 16×16×16 tiles, 16-bit inputs, fp32 accumulation.
 //   C[m][n] += Σ_k A[m][k] · B[n][k]      (A: 16 rows m × 16 k; B: 16 rows n × 16 k — a weight tile as stored)
 // Operands come from shared memory as tiles of 16 rows with a row stride of `ld` elements (ld a multiple of
-// 8, the tile 16-byte aligned: NVIDIA loads the fragments with ldmatrix, which takes 16-byte rows). Which (m, n) element a lane's accumulator
+// 4; 16-byte-aligned rows keep every fragment load aligned). Which (m, n) element a lane's accumulator
 // slot i holds is vendor-specific: he_mma_acc_m(i) / he_mma_acc_n(i) say it, so op code never needs the layout.
 //   NVIDIA sm_80+: two mma.sync.m16n8k16 (PTX ISA "Matrix Fragments for mma.m16n8k16"): lane = 4·g + t;
 //     A words {A[g][2t..], A[g+8][2t..], A[g][2t+8..], A[g+8][2t+8..]}, B words per n-half h
@@ -418,30 +418,23 @@ HE_INLINE he_u32 he_pack2(float a, float b) {
               : ((he_u32)he_f32_to_bf16(a) | ((he_u32)he_f32_to_bf16(b) << 16));
 }
 #else
-// A fragment words (g, c), (g+8, c), (g, c+8), (g+8, c+8); B words (g, c), (g, c+8), (g+8, c), (g+8, c+8)
-// (row, column of the pair; g = lane / 4, c = 2·(lane % 4)). Both are four 8×8 16-bit matrices, which one
-// ldmatrix.x4 loads in exactly this distribution (lane i receives row i/4, columns 2·(i%4) .. +1 of each
-// matrix); lanes 8j .. 8j+7 give the row addresses of matrix j. Rows must be 16-byte aligned (ld % 8 == 0).
-HE_INLINE HeMmaFrag he_ldmatrix_x4(const he_u16* row) {
+HE_INLINE HeMmaFrag he_mma_load_a(const he_u16* t, int ld) {
+  const int l = he_lane_id(), g = l >> 2, c = 2 * (l & 3);
   HeMmaFrag f;
-#if HE_HAS_MMA
-  he_u32 s;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(f.w[0]), "=r"(f.w[1]), "=r"(f.w[2]), "=r"(f.w[3]) : "r"(s) : "memory");
-#else
-  (void)row;
-  he_trap();
-#endif
+  f.w[0] = *(const he_u32*)(t + g * ld + c);
+  f.w[1] = *(const he_u32*)(t + (g + 8) * ld + c);
+  f.w[2] = *(const he_u32*)(t + g * ld + c + 8);
+  f.w[3] = *(const he_u32*)(t + (g + 8) * ld + c + 8);
   return f;
 }
-HE_INLINE HeMmaFrag he_mma_load_a(const he_u16* t, int ld) {
-  const int l = he_lane_id();
-  return he_ldmatrix_x4(t + ((l & 7) + 8 * ((l >> 3) & 1)) * ld + 8 * (l >> 4));
-}
 HE_INLINE HeMmaFrag he_mma_load_b(const he_u16* t, int ld) {
-  const int l = he_lane_id();
-  return he_ldmatrix_x4(t + ((l & 7) + 8 * (l >> 4)) * ld + 8 * ((l >> 3) & 1));
+  const int l = he_lane_id(), g = l >> 2, c = 2 * (l & 3);
+  HeMmaFrag f;
+  f.w[0] = *(const he_u32*)(t + g * ld + c);
+  f.w[1] = *(const he_u32*)(t + g * ld + c + 8);
+  f.w[2] = *(const he_u32*)(t + (g + 8) * ld + c);
+  f.w[3] = *(const he_u32*)(t + (g + 8) * ld + c + 8);
+  return f;
 }
 template <bool kF16>
 HE_INLINE void he_mma(HeMmaAcc& c, const HeMmaFrag& a, const HeMmaFrag& b) {

@@ -7,14 +7,15 @@ Per prompt length and path: wall time of GpuBackend.prefill (enqueue + the final
 TTFT pays before sampling) and the device time between events recorded around it, medians of --runs after a
 warm-up; the layers' projection FLOPs (2 · layer weights · tokens) over the device time; and the
 last row's logits against the 8-token FMA path's (max |diff| / max |logit|, same arg-max).
-With --breakdown: one 64-token chunk at position 960 of a 1K prompt, op by op on the matrix-core path (each
+With --breakdown: one chunk at position 960 of a 1K prompt, op by op on the matrix-core path (each
 projection of layer 0 alone, launched 16 times back to back in a graph = one chunk's worth; norms, RoPE and
 attention the same): device µs per chunk, GB/s of weights and TFLOP/s per projection; and the whole chunk
 (GpuBackend._prefill_chunk: its captured graph).
---builds W×BK,...: matmul_mma builds to compare (HIPENGINE_MMA_WARPS × HIPENGINE_MMA_BK, e.g. 4x32,8x32): each
-is a path of its own in the TTFT rows and gets its own breakdown; without it, the device's default build.
+--paths CHUNK[:WARPS],...: the matrix-core paths to compare — chunk tokens (at most ops.PREFILL_M) and a forced
+matmul_mma build (HIPENGINE_MMA_WARPS; default: ops.mma_build's choice per projection); each is a path of
+its own in the TTFT rows and gets its own breakdown (a chunk at position 960).
 Usage: PYTHONPATH=. python3 scripts/bench_prefill.py [--lengths 64,1024,4096] [--runs 5] [--breakdown]
-       [--builds 4x32,8x64] [--json OUT]
+       [--paths 128,64,128:4] [--json OUT]
 """
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ def main() -> int:
     ap.add_argument("--lengths", default="64,512,1024,4096")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--breakdown", action="store_true")
-    ap.add_argument("--builds", default="", help="matmul_mma builds WARPSxBK, comma-separated")
+    ap.add_argument("--paths", default=str(O.PREFILL_M), help="CHUNK[:WARPS],... matrix-core paths")
     ap.add_argument("--json")
     a = ap.parse_args()
-    builds = [b.split("x") for b in a.builds.split(",") if b]
+    specs = [(int(p.split(":")[0]), p.split(":")[1] if ":" in p else None) for p in a.paths.split(",") if p]
+    if any(not 16 <= c <= O.PREFILL_M for c, _ in specs):
+        ap.error(f"--paths: chunks of 16 .. {O.PREFILL_M} tokens")
     lengths = [int(x) for x in a.lengths.split(",")]
 
     from hipengine.gpu.executor import GpuBackend
@@ -50,9 +53,9 @@ def main() -> int:
     cfg = model.config
     be = GpuBackend(model, max_context=max(lengths) + 64, monokernel=False)
     rt = be.rt
-    # (name, chunk tokens, environment): the matrix-core builds, then the FMA path (the logits' reference)
-    mma_envs = [(f"mma-{w}x{k}", {"HIPENGINE_MMA_WARPS": w, "HIPENGINE_MMA_BK": k}) for w, k in builds] or [("mma", {})]
-    paths = [(name, GpuBackend.prefill_m, {"HIPENGINE_PREFILL_MMA": "1", **env}) for name, env in mma_envs]
+    # (name, chunk tokens, environment): the matrix-core paths, then the FMA path (the logits' reference)
+    paths = [(f"mma-c{c}" + (f"-w{w}" if w else ""), c,
+              {"HIPENGINE_PREFILL_MMA": "1", **({"HIPENGINE_MMA_WARPS": w} if w else {})}) for c, w in specs]
     paths.append(("small_m", O.MAX_M, {"HIPENGINE_PREFILL_MMA": "0"}))
     if not O.mma_supported(rt.arch):
         paths = paths[-1:]
@@ -105,10 +108,10 @@ def main() -> int:
         breakdown = None
         if a.breakdown and O.mma_supported(rt.arch):
             breakdown = {}
-            for name, env in mma_envs:
-                set_env({"HIPENGINE_PREFILL_MMA": "1", **env})
-                print(f"breakdown, {name} ({O.mma_build(rt)}):", flush=True)
-                breakdown[name] = chunk_breakdown(be, 960)
+            for name, chunk, env in paths[:-1]:
+                set_env(env)
+                print(f"breakdown, {name}:", flush=True)
+                breakdown[name] = chunk_breakdown(be, 960, chunk)
     finally:
         set_env({})
         be.close()
@@ -124,7 +127,7 @@ def main() -> int:
     return 0
 
 
-KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_BK")
+KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_WARPS")
 
 
 def set_env(env: dict) -> None:
@@ -174,9 +177,10 @@ def chunk_breakdown(be, pos: int, M: int = 64, reps: int = 5) -> dict:
                                                **mm), 2 * F * d),
         "down": (lambda: ops.prefill_matmul(L["w_down"], be.h, be.x, M, d, F, mode=1, f16=f16, **mm), d * F),
     }
-    out = {"position": pos, "tokens": M, "build": O.mma_build(rt)._asdict(), "us_per_chunk": {}, "weight_gbps": {},
-           "tflops": {}}
+    out = {"position": pos, "tokens": M, "us_per_chunk": {}, "weight_gbps": {}, "tflops": {}, "builds": {}}
+    rows = {"qkv": (qd + 2 * kvd, 0), "o": (d, 1), "gate_up": (F, 2), "down": (d, 1)}
     for k, (fn, n) in projections.items():
+        out["builds"][k] = O.mma_build(rt, *rows[k])._asdict()
         us = timed(fn)
         out["us_per_chunk"][k] = us
         out["weight_gbps"][k] = 2 * n * nl / us / 1e3

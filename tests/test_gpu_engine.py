@@ -92,27 +92,26 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
 
     src = (Path(ops.__file__).parents[2] / "kernels_hip/ops/prefill.hip").read_text()
     assert re.search(r"kPfBN = 16 \* kPfWarps;", src) and "constexpr int kPfWarps = HE_PF_WARPS;" in src
-    assert "constexpr int kPfBK = HE_PF_BK;" in src and "kPfStages = HE_PF_STAGES;" in src
+    assert "kPfStages = HE_PF_STAGES;" in src
     assert "kPfWld = kPfBK + 8;" in src and "kPfXld = kPfBK + 8;" in src and "kPfCld = kPfBN + 4;" in src
-    assert ops.MMA_MAX_TILE_ROWS == 128 and "(kPfWarps == 4 || kPfWarps == 8)" in src
+    assert ops.MMA_MAX_TILE_ROWS == 128 and "kPfWarps == 4 || kPfWarps == 8" in src and f"kPfBK = {ops.MMA_BK};" in src
     assert ops.mma_shared_bytes(64, 4) == 61440 <= 64 * 1024  # gfx942's LDS per workgroup
     from types import SimpleNamespace
-    gfx942, h200 = SimpleNamespace(max_shared_per_block=64 * 1024), SimpleNamespace(max_shared_per_block=227 * 1024)
-    assert ops.mma_build(gfx942) == (4, 32, 4) and ops.mma_build(h200) == (4, 32, 6)
-    for env, on_h200, on_gfx942 in (({"HIPENGINE_MMA_WARPS": "8"}, (8, 32, 5), (8, 32, 3)),
-                                    ({"HIPENGINE_MMA_BK": "64"}, (4, 64, 4), (4, 64, 2)),
-                                    ({"HIPENGINE_MMA_WARPS": "8", "HIPENGINE_MMA_BK": "64"}, (8, 64, 3), None)):
-        with pytest.MonkeyPatch.context() as mp:
-            for k, v in env.items():
-                mp.setenv(k, v)
-            b = ops.mma_build(h200)
-            assert b == on_h200 and 2 * (b.shared_bytes(64) + 1024) <= 228 * 1024  # two blocks per SM
-            if on_gfx942:
-                assert ops.mma_build(gfx942) == on_gfx942 and ops.mma_build(gfx942).shared_bytes(64) <= 64 * 1024
-            else:
-                with pytest.raises(ops.UnsupportedError):
-                    ops.mma_build(gfx942)
+    gfx942 = SimpleNamespace(max_shared_per_block=64 * 1024, num_sms=304)
+    h200 = SimpleNamespace(max_shared_per_block=227 * 1024, num_sms=132)
+    # 128-token chunks: 4 warps -> 4 stages of 25 KiB, 8 warps -> 3 of 30 KiB (two blocks per SM); gfx942: 2
+    assert ops.PREFILL_M == 128
+    assert ops.mma_build(h200) == (4, 4) and ops.mma_build(h200, 16384, 2) == (8, 3)
+    assert ops.mma_build(h200, 2048, 0) == (4, 4) and ops.mma_build(h200, 128256, 0) == (8, 3)
+    assert ops.mma_build(gfx942) == (4, 2) and ops.mma_build(gfx942, 128256, 0) == (4, 2)  # 8 warps: no room
+    for dev in (h200, gfx942):
+        for rows, mode in ((2048, 1), (16384, 2), (128256, 0)):
+            b = ops.mma_build(dev, rows, mode)
+            assert b.shared_bytes(ops.PREFILL_M) <= min(dev.max_shared_per_block, ops.MMA_SMEM_CAP)
+            assert 2 * (b.shared_bytes(ops.PREFILL_M) + 1024) <= 228 * 1024  # two blocks per SM (NVIDIA)
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HIPENGINE_MMA_WARPS", "8")
+        assert ops.mma_build(h200) == (8, 3) and ops.mma_build(h200, 2048, 1) == (8, 3)
         mp.setenv("HIPENGINE_MMA_WARPS", "6")
         with pytest.raises(ops.UnsupportedError, match="HIPENGINE_MMA_WARPS"):
             ops.mma_build(h200)
@@ -127,12 +126,12 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
         for rows in (1, 13, 576, 960, 2048, 3072, 8192, 128256):
             for inn in (8, 72, 576, 2048, 2056, 8192, 14336):
                 for mode in (0, 2):
-                    for tr, bk in ((64, 32), (128, 32), (64, 64), (128, 64)):
-                        tiles, S, kchunk = ops.mma_plan(rows, inn, mode, sms, tr, bk)
+                    for tr in (64, 128):
+                        tiles, S, kchunk = ops.mma_plan(rows, inn, mode, sms, tr)
                         assert tiles == math.ceil(rows / (tr // 2 if mode == 2 else tr))
-                        assert kchunk % bk == 0 and S * kchunk >= inn and (S - 1) * kchunk < inn
+                        assert kchunk % ops.MMA_BK == 0 and S * kchunk >= inn and (S - 1) * kchunk < inn
                         if S > 1:
-                            assert tiles < sms and S * tiles * tr * 64 <= ops.mma_part_floats(sms, 64)
+                            assert tiles < sms and S * tiles * tr * 128 <= ops.mma_part_floats(sms, 128)
     assert ops.mma_supported("sm_90") and ops.mma_supported("gfx942") and not ops.mma_supported("sm_75")
 
 
@@ -559,7 +558,7 @@ class EmulatedRuntime:
             y[:] = O.ref_silu(r) * (Xs @ self._w(W2, rows, inn, f16).T)
 
     def _k_matmul_mma(self, grid, W, W2, X, bias, Y, M, rows, inn, mode, f16, kchunk, rotate, part, count):
-        assert grid[1] * kchunk >= inn and kchunk % 32 == 0 and part and count  # the split plan covers K
+        assert grid[1] * kchunk >= inn and kchunk % O.MMA_BK == 0 and part and count  # the split plan covers K
         self._k_matmul_small_m(grid, W, W2, X, bias, Y, M, rows, inn, mode, f16)
 
     def _k_qk_norm_rope(self, grid, qkv, qn, kn, eps, cos, sin, pos, q_out, kc, vc, max_ctx, nh, nkv, hd):
@@ -707,14 +706,14 @@ def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path,
     ids = np.random.default_rng(2).integers(3, model.config.vocab_size, 21)
     want = ReferenceBackend(model, max_context=64).prefill(ids, all_logits=True)
     gpu = emulated(model, max_context=64)
-    got = gpu.prefill(ids, all_logits=True)  # one chunk (prefill_m = 64)
+    got = gpu.prefill(ids, all_logits=True)  # one chunk (prefill_m = 128)
     rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
     assert rel.max() < 2e-2, f"prefill logits rel err {rel.max():.3g}"
     gpu.prefill_m = 8  # 8 + 8 + 5: the full chunks run eagerly once, then replay their captured graph
     for _ in range(2):
         gpu.reset()
         assert np.array_equal(gpu.prefill(ids, all_logits=True), got)
-    assert [k[:3] for k in gpu._prefill_graphs] == [(8, True, True)]  # (chunk, logits, matrix cores)
+    assert [k[:2] for k in gpu._prefill_graphs] == [(8, True)]  # (chunk, logits, the A/B knobs' values)
     gpu.reset()
     dec = [gpu.prefill(ids[:11], all_logits=True)] + [gpu.decode(int(t))[None] for t in ids[11:]]
     dec = np.concatenate(dec)

@@ -12,7 +12,7 @@ Device state
 Decode (one step): embedding -> per layer [matvec_qkv (norm prologue, RoPE, append) -> attention split +
 combine (one kernel when its grid is large: ops.attention_one_kernel) -> O-proj + residual -> gate/up (norm
 prologue, SiLU·mul) -> down + residual] -> LM head (final norm prologue). Prefill runs chunks of up to
-prefill_m (64) tokens, each projection one matrix-core matmul (Ops.prefill_matmul), so each weight is read once
+prefill_m (128) tokens, each projection one matrix-core matmul (Ops.prefill_matmul), so each weight is read once
 per chunk. Sampling runs on the device
 (sampling.hip); each token reaches the host through mapped memory while the next steps are already
 enqueued (_generate_per_op).
@@ -331,7 +331,7 @@ class GpuBackend(Backend):
                 pass
             return
         # what the launches depend on besides the buffers: the chunk, and the A/B knobs read at launch time
-        key = (M, bool(logits), O.prefill_mma(self.rt.arch), O.mma_rotate(), O.mma_build(self.rt))
+        key = (M, bool(logits), *(os.environ.get(k) for k in O.MMA_KNOBS))
         self._prefill_inputs(ids)
         g = self._prefill_graphs.get(key)
         if g is not None:

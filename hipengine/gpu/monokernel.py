@@ -333,8 +333,7 @@ def _env(values: dict):
                 os.environ[k] = v
 
 
-def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_dim: int = 64,
-               mma_builds=((4, 32),)) -> list[str]:
+def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_dim: int = 64) -> list[str]:
     """Fill the compile cache for an NVIDIA arch without a GPU (NVRTC only): the per-op modules and the
     monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling."""
     from . import backend_cuda as bc, compiler
@@ -347,11 +346,11 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     per_hd = ("attention_decode.hip", "attention_prefill.hip")
     ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip")) if p.name not in per_hd]
     jobs = [(f"ops/{n}", {"defines": kv_defines(f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
-    # the prefill projections' builds (Ops.prefill_matmul: ops.mma_build on an H100 / H200, each warps × k-step)
+    # the prefill projections' two builds (Ops.prefill_matmul: ops.mma_build on an H100 / H200, 4 and 8 warps)
     h200 = SimpleNamespace(max_shared_per_block=227 * 1024)
     builds = []
-    for w, k in mma_builds:
-        with _env({"HIPENGINE_MMA_WARPS": str(w), "HIPENGINE_MMA_BK": str(k)}):
+    for w in (4, 8):
+        with _env({"HIPENGINE_MMA_WARPS": str(w)}):
             builds.append(O.mma_build(h200))
     jobs += [("ops/prefill.hip", {"defines": {**(kv_defines(f16) or {}), **b.defines()}})
              for f16 in sorted(set(f16_variants)) for b in builds]

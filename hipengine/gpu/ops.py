@@ -23,8 +23,9 @@ MATVEC_THREADS = 256  # 8 warps (NVIDIA) / 4 waves (AMD) per block; kernels allo
 ATTN_THREADS = 256
 SAMPLE_THREADS = 1024  # must equal kSampleThreads in sampling.hip
 MAX_M = 8  # kMaxM in prefill.hip: token rows per matmul_small_m launch
-PREFILL_M = 64  # prompt tokens per prefill chunk (the largest matmul_mma_m* instantiation)
+PREFILL_M = 128  # prompt tokens per prefill chunk (the largest matmul_mma_m* instantiation)
 MMA_MAX_TILE_ROWS = 128  # kPfBN in prefill.hip (16 · HE_PF_WARPS): weight rows per matmul_mma block, at most
+MMA_BK = 32  # kPfBK: columns per k-step (a K split is a multiple of it)
 ATTN_MAX_GROUP = 8  # kAttnMaxGroup in attention_decode.hip
 
 
@@ -199,18 +200,17 @@ def mma_rotate() -> bool:
     return _env_switch("HIPENGINE_MMA_ROTATE") is not False
 
 
-def mma_plan(rows: int, inn: int, mode: int, num_sms: int, tile_rows: int = 64,
-             bk: int = 32) -> tuple[int, int, int]:
+def mma_plan(rows: int, inn: int, mode: int, num_sms: int, tile_rows: int = 64) -> tuple[int, int, int]:
     """(tiles, splits, kchunk) of one matmul_mma launch: tiles of `tile_rows` weight rows (mode 2: half as
     many output rows per tile); when they cannot fill the GPU, K is split so that at most 2 blocks per SM
-    run, each split a whole number of `bk`-column k-steps (no empty split). tiles · splits ≤ 2 · num_sms
+    run, each split a whole number of MMA_BK-column k-steps (no empty split). tiles · splits ≤ 2 · num_sms
     whenever splits > 1 (mma_part_floats relies on it)."""
     tiles = math.ceil(rows / (tile_rows // 2 if mode == 2 else tile_rows))
-    steps = math.ceil(inn / bk)
+    steps = math.ceil(inn / MMA_BK)
     # at most 2 blocks per SM: with the ring sized for two blocks (MmaBuild) that is all that is resident at
     # once, and a second wave of a few blocks cost QKV 21% (6 splits of 48 tiles = 288 blocks; v42e)
     splits = 1 if tiles >= num_sms else min(steps, max(1, (2 * num_sms) // tiles))
-    kchunk = math.ceil(steps / splits) * bk
+    kchunk = math.ceil(steps / splits) * MMA_BK
     return tiles, math.ceil(inn / kchunk), kchunk
 
 
@@ -232,13 +232,14 @@ def attention_prefill_mma(arch: str, G: int, hd: int, max_shared: int) -> bool:
 
 
 MMA_SMEM_CAP = 112 * 1024  # a block's ring on NVIDIA: two blocks per SM (H100 / H200: 228 KB per SM)
+# the environment knobs a prefill launch reads (the executor's chunk graphs are keyed by them)
+MMA_KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_ROTATE", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_STAGES")
 
 
 class MmaBuild(NamedTuple):
-    """One build of prefill.hip's matmul_mma (HE_PF_WARPS, HE_PF_BK, HE_PF_STAGES): warps per block (the
-    block's weight rows: 16 per warp), columns per k-step, stages of the shared-memory ring."""
+    """One build of prefill.hip's matmul_mma (HE_PF_WARPS, HE_PF_STAGES): warps per block (its weight rows:
+    16 per warp) and stages of the shared-memory ring."""
     warps: int
-    bk: int
     stages: int
 
     @property
@@ -246,48 +247,50 @@ class MmaBuild(NamedTuple):
         return 16 * self.warps
 
     def defines(self) -> dict:
-        return {"HE_PF_WARPS": self.warps, "HE_PF_BK": self.bk, "HE_PF_STAGES": self.stages}
+        return {"HE_PF_WARPS": self.warps, "HE_PF_STAGES": self.stages}
 
     def shared_bytes(self, mt: int) -> int:
-        return mma_shared_bytes(mt, self.stages, self.tile_rows, self.bk)
+        return mma_shared_bytes(mt, self.stages, self.tile_rows)
 
 
-def mma_build(rt) -> MmaBuild:
-    """The matmul_mma build for this device: 4 warps and 32-column k-steps, unless HIPENGINE_MMA_WARPS (4 | 8) /
-    HIPENGINE_MMA_BK (32 | 64) say otherwise (A/B); the ring as deep as fits (at most 6 stages) in a block's
-    shared memory — on NVIDIA within MMA_SMEM_CAP (two blocks per SM), on gfx942 its 64 KiB of LDS —
-    or HIPENGINE_MMA_STAGES."""
-    def knob(var: str, default: int, allowed: tuple) -> int:
-        raw = os.environ.get(var, "")
-        if not raw:
-            return default
-        if not raw.isdigit() or int(raw) not in allowed:
-            raise UnsupportedError(f"{var} must be one of {', '.join(map(str, allowed))}, not {raw!r}")
-        return int(raw)
-
-    warps, bk = knob("HIPENGINE_MMA_WARPS", 4, (4, 8)), knob("HIPENGINE_MMA_BK", 32, (32, 64))
-    cap = min(rt.max_shared_per_block, MMA_SMEM_CAP)
+def mma_build(rt, rows: int | None = None, mode: int = 0) -> MmaBuild:
+    """The matmul_mma build for a weight of `rows` rows (mode as prefill_matmul): 8 warps (128-row tiles) where
+    such tiles alone fill the GPU and the block fits (gate/up, the LM head: measured 13% faster,
+    bench_prefill_h200_v43a.json; not on gfx942), else 4 (64-row tiles, K split over fewer blocks: QKV, O,
+    down); HIPENGINE_MMA_WARPS=4|8 forces it. The
+    ring as deep as fits (at most 6 stages) a chunk of PREFILL_M tokens in a block's shared memory — on
+    NVIDIA within MMA_SMEM_CAP (two blocks per SM), on gfx942 its 64 KiB of LDS — or HIPENGINE_MMA_STAGES."""
+    raw = os.environ.get("HIPENGINE_MMA_WARPS", "")
+    if raw:
+        if raw not in ("4", "8"):
+            raise UnsupportedError(f"HIPENGINE_MMA_WARPS must be 4 or 8, not {raw!r}")
+        warps = int(raw)
+    else:
+        wide = rows is not None and math.ceil(rows / (64 if mode == 2 else 128)) >= rt.num_sms
+        # gfx942: the 8-warp block's [128][132] fp32 result tile alone exceeds its 64 KiB of LDS
+        warps = 8 if wide and mma_shared_bytes(PREFILL_M, 2, 128) <= rt.max_shared_per_block else 4
     forced = os.environ.get("HIPENGINE_MMA_STAGES")
     if forced:
         n = int(forced) if forced.isdigit() else 0
-        if n < 2 or mma_shared_bytes(PREFILL_M, n, 16 * warps, bk) > rt.max_shared_per_block:
+        if n < 2 or mma_shared_bytes(PREFILL_M, n, 16 * warps) > rt.max_shared_per_block:
             raise UnsupportedError(f"HIPENGINE_MMA_STAGES={forced}: needs 2 or more stages within "
                                    f"{rt.max_shared_per_block} bytes of shared memory")
-        return MmaBuild(warps, bk, n)
+        return MmaBuild(warps, n)
+    cap = min(rt.max_shared_per_block, MMA_SMEM_CAP)
     n = 6
-    while n > 2 and mma_shared_bytes(PREFILL_M, n, 16 * warps, bk) > cap:
+    while n > 2 and mma_shared_bytes(PREFILL_M, n, 16 * warps) > cap:
         n -= 1
-    if mma_shared_bytes(PREFILL_M, n, 16 * warps, bk) > rt.max_shared_per_block:
-        raise UnsupportedError(f"matmul_mma with {warps} warps and {bk}-column steps does not fit "
-                               f"{rt.max_shared_per_block} bytes of shared memory")
-    return MmaBuild(warps, bk, n)
+    if mma_shared_bytes(PREFILL_M, n, 16 * warps) > rt.max_shared_per_block:
+        raise UnsupportedError(f"matmul_mma with {warps} warps does not fit {rt.max_shared_per_block} bytes of "
+                               f"shared memory")
+    return MmaBuild(warps, n)
 
 
-def mma_shared_bytes(mt: int, stages: int, tile_rows: int = 64, bk: int = 32) -> int:
+def mma_shared_bytes(mt: int, stages: int, tile_rows: int = 64) -> int:
     """Dynamic shared memory of matmul_mma_m{mt} (prefill.hip HePfSmem) with a ring of `stages`: each a weight
-    tile of tile_rows bf16 rows padded to bk + 8 and an X tile of mt fp32 rows padded to bk + 8; the result
-    tile [mt][tile_rows + 4] reuses it."""
-    stage = tile_rows * (bk + 8) * 2 + mt * (bk + 8) * 4
+    tile of tile_rows bf16 rows padded to MMA_BK + 8 and an X tile of mt fp32 rows padded to MMA_BK + 8; the
+    result tile [mt][tile_rows + 4] reuses it."""
+    stage = tile_rows * (MMA_BK + 8) * 2 + mt * (MMA_BK + 8) * 4
     return max(stages * stage, mt * (tile_rows + 4) * 4)
 
 
@@ -480,7 +483,7 @@ class Ops:
     def prefill_matmul(self, W, X, Y, M: int, rows: int, inn: int, mode: int = 0, W2=None, bias=None, f16=False,
                        part=None, count=None, stream=None):
         """A prefill projection of M ≤ PREFILL_M tokens, modes as matmul_small_m: on the matrix cores
-        (matmul_mma_m16/32/64; part: mma_part_floats(num_sms, M) floats of scratch, count: num_sms zeroed
+        (matmul_mma_m16/32/64/128; part: mma_part_floats(num_sms, M) floats of scratch, count: num_sms zeroed
         uint32 words, left zero) where prefill_mma(arch), else matmul_small_m over slabs of MAX_M rows."""
         if not 1 <= M <= PREFILL_M:
             raise DeviceError(f"prefill_matmul takes 1..{PREFILL_M} rows of X, got {M}")
@@ -494,9 +497,9 @@ class Ops:
             return
         if part is None or count is None:
             raise DeviceError("prefill_matmul on the matrix cores needs its split-K scratch (part, count)")
-        mt = 16 if M <= 16 else 32 if M <= 32 else 64
-        build = mma_build(self.rt)
-        tiles, splits, kchunk = mma_plan(rows, inn, mode, self.rt.num_sms, build.tile_rows, build.bk)
+        mt = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+        build = mma_build(self.rt, rows, mode)
+        tiles, splits, kchunk = mma_plan(rows, inn, mode, self.rt.num_sms, build.tile_rows)
         self.rt.launch(self.fn("prefill", f"matmul_mma_m{mt}", build.defines()), (tiles, splits),
                        build.warps * self.rt.warp_size,
                        [_p(W), _p(W2), _p(X), _p(bias), _p(Y), c_int32(M), c_int32(rows), c_int32(inn),

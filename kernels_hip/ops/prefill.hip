@@ -1,8 +1,8 @@
 // Prefill: the multi-token path. Y[M, rows] = X[M, in] · Wᵀ for a chunk of M prompt tokens, reading each
 // weight once per chunk (decoding the prompt token by token would read it M times). The attention of a
-// chunk reuses attention_split with grid.y = M (query t sees positions ≤ *pos + t), and RoPE + KV append
-// reuse qk_norm_rope with grid.y = M, so only the projections need kernels of their own:
-//   matmul_mma_m{16,32,64}  the matrix cores (port.h he_mma), chunks of up to 64 tokens — the default;
+// chunk is attention_prefill.hip on the matrix cores (else attention_split with grid.y = M: query t sees
+// positions ≤ *pos + t), and RoPE + KV append reuse qk_norm_rope with grid.y = M; the projections:
+//   matmul_mma_m{16,32,64,128}  the matrix cores (port.h he_mma), chunks of up to 128 tokens — the default;
 //   matmul_small_m          plain FMAs, up to 8 tokens per launch — GPUs without matrix cores, and the
 //                           comparison path (HIPENGINE_PREFILL_MMA=0).
 #ifndef HE_OPS_PREFILL_HIP
@@ -70,13 +70,14 @@ HE_KERNEL(kMatvecMaxThreads) matmul_small_m(const he_u16* __restrict__ W, const 
 // ---- the matrix-core form ------------------------------------------------------------------------------
 // A block of kPfWarps warps owns kPfBN = 16·kPfWarps "virtual" weight rows — rows n0 .. n0+kPfBN-1 of W
 // (modes 0, 1), or kPfBN/2 rows of Wg followed by the same rows of Wu (mode 2, so SiLU·mul finds both halves
-// in the block) — and all 16·kMT token rows of the chunk. Warp w takes token tile w % kMT against kMT of the
-// block's 16-row weight tiles, so each A fragment is built once per warp and k-step. K advances kPfBK
-// columns per step through a ring of kPfStages shared-memory stages filled by asynchronous copies (port.h
+// in the block) — and all 16·kMT token rows of the chunk (kMT ≤ 8: up to 128 tokens). The warps form kMG
+// token groups × kNG weight groups (HePfWarpMap): a warp takes kTM token tiles against kTN of the block's
+// 16-row weight tiles, so each A fragment is built once per warp and k-step. K advances kPfBK columns per
+// step through a ring of kPfStages shared-memory stages filled by asynchronous copies (port.h
 // he_cp_async16: no registers, kPfStages − 1 steps in flight while the matrix cores work on one); the
 // weights of the first steps are requested before the wait for the previous kernel. The build (warps,
-// k-step, stages) is the host's choice (ops.mma_build): a wider block reads X once per more weight rows,
-// a longer k-step puts more matrix work between two block barriers.
+// stages) is the host's choice (ops.mma_build): 8 warps read X once per 128 weight rows instead of 64 and
+// keep twice the warps per SM, where a weight has enough 128-row tiles to fill the GPU.
 // X stays fp32 where it matters: staged as fp32, each A fragment is taken as two 16-bit halves, hi = round(x)
 // and lo = round(x − hi) (he_mma_load_a_split), and every tile takes both products (W·hi + W·lo), so the
 // activations keep ~16 (bf16) / ~22 (fp16) bits of mantissa instead of 8 / 11 — prefill stays as close to
@@ -90,14 +91,11 @@ HE_KERNEL(kMatvecMaxThreads) matmul_small_m(const he_u16* __restrict__ W, const 
 #ifndef HE_PF_WARPS
 #define HE_PF_WARPS 4
 #endif
-#ifndef HE_PF_BK
-#define HE_PF_BK 32
-#endif
 constexpr int kPfWarps = HE_PF_WARPS;  // 4 or 8
 constexpr int kPfThreads = kPfWarps * kWarpSize;
 constexpr int kPfBN = 16 * kPfWarps;  // virtual weight rows per block
-constexpr int kPfBK = HE_PF_BK;       // columns per k-step: 32 or 64
-static_assert((kPfWarps == 4 || kPfWarps == 8) && (kPfBK == 32 || kPfBK == 64), "HE_PF_WARPS 4|8, HE_PF_BK 32|64");
+constexpr int kPfBK = 32;             // columns per k-step
+static_assert(kPfWarps == 4 || kPfWarps == 8, "HE_PF_WARPS: 4 or 8");
 // The shared-memory ring: kPfStages − 1 k-steps in flight. The host picks it (ops.mma_build): as many as fit
 // two blocks per SM (at most 6) on NVIDIA, as fit gfx942's 64 KiB of LDS there.
 #ifndef HE_PF_STAGES
@@ -112,6 +110,15 @@ constexpr int kPfCld = kPfBN + 4;     // the epilogue's fp32 result tile stride
 // Shared memory of one block: the stage ring during the k-loop, the fp32 result tile after it (dynamic
 // shared memory; 4 warps, kPfBK = 32, kMT = 4: 15 KiB per stage, so 60 KiB with 4 stages, within gfx942's
 // 64 KiB of LDS).
+// The warps of a block over its [16·kMT tokens] × [kPfBN weight rows] tile: kMG token groups × kNG weight
+// groups; warp w takes token tiles w % kMG + i·kMG (i < kTM) and weight tiles w / kMG + j·kNG (j < kTN).
+template <int kMT>
+struct HePfWarpMap {
+  static constexpr int kTM = kMT > kPfWarps ? kMT / kPfWarps : 1;
+  static constexpr int kMG = kMT / kTM, kNG = kPfWarps / kMG, kTN = kPfWarps / kNG;
+  static_assert(kMG * kTM == kMT && kMG * kNG == kPfWarps, "warps over the tile");
+};
+
 template <int kMT>
 struct HePfSmem {
   static constexpr int kW = kPfBN * kPfWld * 2;     // one stage's weight tile
@@ -183,9 +190,13 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
       }
   };
 
-  HeMmaAcc acc[kMT];
+  using Map = HePfWarpMap<kMT>;
+  constexpr int kTM = Map::kTM, kTN = Map::kTN, kMG = Map::kMG, kNG = Map::kNG;
+  HeMmaAcc acc[kTM][kTN];
 #pragma unroll
-  for (int j = 0; j < kMT; ++j) he_mma_zero(acc[j]);
+  for (int i = 0; i < kTM; ++i)
+#pragma unroll
+    for (int j = 0; j < kTN; ++j) he_mma_zero(acc[i][j]);
   // The ring's first kPfStages - 1 steps: weights before the wait (they never depend on the previous kernel),
   // X after it; one copy group per step (group 0 also holds the early weights of steps 1 ..).
   for (int s = 0; s < kPfStages - 1; ++s)
@@ -195,7 +206,7 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
     if (s < nsteps) copy_x(s);
     he_cp_async_commit();
   }
-  const int warp = he_warp_id(), mt = warp % kMT, nb = warp / kMT;
+  const int warp = he_warp_id(), mg = warp % kMG, ng = warp / kMG;
   for (int step = 0; step < nsteps; ++step) {
     he_cp_async_wait<kPfStages - 2>();  // this thread's copies of `step` have landed ...
     he_sync_block();                    // ... and everyone's; everyone is done with step - 1's stage
@@ -206,16 +217,21 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
     he_cp_async_commit();
     const char* st = smem + (step % kPfStages) * Sm::kStage;
     const he_u16* Ws = (const he_u16*)st;
-    const float* Xs = (const float*)(st + Sm::kW) + mt * 16 * kPfXld;
+    const float* Xs = (const float*)(st + Sm::kW);
 #pragma unroll
     for (int kk = 0; kk < kPfBK; kk += 16) {
-      HeMmaFrag hi, lo;
-      he_mma_load_a_split<kF16>(Xs + kk, kPfXld, hi, lo);
+      HeMmaFrag hi[kTM], lo[kTM];
 #pragma unroll
-      for (int j = 0; j < kMT; ++j) {
-        const HeMmaFrag b = he_mma_load_b(Ws + (nb + j * (kPfWarps / kMT)) * 16 * kPfWld + kk, kPfWld);
-        he_mma<kF16>(acc[j], hi, b);
-        he_mma<kF16>(acc[j], lo, b);
+      for (int i = 0; i < kTM; ++i)
+        he_mma_load_a_split<kF16>(Xs + (mg + i * kMG) * 16 * kPfXld + kk, kPfXld, hi[i], lo[i]);
+#pragma unroll
+      for (int j = 0; j < kTN; ++j) {
+        const HeMmaFrag b = he_mma_load_b(Ws + (ng + j * kNG) * 16 * kPfWld + kk, kPfWld);
+#pragma unroll
+        for (int i = 0; i < kTM; ++i) {
+          he_mma<kF16>(acc[i][j], hi[i], b);
+          he_mma<kF16>(acc[i][j], lo[i], b);
+        }
       }
     }
   }
@@ -225,10 +241,12 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
   // The block's [kBM, kPfBN] result tile, fp32, in shared memory.
   float* C = (float*)smem;
 #pragma unroll
-  for (int j = 0; j < kMT; ++j)
+  for (int i = 0; i < kTM; ++i)
 #pragma unroll
-    for (int i = 0; i < kMmaAcc; ++i)
-      C[(mt * 16 + he_mma_acc_m(i)) * kPfCld + (nb + j * (kPfWarps / kMT)) * 16 + he_mma_acc_n(i)] = acc[j].v[i];
+    for (int j = 0; j < kTN; ++j)
+#pragma unroll
+      for (int r = 0; r < kMmaAcc; ++r)
+        C[((mg + i * kMG) * 16 + he_mma_acc_m(r)) * kPfCld + (ng + j * kNG) * 16 + he_mma_acc_n(r)] = acc[i][j].v[r];
   he_sync_block();
   if (S > 1) {
     // 16-byte vectors: each thread stores kV of them, and the last arriver loads kSB splits' kV at once
@@ -315,5 +333,6 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
 HE_MATMUL_MMA_KERNEL(matmul_mma_m16, 1)  // M <= 16
 HE_MATMUL_MMA_KERNEL(matmul_mma_m32, 2)  // M <= 32
 HE_MATMUL_MMA_KERNEL(matmul_mma_m64, 4)  // M <= 64
+HE_MATMUL_MMA_KERNEL(matmul_mma_m128, 8)  // M <= 128
 #undef HE_MATMUL_MMA_KERNEL
 #endif
