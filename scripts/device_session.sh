@@ -22,7 +22,7 @@
 #   tests : engine + monokernel GPU tests
 #   prefill: the matrix-core prefill's op tests, the op and engine GPU tests, the prefill benchmark (TTFT of 64 to
 #            4K-token prompts, matrix cores against the 8-token FMA path, alternated in one process)
-#   builds: matmul_mma builds ($MMA_BUILDS) side by side: their op tests, the prefill benchmark per build
+#   paths : prefill paths ($PREFILL_PATHS: chunk[:warps]) side by side: op tests, the prefill benchmark per path
 #   prefillrecord: after a prefill change (decode kernels unchanged): its op tests, engine and monokernel tests,
 #            the prefill benchmark with its op breakdown, the decode bench of record (TTFT included), and the
 #            1B preset's 512-position check in the time that is left (the call stays under 575 s)
@@ -165,12 +165,13 @@ case "$MODE" in
     bench
     left=$((575 - SECONDS)); [ $left -gt 30 ] && run preset1b $left $PY -m pytest tests/test_gpu_engine.py -q -rs -s \
       -k "1b_preset" ;;
-  builds)  # matmul_mma builds compared ($MMA_BUILDS, WARPSxBK): their op tests and the attention's, the prefill
-           # benchmark with one path and one op breakdown per build, then every op and engine test
-    run mma_tests 90 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "prefill_matmul_mma or test_attention"
+  paths)  # prefill paths compared ($PREFILL_PATHS: CHUNK[:WARPS],..., scripts/bench_prefill.py --paths): the
+          # matrix-core op tests and the attention's, the prefill benchmark with one op breakdown per path, then
+          # every op, engine and monokernel test
+    run mma_tests 120 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "prefill_matmul_mma or test_attention"
     run bench_prefill 240 $PY scripts/bench_prefill.py --lengths ${PREFILL_LENGTHS:-1024,4096} --runs 3 --breakdown \
-      --builds "${MMA_BUILDS:-4x32,8x32,4x64,8x64}" --json "$OUT/bench_prefill.json"
-    ops_tests; engine_tests ;;
+      --paths "${PREFILL_PATHS:-128,64}" --json "$OUT/bench_prefill.json"
+    ops_tests; engine_tests; mk_tests ;;
   prefill)  # the matrix-core prefill (prefill.hip matmul_mma_m*): its op tests first, every op and engine test,
             # then scripts/bench_prefill.py (JSON)
     run mma_tests 60 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k prefill_matmul_mma
@@ -190,7 +191,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|recordall|ncu|tests|prefill|prefillrecord|builds)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|recordall|ncu|tests|prefill|prefillrecord|paths)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
