@@ -198,7 +198,7 @@ def chunk_breakdown(be, pos: int, M: int = 64, reps: int = 5) -> dict:
     for _ in range(reps):
         be.pos = pos
         e0.record(s)
-        be._prefill_chunk(np.arange(M) % cfg.vocab_size, logits=False)
+        be._prefill_chunk(np.arange(M) % cfg.vocab_size, logits="")
         e1.record(s)
         e1.synchronize()
         chunks.append(e0.elapsed_ms(e1) * 1e3)

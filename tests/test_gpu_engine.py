@@ -101,8 +101,10 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
     h200 = SimpleNamespace(max_shared_per_block=227 * 1024, num_sms=132)
     # 128-token chunks: 4 warps -> 4 stages of 25 KiB, 8 warps -> 3 of 30 KiB (two blocks per SM); gfx942: 2
     assert ops.PREFILL_M == 128
-    assert ops.mma_build(h200) == (4, 4) and ops.mma_build(h200, 16384, 2) == (8, 3)
-    assert ops.mma_build(h200, 2048, 0) == (4, 4) and ops.mma_build(h200, 128256, 0) == (8, 3)
+    # Llama-3.2-1B: gate/up (8192 rows of each, 128 tiles of 64 + 64) and the LM head on 8 warps; QKV, O on 4
+    assert ops.mma_build(h200) == (4, 4) and ops.mma_build(h200, 8192, 2) == (8, 3)
+    assert ops.mma_build(h200, 2048, 0) == (4, 4) and ops.mma_build(h200, 3072, 0) == (4, 4)
+    assert ops.mma_build(h200, 128256, 0) == (8, 3)
     assert ops.mma_build(gfx942) == (4, 2) and ops.mma_build(gfx942, 128256, 0) == (4, 2)  # 8 warps: no room
     for dev in (h200, gfx942):
         for rows, mode in ((2048, 1), (16384, 2), (128256, 0)):
@@ -713,7 +715,13 @@ def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path,
     for _ in range(2):
         gpu.reset()
         assert np.array_equal(gpu.prefill(ids, all_logits=True), got)
-    assert [k[:2] for k in gpu._prefill_graphs] == [(8, True)]  # (chunk, logits, the A/B knobs' values)
+    assert [k[:2] for k in gpu._prefill_graphs] == [(8, "all")]  # (chunk, logits, the A/B knobs' values)
+    # without all_logits only the last row's logits are made (the decode LM head on it), from a partial last
+    # chunk (eager) and from a full one (its graph)
+    for n in (21, 16):
+        gpu.reset()
+        np.testing.assert_allclose(gpu.prefill(ids[:n]), got[n - 1], rtol=1e-5, atol=1e-5 * np.abs(got).max())
+    assert [k[:2] for k in gpu._prefill_graphs] == [(8, "all"), (8, ""), (8, "last")]
     gpu.reset()
     dec = [gpu.prefill(ids[:11], all_logits=True)] + [gpu.decode(int(t))[None] for t in ids[11:]]
     dec = np.concatenate(dec)

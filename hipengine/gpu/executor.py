@@ -313,25 +313,26 @@ class GpuBackend(Backend):
         for c0 in range(0, ids.size, self.prefill_m):
             chunk = ids[c0:c0 + self.prefill_m]
             last = c0 + self.prefill_m >= ids.size
-            self._prefill_chunk(chunk, logits=all_logits or last)
-            if all_logits or last:
-                lg = self._read_logits(chunk.size)
-                out.append(lg if all_logits else lg[-1:])
+            logits = "all" if all_logits else "last" if last else ""
+            self._prefill_chunk(chunk, logits=logits)
+            if logits:
+                out.append(self._read_logits(chunk.size if all_logits else 1))
         res = np.concatenate(out, axis=0)
         return res if all_logits else res[-1]
 
-    def _prefill_chunk(self, ids: np.ndarray, logits: bool) -> None:
-        """One prefill chunk. A full chunk (prefill_m tokens) replays a captured graph of its launches — they
-        take their position and tokens from device memory — so the host pays one launch instead of ~9 per
-        layer; the first full chunk of each kind runs eagerly (compiling and warming its kernels) and is then
-        captured. Other sizes, and HIPENGINE_NO_GRAPH=1, launch eagerly."""
+    def _prefill_chunk(self, ids: np.ndarray, logits: str) -> None:
+        """One prefill chunk; logits "" (none), "last" (the chunk's last row, into logits row 0) or "all" (row
+        t of the chunk into row t). A full chunk (prefill_m tokens) replays a captured graph of its launches —
+        they take their position and tokens from device memory — so the host pays one launch instead of ~9
+        per layer; the first full chunk of each kind runs eagerly (compiling and warming its kernels) and is
+        then captured. Other sizes, and HIPENGINE_NO_GRAPH=1, launch eagerly."""
         M = int(ids.size)
         if M != self.prefill_m or os.environ.get("HIPENGINE_NO_GRAPH") == "1":
             for _ in self._prefill_steps(ids, logits):
                 pass
             return
         # what the launches depend on besides the buffers: the chunk, and the A/B knobs read at launch time
-        key = (M, bool(logits), *(os.environ.get(k) for k in O.MMA_KNOBS))
+        key = (M, logits, *(os.environ.get(k) for k in O.MMA_KNOBS))
         self._prefill_inputs(ids)
         g = self._prefill_graphs.get(key)
         if g is not None:
@@ -345,7 +346,7 @@ class GpuBackend(Backend):
             self._prefill_graphs[key] = self._capture(launches)
         self.pos += M
 
-    def _prefill_steps(self, ids: np.ndarray, logits: bool):
+    def _prefill_steps(self, ids: np.ndarray, logits: str):
         """One prefill chunk, eagerly; yields its row count at the partial-sum points, as _decode_steps."""
         self._prefill_inputs(ids)
         yield from self._prefill_layers(int(ids.size), logits)
@@ -356,7 +357,7 @@ class GpuBackend(Backend):
         self.rt.copy_htod(self.tokens, ids.astype(np.int32), stream=self.stream)
         self._set_int(self.pos_buf, self.pos)
 
-    def _prefill_layers(self, M: int, logits: bool):
+    def _prefill_layers(self, M: int, logits: str):
         """The launches of one M-token chunk (its inputs already on the device); yields M at the partial-sum
         points. Captured as is into the prefill graphs."""
         cfg, ops, s = self.config, self.ops, self.stream
@@ -382,9 +383,14 @@ class GpuBackend(Backend):
             mm(L["w_gate"], self.xn, self.h, M, F, d, mode=2, W2=L["w_up"], f16=f16)
             mm(L["w_down"], self.h, out, M, d, F, mode=mode, f16=f16)
             yield M
-        if logits:
+        if logits == "all":
             ops.rmsnorm(self.x, self.final_norm, eps, d, self.xn, rows=M, stream=s)
             mm(self.lm_head, self.xn, self.logits, M, cfg.vocab_size, d, mode=0, f16=self.head_f16)
+        elif logits == "last":  # what sampling needs: the last row's logits, by the decode step's LM head
+            ops.matvec(self.lm_head, self.x.ptr + (M - 1) * d * 4, self.logits, cfg.vocab_size, d,
+                       gamma=self.final_norm, eps=eps, f16=self.head_f16, stream=s, role="lm_head")
+        elif logits:
+            raise ValueError(f"logits: '', 'last' or 'all', not {logits!r}")
 
     def generate_ids(self, prompt_ids, params: SamplingParams,
                      should_stop: Callable[[], bool] = lambda: False) -> Iterator[int]:
@@ -395,12 +401,7 @@ class GpuBackend(Backend):
         if should_stop():
             return
         self.reset()
-        self.prefill(prompt)
-        # the last prompt row's logits are row (size-1) % prefill_m of the chunk buffer: move them to row 0
-        last_row = (prompt.size - 1) % self.prefill_m
-        if last_row:
-            self.rt.copy_dtod(self.logits, self.logits.ptr + last_row * self.config.vocab_size * 4,
-                              self.config.vocab_size * 4, stream=self.stream)
+        self.prefill(prompt)  # the last prompt row's logits are in row 0 of the logits buffer
         self.rt.copy_htod(self.history, prompt.astype(np.int32), stream=self.stream)
         yield from self._generate_per_op(0, int(prompt.size), params, should_stop, embed_first=False)
 

@@ -597,11 +597,7 @@ class MonokernelBackend(GpuBackend):
         if should_stop():
             return
         self.reset()
-        self.prefill(prompt)
-        last_row = (prompt.size - 1) % self.prefill_m  # the last prompt row's logits -> row 0 (as the per-op path)
-        if last_row:
-            self.rt.copy_dtod(self.logits, self.logits.ptr + last_row * self.config.vocab_size * 4,
-                              self.config.vocab_size * 4, stream=self.stream)
+        self.prefill(prompt)  # the last prompt row's logits are in row 0 of the logits buffer (GpuBackend.prefill)
         self.rt.copy_htod(self.history, prompt.astype(np.int32), stream=self.stream)
         yield from self.generate_from_state(0, int(prompt.size), params, should_stop, embed_first=False)
 

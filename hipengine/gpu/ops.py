@@ -255,9 +255,9 @@ class MmaBuild(NamedTuple):
 
 def mma_build(rt, rows: int | None = None, mode: int = 0) -> MmaBuild:
     """The matmul_mma build for a weight of `rows` rows (mode as prefill_matmul): 8 warps (128-row tiles) where
-    such tiles alone fill the GPU and the block fits (gate/up, the LM head: measured 13% faster,
-    bench_prefill_h200_v43a.json; not on gfx942), else 4 (64-row tiles, K split over fewer blocks: QKV, O,
-    down); HIPENGINE_MMA_WARPS=4|8 forces it. The
+    such tiles fill at least half the GPU and the block fits (gate/up, the LM head: gate/up measured 13%
+    faster, bench_prefill_h200_v43a.json; not on gfx942), else 4 (64-row tiles, K split over fewer blocks:
+    QKV, O, down); HIPENGINE_MMA_WARPS=4|8 forces it. The
     ring as deep as fits (at most 6 stages) a chunk of PREFILL_M tokens in a block's shared memory — on
     NVIDIA within MMA_SMEM_CAP (two blocks per SM), on gfx942 its 64 KiB of LDS — or HIPENGINE_MMA_STAGES."""
     raw = os.environ.get("HIPENGINE_MMA_WARPS", "")
@@ -266,7 +266,8 @@ def mma_build(rt, rows: int | None = None, mode: int = 0) -> MmaBuild:
             raise UnsupportedError(f"HIPENGINE_MMA_WARPS must be 4 or 8, not {raw!r}")
         warps = int(raw)
     else:
-        wide = rows is not None and math.ceil(rows / (64 if mode == 2 else 128)) >= rt.num_sms
+        # 8 warps where the 128-row tiles take at most two K splits (gate/up of Llama-3.2-1B: 128 tiles × 2)
+        wide = rows is not None and 2 * math.ceil(rows / (64 if mode == 2 else 128)) >= rt.num_sms
         # gfx942: the 8-warp block's [128][132] fp32 result tile alone exceeds its 64 KiB of LDS
         warps = 8 if wide and mma_shared_bytes(PREFILL_M, 2, 128) <= rt.max_shared_per_block else 4
     forced = os.environ.get("HIPENGINE_MMA_STAGES")

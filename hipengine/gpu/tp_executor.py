@@ -212,7 +212,7 @@ class TpGpuBackend(Backend):
             self._sync()
 
     # ---- what GpuBackend.prefill calls (it is reused as is, below) --------------------------------------
-    def _prefill_chunk(self, ids: np.ndarray, logits: bool) -> None:
+    def _prefill_chunk(self, ids: np.ndarray, logits: str) -> None:
         self._lockstep([rk._prefill_steps(ids, logits) for rk in self.ranks])
 
     def _read_logits(self, rows: int) -> np.ndarray:

@@ -140,12 +140,8 @@ class TpMonokernelBackend(TpGpuBackend):
         if should_stop():
             return
         self.reset()
-        self.prefill(prompt)
-        last_row = (prompt.size - 1) % self.prefill_m  # the last prompt row's logits -> row 0 on every rank
+        self.prefill(prompt)  # the last prompt row's logits are in row 0 of every rank's logits buffer
         for rk in self.ranks:
-            if last_row:
-                v = rk.config.vocab_size
-                rk.rt.copy_dtod(rk.logits, rk.logits.ptr + last_row * v * 4, v * 4, stream=rk.stream)
             rk.rt.copy_htod(rk.history, prompt.astype(np.int32), stream=rk.stream)
         yield from self.generate_from_state(0, int(prompt.size), params, should_stop, embed_first=False)
 
