@@ -23,7 +23,7 @@
 #   prefill: the matrix-core prefill's op tests, the op and engine GPU tests, the prefill benchmark (TTFT of 64 to
 #            4K-token prompts, matrix cores against the 8-token FMA path, alternated in one process)
 #   paths : prefill paths ($PREFILL_PATHS: chunk[:warps]) side by side: op tests, the prefill benchmark per path
-#   prefillrecord: after a prefill change (decode kernels unchanged): its op tests, engine and monokernel tests,
+#   prefillrecord: after a prefill change (decode kernels unchanged): op, engine and monokernel tests,
 #            the prefill benchmark with its op breakdown, the decode bench of record (TTFT included), and the
 #            1B preset's 512-position check in the time that is left (the call stays under 575 s)
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
@@ -158,10 +158,9 @@ case "$MODE" in
   tests)  # engine + monokernel GPU tests of this tree
     engine_tests; mk_tests ;;
   prefillrecord)
-    run mma_tests 30 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "prefill_matmul_mma or test_attention"
-    engine_tests; mk_tests
-    run bench_prefill 90 $PY scripts/bench_prefill.py --lengths 1024,4096 --runs 3 --breakdown \
-      --json "$OUT/bench_prefill.json"
+    ops_tests; engine_tests; mk_tests
+    run bench_prefill 120 $PY scripts/bench_prefill.py --lengths ${PREFILL_LENGTHS:-64,1024,4096} --runs 3 \
+      --breakdown --paths "${PREFILL_PATHS:-128}" --json "$OUT/bench_prefill.json"
     bench
     left=$((575 - SECONDS)); [ $left -gt 30 ] && run preset1b $left $PY -m pytest tests/test_gpu_engine.py -q -rs -s \
       -k "1b_preset" ;;
