@@ -708,20 +708,32 @@ def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path,
     ids = np.random.default_rng(2).integers(3, model.config.vocab_size, 21)
     want = ReferenceBackend(model, max_context=64).prefill(ids, all_logits=True)
     gpu = emulated(model, max_context=64)
-    got = gpu.prefill(ids, all_logits=True)  # one chunk (prefill_m = 128)
+    got = gpu.prefill(ids, all_logits=True)  # one chunk (prefill_m = 128), padded to the 32-token graph
     rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
     assert rel.max() < 2e-2, f"prefill logits rel err {rel.max():.3g}"
-    gpu.prefill_m = 8  # 8 + 8 + 5: the full chunks run eagerly once, then replay their captured graph
+    gpu.prefill_m = 8  # 8 + 8 + 5 (padded to 8): the first chunk runs eagerly once, then all replay its graph
     for _ in range(2):
         gpu.reset()
         assert np.array_equal(gpu.prefill(ids, all_logits=True), got)
-    assert [k[:2] for k in gpu._prefill_graphs] == [(8, "all")]  # (chunk, logits, the A/B knobs' values)
+    assert [k[:2] for k in gpu._prefill_graphs] == [(32, "all"), (8, "all")]  # (chunk, logits, A/B knobs)
+    with monkeypatch.context() as mp:  # eager, unpadded: the same bits
+        mp.setenv("HIPENGINE_NO_GRAPH", "1")
+        gpu.reset()
+        assert np.array_equal(gpu.prefill(ids, all_logits=True), got)
     # without all_logits only the last row's logits are made (the decode LM head on it), from a partial last
     # chunk (eager) and from a full one (its graph)
     for n in (21, 16):
         gpu.reset()
         np.testing.assert_allclose(gpu.prefill(ids[:n]), got[n - 1], rtol=1e-5, atol=1e-5 * np.abs(got).max())
-    assert [k[:2] for k in gpu._prefill_graphs] == [(8, "all"), (8, ""), (8, "last")]
+    assert [k[:2] for k in gpu._prefill_graphs] == [(32, "all"), (8, "all"), (8, "")]  # "last": after the graph
+    # near the end of the cache the padding would not fit: that chunk runs eagerly, unpadded
+    gpu.prefill_m = 128
+    long = np.concatenate([ids, ids, ids])[:60]
+    gpu.reset()
+    whole = gpu.prefill(long)  # one chunk, padded to 64 = max_context
+    gpu.reset()
+    gpu.prefill(long[:50])
+    np.testing.assert_allclose(gpu.prefill(long[50:]), whole, rtol=1e-5, atol=1e-5 * np.abs(whole).max())
     gpu.reset()
     dec = [gpu.prefill(ids[:11], all_logits=True)] + [gpu.decode(int(t))[None] for t in ids[11:]]
     dec = np.concatenate(dec)

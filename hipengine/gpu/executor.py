@@ -322,29 +322,50 @@ class GpuBackend(Backend):
 
     def _prefill_chunk(self, ids: np.ndarray, logits: str) -> None:
         """One prefill chunk; logits "" (none), "last" (the chunk's last row, into logits row 0) or "all" (row
-        t of the chunk into row t). A full chunk (prefill_m tokens) replays a captured graph of its launches —
-        they take their position and tokens from device memory — so the host pays one launch instead of ~9
-        per layer; the first full chunk of each kind runs eagerly (compiling and warming its kernels) and is
-        then captured. Other sizes, and HIPENGINE_NO_GRAPH=1, launch eagerly."""
+        t of the chunk into row t). The chunk's layers replay a captured graph of their launches — they take
+        their position and tokens from device memory — so the host pays one launch instead of ~9 per layer.
+        Graphs exist per size class (_prefill_bucket: 16, 32, 64 tokens and prefill_m): a shorter chunk is
+        padded to its class with copies of its last token, whose rows change nothing the real rows compute
+        (rows are independent in the projections and norms, and attention is causal: the padding's K/V land
+        past the chunk, where the next decode steps overwrite them before anything reads them). The first
+        chunk of each kind runs eagerly (compiling and warming its kernels) and is then captured; "last" is
+        one launch after the graph (_last_logits). Eager throughout with HIPENGINE_NO_GRAPH=1, or where the
+        padding would pass the end of the cache."""
         M = int(ids.size)
-        if M != self.prefill_m or os.environ.get("HIPENGINE_NO_GRAPH") == "1":
+        Mb = self._prefill_bucket(M)
+        if os.environ.get("HIPENGINE_NO_GRAPH") == "1" or self.pos + Mb > self.max_context:
             for _ in self._prefill_steps(ids, logits):
                 pass
             return
+        inner = "all" if logits == "all" else ""
         # what the launches depend on besides the buffers: the chunk, and the A/B knobs read at launch time
-        key = (M, logits, *(os.environ.get(k) for k in O.MMA_KNOBS))
-        self._prefill_inputs(ids)
+        key = (Mb, inner, *(os.environ.get(k) for k in O.MMA_KNOBS))
+        self._prefill_inputs(ids if Mb == M else np.concatenate([ids, np.repeat(ids[-1:], Mb - M)]))
         g = self._prefill_graphs.get(key)
         if g is not None:
             g.launch(self.stream)
         else:
             def launches() -> None:
-                for _ in self._prefill_layers(M, logits):
+                for _ in self._prefill_layers(Mb, inner):
                     pass
 
             launches()  # compile + warm, and this chunk's work
             self._prefill_graphs[key] = self._capture(launches)
+        if logits == "last":
+            self._last_logits(M)
         self.pos += M
+
+    def _prefill_bucket(self, M: int) -> int:
+        """The size class of an M-token chunk (M ≤ prefill_m): its graph's chunk size."""
+        return next((b for b in (16, 32, 64) if M <= b < self.prefill_m), self.prefill_m)
+
+    def _last_logits(self, M: int) -> None:
+        """Logits of row M - 1 of the chunk just run (what sampling needs), into logits row 0: the decode
+        step's LM head, final norm fused."""
+        cfg = self.config
+        self.ops.matvec(self.lm_head, self.x.ptr + (M - 1) * cfg.hidden_size * 4, self.logits, cfg.vocab_size,
+                        cfg.hidden_size, gamma=self.final_norm, eps=cfg.rms_norm_eps, f16=self.head_f16,
+                        stream=self.stream, role="lm_head")
 
     def _prefill_steps(self, ids: np.ndarray, logits: str):
         """One prefill chunk, eagerly; yields its row count at the partial-sum points, as _decode_steps."""
@@ -386,9 +407,8 @@ class GpuBackend(Backend):
         if logits == "all":
             ops.rmsnorm(self.x, self.final_norm, eps, d, self.xn, rows=M, stream=s)
             mm(self.lm_head, self.xn, self.logits, M, cfg.vocab_size, d, mode=0, f16=self.head_f16)
-        elif logits == "last":  # what sampling needs: the last row's logits, by the decode step's LM head
-            ops.matvec(self.lm_head, self.x.ptr + (M - 1) * d * 4, self.logits, cfg.vocab_size, d,
-                       gamma=self.final_norm, eps=eps, f16=self.head_f16, stream=s, role="lm_head")
+        elif logits == "last":
+            self._last_logits(M)
         elif logits:
             raise ValueError(f"logits: '', 'last' or 'all', not {logits!r}")
 
