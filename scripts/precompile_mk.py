@@ -6,7 +6,6 @@ Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unro
 Compile-time experiments: set HIPENGINE_MK_DEFINES for the run (it is part of the build)."""
 from __future__ import annotations
 
-import os
 import sys
 
 VARIANTS = {
@@ -23,21 +22,13 @@ VARIANTS = {
 
 
 def main() -> int:
-    from hipengine.gpu.monokernel import precompile
+    from hipengine.gpu.monokernel import environ_set, precompile
 
     for name in sys.argv[1:] or list(VARIANTS):
         env, f16s, groups = VARIANTS[name]
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with environ_set(env):
             done = precompile("sm_90", f16_variants=f16s, groups=groups)
             print(f"{name}: {len(done)} units cached", flush=True)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     return 0
 
 

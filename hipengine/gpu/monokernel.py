@@ -319,8 +319,8 @@ def matvec_unroll() -> int:
 
 
 @contextlib.contextmanager
-def _env(values: dict):
-    """These environment variables set inside the block, restored after it."""
+def environ_set(values: dict):
+    """These environment variables set inside the block, restored after it (precompile's builds)."""
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -350,7 +350,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     h200 = SimpleNamespace(max_shared_per_block=227 * 1024)
     builds = []
     for w in (4, 8):
-        with _env({"HIPENGINE_MMA_WARPS": str(w)}):
+        with environ_set({"HIPENGINE_MMA_WARPS": str(w)}):
             builds.append(O.mma_build(h200))
     jobs += [("ops/prefill.hip", {"defines": {**(kv_defines(f16) or {}), **b.defines()}})
              for f16 in sorted(set(f16_variants)) for b in builds]

@@ -257,9 +257,9 @@ def mma_build(rt, rows: int | None = None, mode: int = 0) -> MmaBuild:
     """The matmul_mma build for a weight of `rows` rows (mode as prefill_matmul): 8 warps (128-row tiles) where
     such tiles fill at least half the GPU and the block fits (gate/up, the LM head: gate/up measured 13%
     faster, bench_prefill_h200_v43a.json; not on gfx942), else 4 (64-row tiles, K split over fewer blocks:
-    QKV, O, down); HIPENGINE_MMA_WARPS=4|8 forces it. The
-    ring as deep as fits (at most 6 stages) a chunk of PREFILL_M tokens in a block's shared memory — on
-    NVIDIA within MMA_SMEM_CAP (two blocks per SM), on gfx942 its 64 KiB of LDS — or HIPENGINE_MMA_STAGES."""
+    QKV, O, down); HIPENGINE_MMA_WARPS=4|8 forces it. The ring as deep as fits (at most 6 stages) a chunk of
+    PREFILL_M tokens in a block's shared memory — on NVIDIA within MMA_SMEM_CAP (two blocks per SM), on
+    gfx942 its 64 KiB of LDS — or HIPENGINE_MMA_STAGES."""
     raw = os.environ.get("HIPENGINE_MMA_WARPS", "")
     if raw:
         if raw not in ("4", "8"):

@@ -77,7 +77,7 @@ HE_KERNEL(kMatvecMaxThreads) matmul_small_m(const he_u16* __restrict__ W, const 
 // he_cp_async16: no registers, kPfStages − 1 steps in flight while the matrix cores work on one); the
 // weights of the first steps are requested before the wait for the previous kernel. The build (warps,
 // stages) is the host's choice (ops.mma_build): 8 warps read X once per 128 weight rows instead of 64 and
-// keep twice the warps per SM, where a weight has enough 128-row tiles to fill the GPU.
+// keep twice the warps per SM, where a weight has enough 128-row tiles to fill half the GPU.
 // X stays fp32 where it matters: staged as fp32, each A fragment is taken as two 16-bit halves, hi = round(x)
 // and lo = round(x − hi) (he_mma_load_a_split), and every tile takes both products (W·hi + W·lo), so the
 // activations keep ~16 (bf16) / ~22 (fp16) bits of mantissa instead of 8 / 11 — prefill stays as close to
