@@ -19,6 +19,7 @@
 #   recordall: op, engine and monokernel tests, the decode bench (both paths), bench_ops, the per-op timeline
 #              (a change of a body both paths share)
 #   ncu   : Nsight Compute on per-op decode kernels at 1K ($NCU_KERNELS regex), CSV pages
+#   ncuprefill: Nsight Compute on the matrix-core prefill kernels (a 256-token prefill), CSV pages
 #   tests : engine + monokernel GPU tests
 #   prefill: the matrix-core prefill's op tests, the op and engine GPU tests, the prefill benchmark (TTFT of 64 to
 #            4K-token prompts, matrix cores against the 8-token FMA path, alternated in one process)
@@ -155,6 +156,17 @@ case "$MODE" in
     "$N" -i "$OUT/ncu.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1
     "$N" -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
     rm -f "$OUT/ncu.ncu-rep" ;;
+  ncuprefill)  # Nsight Compute on the matrix-core prefill kernels ($NCU_KERNELS regex) of a 256-token prefill at
+               # position 896 (scripts/perop_steps.py --prefill), eager launches; details + per-SASS-line CSV
+    N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    run ncu 420 env HIPENGINE_NO_GRAPH=1 "$N" --clock-control none \
+      -k "regex:${NCU_KERNELS:-matmul_mma_m128|attention_prefill}" --launch-skip 5 --launch-count 5 \
+      --section SpeedOfLight --section WarpStateStats --section SourceCounters --section LaunchStats \
+      --section Occupancy --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis -o "$OUT/ncu" -f \
+      $PY scripts/perop_steps.py --context 1152 --prefill 256
+    "$N" -i "$OUT/ncu.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1
+    "$N" -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
+    rm -f "$OUT/ncu.ncu-rep" ;;
   tests)  # engine + monokernel GPU tests of this tree
     engine_tests; mk_tests ;;
   prefillrecord)
@@ -190,7 +202,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|recordall|ncu|tests|prefill|prefillrecord|paths)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|recordall|ncu|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -5,11 +5,18 @@ Nsight Compute (where the machine lets it read the counters) on the decode atten
       --section SpeedOfLight --section WarpStateStats --section SourceCounters -o attn \\
       python3 scripts/perop_steps.py --context 1024 --steps 8
 The KV cache is filled synthetically to the context (as bench decode does above its smallest context); the
-steps run the captured decode graph exactly as the per-op generation loop does.
+steps run the captured decode graph exactly as the per-op generation loop does. With --prefill N: instead of
+decode steps, a prefill of N random tokens ending at the context (chunks of ops.PREFILL_M, each replaying
+its graph as GpuBackend.prefill does; HIPENGINE_NO_GRAPH=1 launches them eagerly), e.g. on the matrix-core
+prefill kernels:
+  ncu --clock-control none -k regex:"matmul_mma|attention_prefill" --launch-skip 16 --launch-count 8 ... \
+      python3 scripts/perop_steps.py --context 1152 --prefill 256
 """
 from __future__ import annotations
 
 import argparse
+
+import numpy as np
 
 from hipengine.bench.decode import _fill_kv, _per_op_from_state
 
@@ -19,13 +26,22 @@ def main() -> int:
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=0, help="prefill this many tokens instead of decoding")
     args = ap.parse_args()
+    if not 0 <= args.prefill < args.context:
+        ap.error("--prefill: 0 .. context - 1 tokens")
     from hipengine.gpu.executor import GpuBackend
     from hipengine.presets import preset_model
 
     be = GpuBackend(preset_model(args.shape, 0), max_context=args.context)
     try:
         _fill_kv(be)
+        if args.prefill:
+            be.pos = args.context - args.prefill
+            ids = np.random.default_rng(0).integers(0, be.config.vocab_size, args.prefill)
+            logits = be.prefill(ids)
+            print(f"prefill of {args.prefill} tokens up to context {args.context}: arg-max {int(np.argmax(logits))}")
+            return 0
         be.pos = args.context - args.steps
         toks, _ = _per_op_from_state(be, 1, args.steps)
         print(f"{len(toks)} tokens at context {args.context}")
