@@ -11,11 +11,12 @@ With --breakdown: one chunk at position 960 of a 1K prompt, op by op on the matr
 projection of layer 0 alone, launched 16 times back to back in a graph = one chunk's worth; norms, RoPE and
 attention the same): device µs per chunk, GB/s of weights and TFLOP/s per projection; and the whole chunk
 (GpuBackend._prefill_chunk: its captured graph).
---paths CHUNK[:WARPS],...: the matrix-core paths to compare — chunk tokens (at most ops.PREFILL_M) and a forced
-matmul_mma build (HIPENGINE_MMA_WARPS; default: ops.mma_build's choice per projection); each is a path of
-its own in the TTFT rows and gets its own breakdown (a chunk at position 960).
+--paths CHUNK[:VAR=VALUE...],...: the matrix-core paths to compare — chunk tokens (at most ops.PREFILL_M) and
+the A/B knobs of ops.mma_build to set (HIPENGINE_MMA_WARPS=4, HIPENGINE_MMA_INTERLEAVE=0; unset: its default
+per projection); each is a path of its own in the TTFT rows and gets its own breakdown (a chunk at position
+960).
 Usage: PYTHONPATH=. python3 scripts/bench_prefill.py [--lengths 64,1024,4096] [--runs 5] [--breakdown]
-       [--paths 128,64,128:4] [--json OUT]
+       [--paths 128,64,128:HIPENGINE_MMA_WARPS=4] [--json OUT]
 """
 from __future__ import annotations
 
@@ -38,12 +39,16 @@ def main() -> int:
     ap.add_argument("--lengths", default="64,512,1024,4096")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--breakdown", action="store_true")
-    ap.add_argument("--paths", default=str(O.PREFILL_M), help="CHUNK[:WARPS],... matrix-core paths")
+    ap.add_argument("--paths", default=str(O.PREFILL_M), help="CHUNK[:VAR=VALUE...],... matrix-core paths")
     ap.add_argument("--json")
     a = ap.parse_args()
-    specs = [(int(p.split(":")[0]), p.split(":")[1] if ":" in p else None) for p in a.paths.split(",") if p]
-    if any(not 16 <= c <= O.PREFILL_M for c, _ in specs):
-        ap.error(f"--paths: chunks of 16 .. {O.PREFILL_M} tokens")
+    specs = []
+    for p in a.paths.split(","):
+        chunk, *sets = p.split(":")
+        env = dict(kv.split("=", 1) for kv in sets)
+        if not chunk.isdigit() or not 16 <= int(chunk) <= O.PREFILL_M or any(k not in KNOBS for k in env):
+            ap.error(f"--paths {p!r}: CHUNK (16 .. {O.PREFILL_M}) then VAR=VALUE of {', '.join(KNOBS[1:])}")
+        specs.append((int(chunk), env))
     lengths = [int(x) for x in a.lengths.split(",")]
 
     from hipengine.gpu.executor import GpuBackend
@@ -54,8 +59,8 @@ def main() -> int:
     be = GpuBackend(model, max_context=max(lengths) + 64, monokernel=False)
     rt = be.rt
     # (name, chunk tokens, environment): the matrix-core paths, then the FMA path (the logits' reference)
-    paths = [(f"mma-c{c}" + (f"-w{w}" if w else ""), c,
-              {"HIPENGINE_PREFILL_MMA": "1", **({"HIPENGINE_MMA_WARPS": w} if w else {})}) for c, w in specs]
+    paths = [("mma-c" + ":".join([str(c)] + [f"{k.removeprefix('HIPENGINE_').lower()}={v}" for k, v in env.items()]),
+              c, {"HIPENGINE_PREFILL_MMA": "1", **env}) for c, env in specs]
     paths.append(("small_m", O.MAX_M, {"HIPENGINE_PREFILL_MMA": "0"}))
     if not O.mma_supported(rt.arch):
         paths = paths[-1:]
@@ -127,7 +132,7 @@ def main() -> int:
     return 0
 
 
-KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_WARPS")
+KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_INTERLEAVE", "HIPENGINE_MMA_STAGES")
 
 
 def set_env(env: dict) -> None:
