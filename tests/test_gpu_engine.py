@@ -102,10 +102,10 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
     # 128-token chunks: 4 warps -> 4 stages of 25 KiB, 8 warps -> 3 of 30 KiB (two blocks per SM); gfx942: 2
     assert ops.PREFILL_M == 128
     # Llama-3.2-1B: gate/up (8192 rows of each, 128 tiles of 64 + 64) and the LM head on 8 warps; QKV, O on 4
-    assert ops.mma_build(h200) == (4, 4, True) and ops.mma_build(h200, 8192, 2) == (8, 3, True)
-    assert ops.mma_build(h200, 2048, 0) == (4, 4, True) and ops.mma_build(h200, 3072, 0) == (4, 4, True)
-    assert ops.mma_build(h200, 128256, 0) == (8, 3, True)
-    assert ops.mma_build(gfx942) == (4, 2, True) and ops.mma_build(gfx942, 128256, 0) == (4, 2, True)  # 8 warps: no room
+    assert ops.mma_build(h200) == (4, 4) and ops.mma_build(h200, 8192, 2) == (8, 3)
+    assert ops.mma_build(h200, 2048, 0) == (4, 4) and ops.mma_build(h200, 3072, 0) == (4, 4)
+    assert ops.mma_build(h200, 128256, 0) == (8, 3)
+    assert ops.mma_build(gfx942) == (4, 2) and ops.mma_build(gfx942, 128256, 0) == (4, 2)  # 8 warps: no room
     for dev in (h200, gfx942):
         for rows, mode in ((2048, 1), (16384, 2), (128256, 0)):
             b = ops.mma_build(dev, rows, mode)
@@ -113,14 +113,10 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
             assert 2 * (b.shared_bytes(ops.PREFILL_M) + 1024) <= 228 * 1024  # two blocks per SM (NVIDIA)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HIPENGINE_MMA_WARPS", "8")
-        assert ops.mma_build(h200) == (8, 3, True) and ops.mma_build(h200, 2048, 1) == (8, 3, True)
+        assert ops.mma_build(h200) == (8, 3) and ops.mma_build(h200, 2048, 1) == (8, 3)
         mp.setenv("HIPENGINE_MMA_WARPS", "6")
         with pytest.raises(ops.UnsupportedError, match="HIPENGINE_MMA_WARPS"):
             ops.mma_build(h200)
-        mp.setenv("HIPENGINE_MMA_WARPS", "4")
-        mp.setenv("HIPENGINE_MMA_INTERLEAVE", "0")  # the A/B of the k-step's instruction order
-        assert ops.mma_build(h200) == (4, 4, False) and ops.mma_build(h200).defines()["HE_PF_INTERLEAVE"] == 0
-    assert "constexpr bool kPfInterleave = HE_PF_INTERLEAVE != 0;" in src
     # attention_prefill.hip's shared memory, mirrored by ops.ap_shared_bytes
     ap = (Path(ops.__file__).parents[2] / "kernels_hip/ops/attention_prefill.hip").read_text()
     for c in ("kApKeys = 64;", "kApQ = 16;", "kApKld = kApHd + 8;", "kApVld = kApKeys + 8;", "kApSld = kApKeys + 4;",

@@ -346,14 +346,12 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     per_hd = ("attention_decode.hip", "attention_prefill.hip")
     ops = [p.name for p in sorted((KERNELS_DIR / "ops").glob("*.hip")) if p.name not in per_hd]
     jobs = [(f"ops/{n}", {"defines": kv_defines(f16)}) for f16 in sorted(set(f16_variants)) for n in ops]
-    # the prefill projections' builds (Ops.prefill_matmul: ops.mma_build on an H100 / H200, 4 and 8 warps; and
-    # the k-step order's A/B)
+    # the prefill projections' two builds (Ops.prefill_matmul: ops.mma_build on an H100 / H200, 4 and 8 warps)
     h200 = SimpleNamespace(max_shared_per_block=227 * 1024)
     builds = []
     for w in (4, 8):
-        for order in ("1", "0"):
-            with environ_set({"HIPENGINE_MMA_WARPS": str(w), "HIPENGINE_MMA_INTERLEAVE": order}):
-                builds.append(O.mma_build(h200))
+        with environ_set({"HIPENGINE_MMA_WARPS": str(w)}):
+            builds.append(O.mma_build(h200))
     jobs += [("ops/prefill.hip", {"defines": {**(kv_defines(f16) or {}), **b.defines()}})
              for f16 in sorted(set(f16_variants)) for b in builds]
     # the prefill attention on the matrix cores, built per head_dim (Ops.attention)

@@ -233,24 +233,21 @@ def attention_prefill_mma(arch: str, G: int, hd: int, max_shared: int) -> bool:
 
 MMA_SMEM_CAP = 112 * 1024  # a block's ring on NVIDIA: two blocks per SM (H100 / H200: 228 KB per SM)
 # the environment knobs a prefill launch reads (the executor's chunk graphs are keyed by them)
-MMA_KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_ROTATE", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_STAGES",
-             "HIPENGINE_MMA_INTERLEAVE")
+MMA_KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_ROTATE", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_STAGES")
 
 
 class MmaBuild(NamedTuple):
-    """One build of prefill.hip's matmul_mma (HE_PF_WARPS, HE_PF_STAGES, HE_PF_INTERLEAVE): warps per block
-    (its weight rows: 16 per warp), stages of the shared-memory ring, and the k-step's instruction order
-    (HIPENGINE_MMA_INTERLEAVE=0: tile by tile, the A/B of v43e)."""
+    """One build of prefill.hip's matmul_mma (HE_PF_WARPS, HE_PF_STAGES): warps per block (its weight rows:
+    16 per warp) and stages of the shared-memory ring."""
     warps: int
     stages: int
-    interleave: bool = True
 
     @property
     def tile_rows(self) -> int:
         return 16 * self.warps
 
     def defines(self) -> dict:
-        return {"HE_PF_WARPS": self.warps, "HE_PF_STAGES": self.stages, "HE_PF_INTERLEAVE": int(self.interleave)}
+        return {"HE_PF_WARPS": self.warps, "HE_PF_STAGES": self.stages}
 
     def shared_bytes(self, mt: int) -> int:
         return mma_shared_bytes(mt, self.stages, self.tile_rows)
@@ -273,14 +270,13 @@ def mma_build(rt, rows: int | None = None, mode: int = 0) -> MmaBuild:
         wide = rows is not None and 2 * math.ceil(rows / (64 if mode == 2 else 128)) >= rt.num_sms
         # gfx942: the 8-warp block's [128][132] fp32 result tile alone exceeds its 64 KiB of LDS
         warps = 8 if wide and mma_shared_bytes(PREFILL_M, 2, 128) <= rt.max_shared_per_block else 4
-    interleave = _env_switch("HIPENGINE_MMA_INTERLEAVE") is not False
     forced = os.environ.get("HIPENGINE_MMA_STAGES")
     if forced:
         n = int(forced) if forced.isdigit() else 0
         if n < 2 or mma_shared_bytes(PREFILL_M, n, 16 * warps) > rt.max_shared_per_block:
             raise UnsupportedError(f"HIPENGINE_MMA_STAGES={forced}: needs 2 or more stages within "
                                    f"{rt.max_shared_per_block} bytes of shared memory")
-        return MmaBuild(warps, n, interleave)
+        return MmaBuild(warps, n)
     cap = min(rt.max_shared_per_block, MMA_SMEM_CAP)
     n = 6
     while n > 2 and mma_shared_bytes(PREFILL_M, n, 16 * warps) > cap:
@@ -288,7 +284,7 @@ def mma_build(rt, rows: int | None = None, mode: int = 0) -> MmaBuild:
     if mma_shared_bytes(PREFILL_M, n, 16 * warps) > rt.max_shared_per_block:
         raise UnsupportedError(f"matmul_mma with {warps} warps does not fit {rt.max_shared_per_block} bytes of "
                                f"shared memory")
-    return MmaBuild(warps, n, interleave)
+    return MmaBuild(warps, n)
 
 
 def mma_shared_bytes(mt: int, stages: int, tile_rows: int = 64) -> int:

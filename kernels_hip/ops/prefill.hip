@@ -96,10 +96,6 @@ constexpr int kPfThreads = kPfWarps * kWarpSize;
 constexpr int kPfBN = 16 * kPfWarps;  // virtual weight rows per block
 constexpr int kPfBK = 32;             // columns per k-step
 static_assert(kPfWarps == 4 || kPfWarps == 8, "HE_PF_WARPS: 4 or 8");
-#ifndef HE_PF_INTERLEAVE
-#define HE_PF_INTERLEAVE 1
-#endif
-constexpr bool kPfInterleave = HE_PF_INTERLEAVE != 0;  // the k-step's matrix instructions, see the k-loop
 // The shared-memory ring: kPfStages − 1 k-steps in flight. The host picks it (ops.mma_build): as many as fit
 // two blocks per SM (at most 6) on NVIDIA, as fit gfx942's 64 KiB of LDS there.
 #ifndef HE_PF_STAGES
@@ -228,24 +224,14 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
 #pragma unroll
       for (int i = 0; i < kTM; ++i)
         he_mma_load_a_split<kF16>(Xs + (mg + i * kMG) * 16 * kPfXld + kk, kPfXld, hi[i], lo[i]);
-      // HE_PF_INTERLEAVE (default): four weight tiles at a time, their B fragments first, then the hi
-      // products, then the lo products — the shared-memory loads are in flight together, and an
-      // accumulator's two products are 4·kTM matrix instructions apart rather than back to back (the same
-      // sums in the same order). 0: tile by tile (load B, hi, lo), the form before (A/B; ncu, v43e).
-      constexpr int kJB = kPfInterleave ? (kTN < 4 ? kTN : 4) : 1;
 #pragma unroll
-      for (int j0 = 0; j0 < kTN; j0 += kJB) {
-        HeMmaFrag b[kJB];
+      for (int j = 0; j < kTN; ++j) {
+        const HeMmaFrag b = he_mma_load_b(Ws + (ng + j * kNG) * 16 * kPfWld + kk, kPfWld);
 #pragma unroll
-        for (int j = 0; j < kJB; ++j) b[j] = he_mma_load_b(Ws + (ng + (j0 + j) * kNG) * 16 * kPfWld + kk, kPfWld);
-#pragma unroll
-        for (int j = 0; j < kJB; ++j)
-#pragma unroll
-          for (int i = 0; i < kTM; ++i) he_mma<kF16>(acc[i][j0 + j], hi[i], b[j]);
-#pragma unroll
-        for (int j = 0; j < kJB; ++j)
-#pragma unroll
-          for (int i = 0; i < kTM; ++i) he_mma<kF16>(acc[i][j0 + j], lo[i], b[j]);
+        for (int i = 0; i < kTM; ++i) {
+          he_mma<kF16>(acc[i][j], hi[i], b);
+          he_mma<kF16>(acc[i][j], lo[i], b);
+        }
       }
     }
   }
@@ -334,16 +320,18 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
 // ceil(rows / kPfBN) (mode 2: ceil(rows / (kPfBN / 2))); M ≤ 16·kMT; in % 8 == 0; kchunk a multiple of kPfBK
 // with S·kchunk ≥ in and (S − 1)·kchunk < in; part: S·tiles·16·kMT·kPfBN floats when S > 1.
 // Two blocks per SM (the ring is sized for it: ops.mma_build), so registers are capped to fit two.
-#define HE_MATMUL_MMA_KERNEL(NAME, MT)                                                                           \
-  extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kPfThreads, 2) NAME(const he_u16* __restrict__ W, const he_u16* __restrict__ W2,       \
-                                          const float* X, const float* bias, float* Y, int M, int rows,      \
-                                          int in, int mode, int w_f16, int kchunk, int rotate,               \
-                                          float* part, he_u32* count) {                                      \
+#define HE_MATMUL_MMA_KERNEL(NAME, MT)                                                                        \
+  extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kPfThreads, 2)                                              \
+      NAME(const he_u16* __restrict__ W, const he_u16* __restrict__ W2, const float* X, const float* bias,    \
+           float* Y, int M, int rows, int in, int mode, int w_f16, int kchunk, int rotate, float* part,       \
+           he_u32* count) {                                                                                   \
     extern __shared__ he_vec16 he_pf_smem[]; /* HePfSmem<MT>::kBytes (Ops.prefill_matmul), 16-byte aligned */ \
-    char* smem = (char*)he_pf_smem;                                                                          \
-    he_pdl_trigger();                                                                                        \
-    if (w_f16) he_matmul_mma_body<true, MT>(W, W2, X, bias, Y, M, rows, in, mode, kchunk, rotate, part, count, smem); \
-    else he_matmul_mma_body<false, MT>(W, W2, X, bias, Y, M, rows, in, mode, kchunk, rotate, part, count, smem); \
+    char* smem = (char*)he_pf_smem;                                                                           \
+    he_pdl_trigger();                                                                                         \
+    if (w_f16)                                                                                                \
+      he_matmul_mma_body<true, MT>(W, W2, X, bias, Y, M, rows, in, mode, kchunk, rotate, part, count, smem);  \
+    else                                                                                                      \
+      he_matmul_mma_body<false, MT>(W, W2, X, bias, Y, M, rows, in, mode, kchunk, rotate, part, count, smem); \
   }
 HE_MATMUL_MMA_KERNEL(matmul_mma_m16, 1)  // M <= 16
 HE_MATMUL_MMA_KERNEL(matmul_mma_m32, 2)  // M <= 32
