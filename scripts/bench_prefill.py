@@ -16,7 +16,7 @@ the A/B knobs of ops.mma_build to set (HIPENGINE_MMA_WARPS=4, HIPENGINE_MMA_STAG
 per projection); each is a path of its own in the TTFT rows and gets its own breakdown (a chunk at position
 960).
 Usage: PYTHONPATH=. python3 scripts/bench_prefill.py [--lengths 64,1024,4096] [--runs 5] [--breakdown]
-       [--paths 128,64,128:HIPENGINE_MMA_WARPS=4] [--json OUT]
+       [--paths 128,64,128:HIPENGINE_MMA_WARPS=4] [--no-fma] [--json OUT]
 """
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--paths", default=str(O.PREFILL_M), help="CHUNK[:VAR=VALUE...],... matrix-core paths")
+    ap.add_argument("--no-fma", action="store_true",
+                    help="skip the 8-token FMA path (long prompts); logits are then compared with the last path")
     ap.add_argument("--json")
     a = ap.parse_args()
     specs = []
@@ -59,11 +61,11 @@ def main() -> int:
     be = GpuBackend(model, max_context=max(lengths) + 64, monokernel=False)
     rt = be.rt
     # (name, chunk tokens, environment): the matrix-core paths, then the FMA path (the logits' reference)
-    paths = [("mma-c" + ":".join([str(c)] + [f"{k.removeprefix('HIPENGINE_').lower()}={v}" for k, v in env.items()]),
-              c, {"HIPENGINE_PREFILL_MMA": "1", **env}) for c, env in specs]
-    paths.append(("small_m", O.MAX_M, {"HIPENGINE_PREFILL_MMA": "0"}))
-    if not O.mma_supported(rt.arch):
-        paths = paths[-1:]
+    mma_paths = [("mma-c" + ":".join([str(c)] + [f"{k.removeprefix('HIPENGINE_').lower()}={v}"
+                                                 for k, v in env.items()]), c, {"HIPENGINE_PREFILL_MMA": "1", **env})
+                 for c, env in specs] if O.mma_supported(rt.arch) else []
+    fma = [("small_m", O.MAX_M, {"HIPENGINE_PREFILL_MMA": "0"})]
+    paths = mma_paths + ([] if a.no_fma and mma_paths else fma)
     layer_params = cfg.num_layers * (cfg.hidden_size * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * cfg.hidden_size
                                      + 3 * cfg.hidden_size * cfg.intermediate_size)
     rng = np.random.default_rng(0)
@@ -113,7 +115,7 @@ def main() -> int:
         breakdown = None
         if a.breakdown and O.mma_supported(rt.arch):
             breakdown = {}
-            for name, chunk, env in paths[:-1]:
+            for name, chunk, env in mma_paths:
                 set_env(env)
                 print(f"breakdown, {name}:", flush=True)
                 breakdown[name] = chunk_breakdown(be, 960, chunk)
