@@ -1,6 +1,4 @@
 """Shared fixtures and GPU gating: tests marked ``gpu`` / ``multigpu`` skip cleanly without devices."""
-import os
-
 import pytest
 
 

@@ -403,7 +403,6 @@ class MonokernelBackend(GpuBackend):
             raise
 
     def _init_monokernel(self) -> None:
-        rt, cfg = self.rt, self.config
         f16 = {bool(L["f16"]) for L in self.layers} | {bool(self.embed_f16), bool(self.head_f16)}
         if len(f16) != 1:
             raise UnsupportedError("the monokernel needs one weight dtype (all bf16 or all fp16); "

@@ -27,7 +27,6 @@ import numpy as np
 
 from ..backend import SamplingParams
 from ..errors import DeviceError, UnsupportedError
-from . import ops as O
 from .monokernel import MK_STATUS, MonokernelBackend
 from .tp_executor import TpGpuBackend, TpRank
 
