@@ -252,6 +252,31 @@ def test_attention(gpu, nh, nkv, hd, seq, max_ctx, T):
         close(got[t], ref, 1e-3 if mma else 1e-4, 1e-4 if mma else 1e-5)
 
 
+@pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", [c for c in ATTN_CASES if c[5] > 1])
+def test_attention_prefill_unsplit(gpu, nh, nkv, hd, seq, max_ctx, T, monkeypatch):
+    """The matrix-core prefill attention with 16-bit q and probabilities (HIPENGINE_PREFILL_SPLIT=0): against
+    float64 attention of the bf16-rounded q (what it computes but for the probabilities' rounding, ~2^-9)."""
+    rt, ops, O = gpu
+    if not (T > 1 and O.attention_prefill_mma(rt.arch, nh // nkv, hd, rt.max_shared_per_block)):
+        pytest.skip("no matrix-core prefill attention here")
+    monkeypatch.setenv("HIPENGINE_PREFILL_SPLIT", "0")
+    nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd)
+    k = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32) * 2)
+    v = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32))
+    q = RNG.standard_normal((T, nh * hd)).astype(np.float32)
+    pos0 = seq - T
+    part = poisoned(rt, O.Ops.partial_floats(T, nh, hd, nsplit))
+    out = poisoned(rt, T * nh * hd)
+    ops.attention(rt.upload(q), rt.upload(k), rt.upload(v), part, out, rt.upload(np.array([pos0], np.int32)), T=T,
+                  nh=nh, nkv=nkv, hd=hd, max_ctx=max_ctx, nsplit=nsplit, chunk=chunk)
+    got = rt.download(out, (T, nh * hd), np.float32)
+    kf, vf = O.from_bf16(k).astype(np.float64), O.from_bf16(v).astype(np.float64)
+    q16 = O.from_bf16(O.to_bf16(q)).astype(np.float64)
+    for t in range(T):
+        ref = O.ref_attention(q16[t].reshape(nh, hd), kf, vf, pos0 + t + 1)
+        close(got[t], ref, 1e-2, 5e-3)
+
+
 @pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", [c for c in ATTN_CASES if c[5] == 1])
 def test_attention_decode_fused(gpu, nh, nkv, hd, seq, max_ctx, T):
     """The one-kernel decode form (attention_decode_g*: splits, the last split block of a KV head combines it)
@@ -347,6 +372,38 @@ def test_prefill_matmul_mma(gpu, M, mode, f16, rows, inn, warps, monkeypatch):
     for _ in range(2):
         Y = rt.upload(Y0) if mode == 1 else poisoned(rt, M * rows)
         ops.prefill_matmul(*args, Y, M, rows, inn, **kw)
+        outs.append(rt.download(Y, (M, rows), np.float32))
+    close(outs[0], ref, 1e-4, 1e-4)
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), "not deterministic"
+    assert not rt.download(count, (rt.num_sms,), np.uint32).any(), "arrival counters not reset"
+
+
+@pytest.mark.parametrize("M", [17, 128])
+@pytest.mark.parametrize("mode", [0, 2])
+@pytest.mark.parametrize("f16", [False, True])
+@pytest.mark.parametrize("rows,inn", [(333, 2056), (9000, 136)])
+@pytest.mark.parametrize("warps", ["4", "8"])
+def test_prefill_matmul_mma_unsplit(gpu, M, mode, f16, rows, inn, warps, monkeypatch):
+    """The matrix-core prefill projection with 16-bit activations (HIPENGINE_PREFILL_SPLIT=0): exactly the
+    product of X rounded to the weights' 16-bit type (fp32 sums), against float64; deterministic."""
+    rt, ops, O = gpu
+    if not O.mma_supported(rt.arch):
+        pytest.skip(f"no matrix cores on {rt.arch}")
+    monkeypatch.setenv("HIPENGINE_MMA_WARPS", warps)
+    monkeypatch.setenv("HIPENGINE_PREFILL_SPLIT", "0")
+    bits, W = weights(O, rows, inn, f16)
+    bits2, W2 = weights(O, rows, inn, f16)
+    X = RNG.standard_normal((M, inn)).astype(np.float32)
+    X16 = X.astype(np.float16).astype(np.float64) if f16 else O.from_bf16(O.to_bf16(X)).astype(np.float64)
+    b = RNG.standard_normal(rows).astype(np.float32)
+    ref = O.ref_silu(X16 @ W.T) * (X16 @ W2.T) if mode == 2 else X16 @ W.T + b
+    part, count = rt.malloc(O.mma_part_floats(rt.num_sms, M) * 4), rt.upload(np.zeros(rt.num_sms, np.uint32))
+    kw = dict(mode=mode, W2=rt.upload(bits2) if mode == 2 else None, bias=rt.upload(b) if mode == 0 else None,
+              f16=f16, part=part, count=count)
+    outs = []
+    for _ in range(2):
+        Y = poisoned(rt, M * rows)
+        ops.prefill_matmul(rt.upload(bits), rt.upload(X), Y, M, rows, inn, **kw)
         outs.append(rt.download(Y, (M, rows), np.float32))
     close(outs[0], ref, 1e-4, 1e-4)
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), "not deterministic"

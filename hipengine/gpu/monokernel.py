@@ -355,7 +355,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     jobs += [("ops/prefill.hip", {"defines": {**(kv_defines(f16) or {}), **b.defines()}})
              for f16 in sorted(set(f16_variants)) for b in builds]
     # the prefill attention on the matrix cores, built per head_dim (Ops.attention)
-    jobs += [("ops/attention_prefill.hip", {"defines": {**(kv_defines(f16) or {}), "HE_AP_HD": head_dim}})
+    jobs += [("ops/attention_prefill.hip", {"defines": {**(kv_defines(f16) or {}), **O.ap_defines(head_dim)}})
              for f16 in sorted(set(f16_variants)) if head_dim % 16 == 0]
     # the one-row-unit matvec's build (Ops.matvec rows1)
     jobs += [("ops/matvec.hip", {"defines": {**(kv_defines(f16) or {}), "HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL}})

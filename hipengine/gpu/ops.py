@@ -194,6 +194,18 @@ def prefill_mma(arch: str) -> bool:
     return mma_supported(arch) and _env_switch("HIPENGINE_PREFILL_MMA") is not False
 
 
+def prefill_split() -> bool:
+    """Whether the prefill's matrix-core kernels take their fp32 activations as hi/lo 16-bit pairs (two
+    products: ~16 bits of mantissa kept, the FMA path's accuracy) rather than rounded to the weights' 16 bits
+    (one product, as bf16 / fp16 frameworks compute): HIPENGINE_PREFILL_SPLIT=0|1."""
+    return _env_switch("HIPENGINE_PREFILL_SPLIT") is not False
+
+
+def ap_defines(hd: int) -> dict:
+    """Build defines of attention_prefill.hip for head size hd."""
+    return {"HE_AP_HD": int(hd), "HE_AP_XSPLIT": int(prefill_split())}
+
+
 def mma_rotate() -> bool:
     """Whether each matmul_mma tile starts its k-loop at its own step (tile % steps) rather than at column 0:
     on unless HIPENGINE_MMA_ROTATE=0 (A/B)."""
@@ -233,7 +245,8 @@ def attention_prefill_mma(arch: str, G: int, hd: int, max_shared: int) -> bool:
 
 MMA_SMEM_CAP = 112 * 1024  # a block's ring on NVIDIA: two blocks per SM (H100 / H200: 228 KB per SM)
 # the environment knobs a prefill launch reads (the executor's chunk graphs are keyed by them)
-MMA_KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_ROTATE", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_STAGES")
+MMA_KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_ROTATE", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_STAGES",
+             "HIPENGINE_PREFILL_SPLIT")
 
 
 class MmaBuild(NamedTuple):
@@ -247,7 +260,7 @@ class MmaBuild(NamedTuple):
         return 16 * self.warps
 
     def defines(self) -> dict:
-        return {"HE_PF_WARPS": self.warps, "HE_PF_STAGES": self.stages}
+        return {"HE_PF_WARPS": self.warps, "HE_PF_STAGES": self.stages, "HE_PF_XSPLIT": int(prefill_split())}
 
     def shared_bytes(self, mt: int) -> int:
         return mma_shared_bytes(mt, self.stages, self.tile_rows)
@@ -547,7 +560,7 @@ class Ops:
             return
         if T > 1 and attention_prefill_mma(self.rt.arch, G, hd, self.rt.max_shared_per_block):
             nsp = min(AP_MAX_SPLITS, nsplit)  # partial holds T·nh·nsplit·(hd + 2) floats: enough
-            self.rt.launch(self.fn("attention_prefill", f"attention_prefill_g{G}", {"HE_AP_HD": int(hd)}),
+            self.rt.launch(self.fn("attention_prefill", f"attention_prefill_g{G}", ap_defines(hd)),
                            (nkv * nsp, math.ceil(T / 16)), G * self.rt.warp_size,
                            [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(T), c_int32(nsp),
                             c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)],

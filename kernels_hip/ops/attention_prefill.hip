@@ -26,6 +26,11 @@
 #define HE_AP_HD 64
 #endif
 constexpr int kApHd = HE_AP_HD;
+// HE_AP_XSPLIT (ops.prefill_split): 1 takes Q and P as hi/lo pairs (above); 0 as one 16-bit value each.
+#ifndef HE_AP_XSPLIT
+#define HE_AP_XSPLIT 1
+#endif
+constexpr bool kApXSplit = HE_AP_XSPLIT != 0;
 static_assert(kApHd % 16 == 0 && kApHd >= 16, "HE_AP_HD: a multiple of 16");
 constexpr int kApKeys = 64;           // keys per step
 constexpr int kApQ = 16;              // query tokens per block
@@ -114,7 +119,7 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
       for (int d = 0; d < kDt; ++d) {
         const HeMmaFrag b = he_mma_load_b(Ks + 16 * j * kApKld + 16 * d, kApKld);
         he_mma<HE_KV_F16 != 0>(s, qh[d], b);
-        he_mma<HE_KV_F16 != 0>(s, ql[d], b);
+        if constexpr (kApXSplit) he_mma<HE_KV_F16 != 0>(s, ql[d], b);
       }
 #pragma unroll
       for (int i = 0; i < kMmaAcc; ++i) {
@@ -161,7 +166,7 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
       for (int d = 0; d < kDt; ++d) {
         const HeMmaFrag b = he_mma_load_b(Vt + 16 * d * kApVld + 16 * kk, kApVld);
         he_mma<HE_KV_F16 != 0>(o[d], ph, b);
-        he_mma<HE_KV_F16 != 0>(o[d], pl, b);
+        if constexpr (kApXSplit) he_mma<HE_KV_F16 != 0>(o[d], pl, b);
       }
     }
     he_sync_block();  // Ks, Vt and S are rewritten by the next step

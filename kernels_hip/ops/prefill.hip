@@ -102,6 +102,12 @@ static_assert(kPfWarps == 4 || kPfWarps == 8, "HE_PF_WARPS: 4 or 8");
 #define HE_PF_STAGES 4
 #endif
 constexpr int kPfStages = HE_PF_STAGES;
+// HE_PF_XSPLIT (ops.prefill_split): 1 takes both halves of X (hi/lo, above); 0 only hi = round(x), X at the
+// weights' 16-bit precision as in a bf16 / fp16 framework — half the matrix instructions.
+#ifndef HE_PF_XSPLIT
+#define HE_PF_XSPLIT 1
+#endif
+constexpr bool kPfXSplit = HE_PF_XSPLIT != 0;
 static_assert(kPfStages >= 2, "HE_PF_STAGES: at least two stages");
 constexpr int kPfWld = kPfBK + 8;     // staged weight row, 16-bit elements: 80 B, conflict-free B fragments
 constexpr int kPfXld = kPfBK + 8;     // staged X row, floats: 160 B, conflict-free split A fragments
@@ -230,7 +236,7 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
 #pragma unroll
         for (int i = 0; i < kTM; ++i) {
           he_mma<kF16>(acc[i][j], hi[i], b);
-          he_mma<kF16>(acc[i][j], lo[i], b);
+          if constexpr (kPfXSplit) he_mma<kF16>(acc[i][j], lo[i], b);  // else lo is dead code
         }
       }
     }
