@@ -24,7 +24,8 @@
 #   prefill: the matrix-core prefill's op tests, the op and engine GPU tests, the prefill benchmark (TTFT of 64 to
 #            4K-token prompts, matrix cores against the 8-token FMA path, alternated in one process)
 #   paths : prefill paths ($PREFILL_PATHS: chunk[:VAR=VALUE...]) side by side: op tests, the prefill benchmark per
-#           path, the 1B preset's check in $PRESET_ENV when given
+#           path, the 1B preset's check in $PRESET_ENV when given; every op, engine, monokernel test unless
+#           $PATHS_NO_TAIL
 #   prefillrecord: after a prefill change (decode kernels unchanged): op, engine and monokernel tests,
 #            the prefill benchmark with its op breakdown, the decode bench of record (TTFT included), and the
 #            1B preset's 512-position check in the time that is left (the call stays under 575 s)
@@ -186,7 +187,7 @@ case "$MODE" in
     # the 1B preset's 512 teacher-forced positions in the environment $PRESET_ENV (VAR=V ..., e.g. a path's)
     [ -n "${PRESET_ENV:-}" ] && run preset1b_env 150 env $PRESET_ENV $PY -m pytest tests/test_gpu_engine.py -q -rs -s \
       -k "1b_preset"
-    ops_tests; engine_tests; mk_tests ;;
+    [ -z "${PATHS_NO_TAIL:-}" ] && { ops_tests; engine_tests; mk_tests; } ;;
   prefill)  # the matrix-core prefill (prefill.hip matmul_mma_m*): its op tests first, every op and engine test,
             # then scripts/bench_prefill.py (JSON)
     run mma_tests 60 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k prefill_matmul_mma
