@@ -12,7 +12,7 @@ projection of layer 0 alone, launched 16 times back to back in a graph = one chu
 attention the same): device µs per chunk, GB/s of weights and TFLOP/s per projection; and the whole chunk
 (GpuBackend._prefill_chunk: its captured graph).
 --paths CHUNK[:VAR=VALUE...],...: the matrix-core paths to compare — chunk tokens (at most ops.PREFILL_M) and
-the A/B knobs of ops.mma_build to set (HIPENGINE_MMA_WARPS=4, HIPENGINE_MMA_STAGES=3; unset: its default
+the A/B knobs of ops.MMA_KNOBS to set (HIPENGINE_MMA_WARPS=4, HIPENGINE_PREFILL_SPLIT=0; unset: the default
 per projection); each is a path of its own in the TTFT rows and gets its own breakdown (a chunk at position
 960).
 Usage: PYTHONPATH=. python3 scripts/bench_prefill.py [--lengths 64,1024,4096] [--runs 5] [--breakdown]
@@ -134,7 +134,7 @@ def main() -> int:
     return 0
 
 
-KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_STAGES")
+KNOBS = O.MMA_KNOBS  # the prefill's A/B knobs (ops.py; the executor keys its chunk graphs by them)
 
 
 def set_env(env: dict) -> None:
