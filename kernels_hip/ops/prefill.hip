@@ -312,13 +312,26 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
     }
     return;
   }
-  for (int e = tid; e < M * kPfBN; e += kPfThreads) {
-    const int m = e / kPfBN, j = e % kPfBN, n = nt * kPfBN + j;
-    if (n >= rows) continue;
-    const float v = C[m * kPfCld + j];
-    float* y = Y + (he_i64)m * rows + n;
-    if (mode == 1) *y += v;
-    else *y = v + (bias ? bias[n] : 0.f);
+  // Y (mode 1) or the bias (mode 0) in batches of kEB loads per thread issued together: one round trip per
+  // batch. (Loaded and stored one element at a time, every load waited for the store before it — Y may
+  // alias the bias — 64 dependent round trips per thread at 128 tokens: most of O's and down's time.)
+  constexpr int kEB = 16;
+  for (int e0 = tid; e0 < M * kPfBN; e0 += kEB * kPfThreads) {
+    float add[kEB];
+#pragma unroll
+    for (int b = 0; b < kEB; ++b) {
+      const int e = e0 + b * kPfThreads, m = e / kPfBN, n = nt * kPfBN + e % kPfBN;
+      add[b] = 0.f;
+      if (e < M * kPfBN && n < rows) {
+        if (mode == 1) add[b] = Y[(he_i64)m * rows + n];
+        else if (bias) add[b] = bias[n];
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kEB; ++b) {
+      const int e = e0 + b * kPfThreads, m = e / kPfBN, j = e % kPfBN, n = nt * kPfBN + j;
+      if (e < M * kPfBN && n < rows) Y[(he_i64)m * rows + n] = C[m * kPfCld + j] + add[b];
+    }
   }
 }
 
