@@ -231,11 +231,8 @@ AP_MAX_SPLITS = 16  # attention_prefill's splits: at most the combine's one-roun
 
 def ap_shared_bytes(G: int, hd: int) -> int:
     """Dynamic shared memory of attention_prefill_g<G> for head size hd (attention_prefill.hip
-    he_ap_smem_bytes / he_ap_k_stages): K [64][hd + 8] 16-bit in two stages where they fit 64 KiB (else one),
-    Vᵀ [hd][72] 16-bit, per warp scores [16][68] fp32, row states."""
-    def size(kst):
-        return kst * 64 * (hd + 8) * 2 + hd * 72 * 2 + G * 16 * 68 * 4 + 3 * G * 16 * 4
-    return size(2) if size(2) <= 64 * 1024 else size(1)
+    he_ap_smem_bytes): K [64][hd + 8] and Vᵀ [hd][72] 16-bit, per warp scores [16][68] fp32, row states."""
+    return 64 * (hd + 8) * 2 + hd * 72 * 2 + G * 16 * 68 * 4 + 3 * G * 16 * 4
 
 
 def attention_prefill_mma(arch: str, G: int, hd: int, max_shared: int) -> bool:

@@ -6,15 +6,14 @@
 // partial fp32 [T][num_heads][nsp][hd + 2] = (unnormalised o, m, l) per split in log2 units — so its
 // attention_combine (grid (num_heads, T), nsplit = nsp) finishes the job unchanged.
 //
-// attention_prefill_g<G>: grid (num_kv_heads·nsp, ceil(T / 16)), G warps (one per query head of the KV group),
-// dynamic shared memory he_ap_smem_bytes(G, he_ap_k_stages(G)); the module built with HE_AP_HD = hd. A block
-// takes 16 query tokens of its KV group against one split of the keys; the splits divide [0, *pos + T) into
-// nsp ranges of whole 64-key steps (nsp ≤ attention_decode.hip's kCombineBatch, so the combine folds all of
-// them in one round trip; splits past a query's last key are empty, l = 0). Per 64-key step the block stages K
-// (rows = keys: the B operand of S = Q·Kᵀ) and Vᵀ (rows = dims: the B operand of O += P·V) in shared memory
-// (the next step's K and, for G ≥ 4 at hd 64, V requested before this step's math: K through a second stage
-// where it fits, V in registers); each warp takes S for its head on port.h's tiles, keeps the online softmax
-// of its 16 rows in shared memory (masked scores are −inf, probabilities exp2(s − m)), and adds P·V into its O
+// attention_prefill_g<G>: grid (num_kv_heads·nsp, ceil(T / 16)), G warps (one per query head of the KV
+// group), dynamic shared memory he_ap_smem_bytes(G); the module built with HE_AP_HD = hd. A block takes 16
+// query tokens of its KV group against one split of the keys; the splits divide [0, *pos + T) into nsp
+// ranges of whole 64-key steps (nsp ≤ attention_decode.hip's kCombineBatch, so the combine folds all of
+// them in one round trip; splits past a query's last key are empty, l = 0). Per 64-key step the block
+// stages K (rows = keys: the B operand of S = Q·Kᵀ) and Vᵀ (rows = dims: the B operand of O += P·V) in
+// shared memory; each warp takes S for its head on port.h's matrix-core tiles, keeps the online softmax of
+// its 16 rows in shared memory (masked scores are −inf, probabilities exp2(s − m)), and adds P·V into its O
 // tile after rescaling it. Q (scaled by log2(e)/sqrt(hd) after the product) and P enter the matrix cores as
 // hi/lo 16-bit pairs (he_mma_load_a_split), K and V exactly, so scores and sums keep ~16 bits: the op tests
 // hold the output to 1e-3 of the float64 reference (the decode kernels' fp32 math: 1e-4).
@@ -39,13 +38,10 @@ constexpr int kApKld = kApHd + 8;     // staged K row (16-bit elements): 16-byte
 constexpr int kApVld = kApKeys + 8;   // staged Vᵀ row
 constexpr int kApSld = kApKeys + 4;   // a warp's fp32 score / probability row
 
-// Dynamic shared memory of attention_prefill_g<G> with `kst` stages of K (Ops.attention mirrors it:
-// ap_shared_bytes): K stages, Vᵀ, the warps' scores, the row states. Two K stages (the next step's K
-// copied while this one is used) where they fit gfx942's 64 KiB, else one.
-HE_INLINE constexpr int he_ap_smem_bytes(int G, int kst) {
-  return kst * kApKeys * kApKld * 2 + kApHd * kApVld * 2 + G * kApQ * kApSld * 4 + 3 * G * kApQ * 4;
+// Dynamic shared memory of attention_prefill_g<G> (Ops.attention mirrors it: ap_shared_bytes).
+HE_INLINE constexpr int he_ap_smem_bytes(int G) {
+  return kApKeys * kApKld * 2 + kApHd * kApVld * 2 + G * kApQ * kApSld * 4 + 3 * G * kApQ * 4;
 }
-HE_INLINE constexpr int he_ap_k_stages(int G) { return he_ap_smem_bytes(G, 2) <= 64 * 1024 ? 2 : 1; }
 
 template <int kG>
 HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, const he_kv* v_cache,
@@ -54,9 +50,8 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
   static_assert(kG >= 1 && kG <= 8, "group size out of range");
   constexpr int kThreads = kG * kWarpSize;
   constexpr int kDt = kApHd / 16;  // 16-wide tiles of the head dimension
-  constexpr int kKSt = he_ap_k_stages(kG);
-  he_u16* Ks0 = (he_u16*)smem;                   // kKSt × [kApKeys][kApKld]
-  he_u16* Vt = Ks0 + kKSt * kApKeys * kApKld;    // [kApHd][kApVld]
+  he_u16* Ks = (he_u16*)smem;                    // [kApKeys][kApKld]
+  he_u16* Vt = Ks + kApKeys * kApKld;            // [kApHd][kApVld]
   float* Ss = (float*)(Vt + kApHd * kApVld);     // [kG][kApQ][kApSld]
   float* st = Ss + kG * kApQ * kApSld;           // [3][kG][kApQ]: running max, sum, this step's rescale
   const int tid = he_thread_idx(), lane = he_lane_id(), g = he_warp_id();
@@ -84,50 +79,6 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
     rm[row] = he_neg_inf();
     rl[row] = 0.f;
   }
-  const he_kv* kbase = k_cache + (he_i64)kvh * max_ctx * kApHd;
-  const he_kv* vbase = v_cache + (he_i64)kvh * max_ctx * kApHd;
-  constexpr int kVec = kApKeys * kApHd / 8;  // 16-byte vectors per K (or V) step
-  constexpr int kVPer = (kVec + kThreads - 1) / kThreads;
-  // The next step's V rows wait in registers during this step's math where they are few (≤ 4 vectors per
-  // thread: G ≥ 4 at hd 64); else each step loads its own V rows (all of a thread's loads before its stores).
-  constexpr bool kVPre = kVPer <= 4;
-  // K rows of the step at kb into stage `dst` (asynchronous, one copy group); keys at or past kend are zeros.
-  auto load_k = [&](int kb, he_u16* dst) {
-    for (int i = tid; i < kVec; i += kThreads) {
-      const int key = i / (kApHd / 8), c = (i % (kApHd / 8)) * 8;
-      const bool ok = kb + key < kend;
-      he_cp_async16(dst + key * kApKld + c, ok ? (const void*)(kbase + (he_i64)(kb + key) * kApHd + c)
-                                              : (const void*)kbase, ok);
-    }
-    he_cp_async_commit();
-  };
-  constexpr int kVB = kVPre ? kVPer : 4;  // vectors per thread in registers at once
-  he_vec16 vr[kVB];
-  auto load_v = [&](int kb, int j0) {  // this thread's vectors j0 .. j0 + kVB - 1 of the step at kb
-#pragma unroll
-    for (int j = 0; j < kVB; ++j) {
-      const int i = tid + (j0 + j) * kThreads, key = i / (kApHd / 8), c = (i % (kApHd / 8)) * 8;
-      vr[j] = (i < kVec && kb + key < kend) ? he_load16(vbase + (he_i64)(kb + key) * kApHd + c)
-                                            : he_vec16{0u, 0u, 0u, 0u};
-    }
-  };
-  auto store_vt = [&](int j0) {  // the V rows in vr, transposed into Vt
-#pragma unroll
-    for (int j = 0; j < kVB; ++j) {
-      const int i = tid + (j0 + j) * kThreads, key = i / (kApHd / 8), c = (i % (kApHd / 8)) * 8;
-      if (i < kVec) {
-        const he_u32 w[4] = {vr[j].x, vr[j].y, vr[j].z, vr[j].w};
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          Vt[(c + 2 * x) * kApVld + key] = (he_u16)(w[x] & 0xffffu);
-          Vt[(c + 2 * x + 1) * kApVld + key] = (he_u16)(w[x] >> 16);
-        }
-      }
-    }
-  };
-  // The first step's K and V are requested before q is loaded: the round trips overlap.
-  load_k(ks, Ks0);
-  if constexpr (kVPre) load_v(ks, 0);
   HeMmaFrag qh[kDt], ql[kDt];
   const float* qt = q + (he_i64)t0 * qld + h * kApHd;
 #pragma unroll
@@ -136,25 +87,29 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
 #pragma unroll
   for (int d = 0; d < kDt; ++d) he_mma_zero(o[d]);
   const float qscale = he_rsqrt((float)kApHd) * kLog2e;
+  const he_kv* kbase = k_cache + (he_i64)kvh * max_ctx * kApHd;
+  const he_kv* vbase = v_cache + (he_i64)kvh * max_ctx * kApHd;
   float* S = Ss + g * kApQ * kApSld;
+  constexpr int kVec = kApKeys * kApHd / 8;  // 16-byte vectors per K (or V) step
 
-  for (int kb = ks, stage = 0; kb < kend; kb += kApKeys, stage ^= (kKSt - 1)) {
-    he_u16* Ks = Ks0 + stage * kApKeys * kApKld;
-    if (kKSt == 1 && kb != ks) load_k(kb, Ks);  // one stage: free since the previous step's last barrier
-    if constexpr (kVPre) {
-      store_vt(0);  // Vt is free: the previous step ended with a barrier
-    } else {
-      for (int j0 = 0; j0 < kVPer; j0 += kVB) {
-        load_v(kb, j0);
-        store_vt(j0);
+  for (int kb = ks; kb < kend; kb += kApKeys) {
+    // K rows into Ks (asynchronous), V rows transposed into Vt; keys at or past kend are zeros.
+    for (int i = tid; i < kVec; i += kThreads) {
+      const int key = i / (kApHd / 8), c = (i % (kApHd / 8)) * 8;
+      const bool ok = kb + key < kend;
+      he_cp_async16(Ks + key * kApKld + c, ok ? (const void*)(kbase + (he_i64)(kb + key) * kApHd + c)
+                                             : (const void*)kbase, ok);
+      const he_vec16 v = ok ? he_load16(vbase + (he_i64)(kb + key) * kApHd + c) : he_vec16{0u, 0u, 0u, 0u};
+      const he_u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        Vt[(c + 2 * j) * kApVld + key] = (he_u16)(w[j] & 0xffffu);
+        Vt[(c + 2 * j + 1) * kApVld + key] = (he_u16)(w[j] >> 16);
       }
     }
-    he_cp_async_wait<0>();   // this thread's copies of this step's K (the only group in flight) ...
-    he_sync_block();         // ... and everyone's, and Vt
-    if (kb + kApKeys < kend) {  // the next step's K (the other stage) and V, in flight during this step's math
-      if (kKSt == 2) load_k(kb + kApKeys, Ks0 + (stage ^ 1) * kApKeys * kApKld);
-      if constexpr (kVPre) load_v(kb + kApKeys, 0);
-    }
+    he_cp_async_commit();
+    he_cp_async_wait<0>();
+    he_sync_block();
     // S = Q·Kᵀ for this warp's head: 16 queries × 64 keys, scaled into log2 units and masked.
 #pragma unroll
     for (int j = 0; j < kApKeys / 16; ++j) {
