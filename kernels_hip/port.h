@@ -505,6 +505,70 @@ HE_INLINE void he_mma_load_a_split(const float* t, int ld, HeMmaFrag& hi, HeMmaF
 }
 #endif
 
+// Attention tiles on the matrix cores (ops/attention_prefill.hip): scores S = Q·Kᵀ (16 queries × 16 keys) and
+// output O += P·V (16 queries × 16 head dims), laid out so that the probabilities P become an A fragment
+// without leaving registers, and a lane's O slots belong to the queries whose softmax state it holds.
+// NVIDIA: the accumulator's own layout (lane 4g + t holds queries g and g + 8). AMD CDNA: the products are
+// taken with swapped operands (Sᵀ = K·Qᵀ, Oᵀ = Vᵀ·Pᵀ), so lane l holds one query, l % 16, and its 4 slots
+// are 4 consecutive keys — the A fragment's own lane layout.
+//   he_att_qk<kF16>(s, q, k): s += Q·Kᵀ (q: an A fragment, 16 queries × 16 dims; k: he_mma_load_b of 16 keys
+//     × 16 dims).  he_att_pv<kF16>(o, p, vt): o += P·V (p: he_att_p_frag; vt: he_mma_load_b of Vᵀ, 16 dims ×
+//     16 keys).
+//   he_att_q(i) / he_att_c(i): the query (0..15) and the key (or head dim) of slot i of this lane.
+//   kAttQ: the queries a lane holds (2 / 1); he_att_qi(i): which of them slot i belongs to; he_att_qrow(j):
+//     the query of the lane's j-th; he_att_row_max / he_att_row_sum: over the lanes holding the same queries;
+//     he_att_leader(): one lane per query.
+//   he_att_p_frag<kF16>(s, hi, lo): the tile s (16 queries × 16 keys) as hi/lo 16-bit A fragments.
+#if HE_AMD
+constexpr int kAttQ = 1;
+HE_INLINE int he_att_qi(int) { return 0; }
+HE_INLINE int he_att_q(int) { return he_lane_id() & 15; }
+HE_INLINE int he_att_c(int i) { return 4 * (he_lane_id() >> 4) + i; }
+HE_INLINE int he_att_qrow(int) { return he_lane_id() & 15; }
+HE_INLINE bool he_att_leader() { return (he_lane_id() >> 4) == 0; }
+HE_INLINE float he_att_row_max(float v) {
+  v = he_fmax(v, he_shfl_xor(v, 16));
+  return he_fmax(v, he_shfl_xor(v, 32));
+}
+HE_INLINE float he_att_row_sum(float v) {
+  v += he_shfl_xor(v, 16);
+  return v + he_shfl_xor(v, 32);
+}
+template <bool kF16>
+HE_INLINE void he_att_qk(HeMmaAcc& s, const HeMmaFrag& q, const HeMmaFrag& k) { he_mma<kF16>(s, k, q); }
+template <bool kF16>
+HE_INLINE void he_att_pv(HeMmaAcc& o, const HeMmaFrag& p, const HeMmaFrag& vt) { he_mma<kF16>(o, vt, p); }
+template <bool kF16>
+HE_INLINE void he_att_p_frag(const HeMmaAcc& s, HeMmaFrag& hi, HeMmaFrag& lo) {
+  he_split2<kF16>(s.v[0], s.v[1], hi.w[0], lo.w[0]);
+  he_split2<kF16>(s.v[2], s.v[3], hi.w[1], lo.w[1]);
+}
+#else
+constexpr int kAttQ = 2;
+HE_INLINE int he_att_qi(int i) { return (i >> 1) & 1; }
+HE_INLINE int he_att_q(int i) { return he_mma_acc_m(i); }
+HE_INLINE int he_att_c(int i) { return he_mma_acc_n(i); }
+HE_INLINE int he_att_qrow(int j) { return (he_lane_id() >> 2) + 8 * j; }
+HE_INLINE bool he_att_leader() { return (he_lane_id() & 3) == 0; }
+HE_INLINE float he_att_row_max(float v) {
+  v = he_fmax(v, he_shfl_xor(v, 1));
+  return he_fmax(v, he_shfl_xor(v, 2));
+}
+HE_INLINE float he_att_row_sum(float v) {
+  v += he_shfl_xor(v, 1);
+  return v + he_shfl_xor(v, 2);
+}
+template <bool kF16>
+HE_INLINE void he_att_qk(HeMmaAcc& s, const HeMmaFrag& q, const HeMmaFrag& k) { he_mma<kF16>(s, q, k); }
+template <bool kF16>
+HE_INLINE void he_att_pv(HeMmaAcc& o, const HeMmaFrag& p, const HeMmaFrag& vt) { he_mma<kF16>(o, p, vt); }
+template <bool kF16>
+HE_INLINE void he_att_p_frag(const HeMmaAcc& s, HeMmaFrag& hi, HeMmaFrag& lo) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) he_split2<kF16>(s.v[2 * q], s.v[2 * q + 1], hi.w[q], lo.w[q]);  // slots 2q, 2q+1
+}
+#endif
+
 #if HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 HE_INLINE void he_cp_async16(void* dst, const void* src, bool valid) {
   he_u32 s;

@@ -231,8 +231,10 @@ AP_MAX_SPLITS = 16  # attention_prefill's splits: at most the combine's one-roun
 
 def ap_shared_bytes(G: int, hd: int) -> int:
     """Dynamic shared memory of attention_prefill_g<G> for head size hd (attention_prefill.hip
-    he_ap_smem_bytes): K [64][hd + 8] and Vᵀ [hd][72] 16-bit, per warp scores [16][68] fp32, row states."""
-    return 64 * (hd + 8) * 2 + hd * 72 * 2 + G * 16 * 68 * 4 + 3 * G * 16 * 4
+    he_ap_smem_bytes): one step's K [64][hd + 8] and Vᵀ [hd][72], 16-bit (scores and softmax state live in
+    registers, so G does not change it)."""
+    del G
+    return 64 * (hd + 8) * 2 + hd * 72 * 2
 
 
 def attention_prefill_mma(arch: str, G: int, hd: int, max_shared: int) -> bool:

@@ -6,16 +6,19 @@
 // partial fp32 [T][num_heads][nsp][hd + 2] = (unnormalised o, m, l) per split in log2 units — so its
 // attention_combine (grid (num_heads, T), nsplit = nsp) finishes the job unchanged.
 //
-// attention_prefill_g<G>: grid (num_kv_heads·nsp, ceil(T / 16)), G warps (one per query head of the KV
-// group), dynamic shared memory he_ap_smem_bytes(G); the module built with HE_AP_HD = hd. A block takes 16
-// query tokens of its KV group against one split of the keys; the splits divide [0, *pos + T) into nsp
-// ranges of whole 64-key steps (nsp ≤ attention_decode.hip's kCombineBatch, so the combine folds all of
-// them in one round trip; splits past a query's last key are empty, l = 0). Per 64-key step the block
-// stages K (rows = keys: the B operand of S = Q·Kᵀ) and Vᵀ (rows = dims: the B operand of O += P·V) in
-// shared memory; each warp takes S for its head on port.h's matrix-core tiles, keeps the online softmax of
-// its 16 rows in shared memory (masked scores are −inf, probabilities exp2(s − m)), and adds P·V into its O
-// tile after rescaling it. Q (scaled by log2(e)/sqrt(hd) after the product) and P enter the matrix cores as
-// hi/lo 16-bit pairs (he_mma_load_a_split), K and V exactly, so scores and sums keep ~16 bits: the op tests
+// attention_prefill_g<G>: grid (num_kv_heads·nsp, ceil(T / 16)), G warps (one per query head of the KV group),
+// dynamic shared memory he_ap_smem_bytes(G); the module built with HE_AP_HD = hd. A block takes 16 query
+// tokens of its KV group against one split of the keys; the splits divide [0, *pos + T) into nsp ranges of
+// whole 64-key steps (nsp ≤ attention_decode.hip's kCombineBatch, so the combine folds all of them in one
+// round trip; splits past a query's last key are empty, l = 0). Per 64-key step the block stages K (rows =
+// keys: the B operand of S = Q·Kᵀ) and Vᵀ (rows = dims: the B operand of O += P·V) in shared memory; each warp
+// takes S for its head on port.h's attention tiles (he_att_*), keeps it in registers, masks it (−inf) and runs
+// the online softmax of its 16 queries there — row maxima and sums over the lanes that hold a query
+// (shuffles), probabilities exp2(s − m) — rescales its O tile and adds P·V with P taken straight from the
+// score registers as A fragments. (The first form kept S, P and the row states in shared memory: three
+// barriers and a round trip through shared memory per step — the MIO-bound kernel of session 14's ncu
+// reading.) Q (scaled by log2(e)/sqrt(hd) after the product) and P enter the matrix cores as hi/lo 16-bit
+// pairs (he_mma_load_a_split, he_att_p_frag), K and V exactly, so scores and sums keep ~16 bits: the op tests
 // hold the output to 1e-3 of the float64 reference (the decode kernels' fp32 math: 1e-4).
 // Requirements: hd = HE_AP_HD (a multiple of 16, the module is built per head size), G ≤ 8.
 #ifndef HE_OPS_ATTENTION_PREFILL_HIP
@@ -36,25 +39,23 @@ constexpr int kApKeys = 64;           // keys per step
 constexpr int kApQ = 16;              // query tokens per block
 constexpr int kApKld = kApHd + 8;     // staged K row (16-bit elements): 16-byte rows, conflict-free B fragments
 constexpr int kApVld = kApKeys + 8;   // staged Vᵀ row
-constexpr int kApSld = kApKeys + 4;   // a warp's fp32 score / probability row
 
-// Dynamic shared memory of attention_prefill_g<G> (Ops.attention mirrors it: ap_shared_bytes).
-HE_INLINE constexpr int he_ap_smem_bytes(int G) {
-  return kApKeys * kApKld * 2 + kApHd * kApVld * 2 + G * kApQ * kApSld * 4 + 3 * G * kApQ * 4;
-}
+// Dynamic shared memory of attention_prefill_g<G> (Ops.attention mirrors it: ap_shared_bytes): one step's K
+// and Vᵀ (the scores and the softmax state live in registers; G does not matter).
+HE_INLINE constexpr int he_ap_smem_bytes(int G) { return (void)G, kApKeys * kApKld * 2 + kApHd * kApVld * 2; }
 
 template <int kG>
 HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, const he_kv* v_cache,
                                           float* partial, int pos, int T, int nsp, int nh, int max_ctx,
                                           char* smem) {
   static_assert(kG >= 1 && kG <= 8, "group size out of range");
+  constexpr bool kF16 = HE_KV_F16 != 0;
   constexpr int kThreads = kG * kWarpSize;
-  constexpr int kDt = kApHd / 16;  // 16-wide tiles of the head dimension
-  he_u16* Ks = (he_u16*)smem;                    // [kApKeys][kApKld]
-  he_u16* Vt = Ks + kApKeys * kApKld;            // [kApHd][kApVld]
-  float* Ss = (float*)(Vt + kApHd * kApVld);     // [kG][kApQ][kApSld]
-  float* st = Ss + kG * kApQ * kApSld;           // [3][kG][kApQ]: running max, sum, this step's rescale
-  const int tid = he_thread_idx(), lane = he_lane_id(), g = he_warp_id();
+  constexpr int kDt = kApHd / 16;    // 16-wide tiles of the head dimension
+  constexpr int kKt = kApKeys / 16;  // 16-key tiles of a step
+  he_u16* Ks = (he_u16*)smem;          // [kApKeys][kApKld]
+  he_u16* Vt = Ks + kApKeys * kApKld;  // [kApHd][kApVld]
+  const int tid = he_thread_idx(), g = he_warp_id();
   const int kvh = he_block_idx() / nsp, sp = he_block_idx() % nsp, t0 = he_block_idx_y() * kApQ;
   const int h = kvh * kG + g, qld = nh * kApHd;
   const int nq = (T - t0 < kApQ) ? T - t0 : kApQ;  // query rows of this block
@@ -62,34 +63,29 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
   const int len = ((pos + T + nsp - 1) / nsp + kApKeys - 1) / kApKeys * kApKeys;
   const int ks = sp * len;
   const int kend = (ks + len < pos + t0 + nq) ? ks + len : pos + t0 + nq;
-  float* rm = st + g * kApQ;
-  float* rl = rm + kG * kApQ;
-  float* ra = rl + kG * kApQ;
-  constexpr int kR = kWarpSize / kApQ;  // lanes per score row in the softmax pass
-  const int row = lane / kR, part = lane % kR;
-  float* pr_row = partial + (((he_i64)(t0 + row) * nh + h) * nsp + sp) * (kApHd + 2);
+  // partial row of query t0 + r: + r·(nh·nsp·(hd + 2)) floats
+  float* pr = partial + (((he_i64)t0 * nh + h) * nsp + sp) * (kApHd + 2);
+  const he_i64 pr_q = (he_i64)nh * nsp * (kApHd + 2);
   if (ks >= kend) {  // no key of this split is visible to these queries: empty for the combine
-    if (part == 0 && row < nq) {
-      pr_row[kApHd] = he_neg_inf();
-      pr_row[kApHd + 1] = 0.f;
+    for (int r = he_lane_id(); r < nq; r += kWarpSize) {
+      pr[r * pr_q + kApHd] = he_neg_inf();
+      pr[r * pr_q + kApHd + 1] = 0.f;
     }
     return;
-  }
-  if (part == 0) {
-    rm[row] = he_neg_inf();
-    rl[row] = 0.f;
   }
   HeMmaFrag qh[kDt], ql[kDt];
   const float* qt = q + (he_i64)t0 * qld + h * kApHd;
 #pragma unroll
-  for (int d = 0; d < kDt; ++d) he_mma_load_a_split<HE_KV_F16 != 0>(qt + 16 * d, qld, qh[d], ql[d], nq);
+  for (int d = 0; d < kDt; ++d) he_mma_load_a_split<kF16>(qt + 16 * d, qld, qh[d], ql[d], nq);
   HeMmaAcc o[kDt];
 #pragma unroll
   for (int d = 0; d < kDt; ++d) he_mma_zero(o[d]);
+  float m[kAttQ], l[kAttQ];  // the running max (log2 units) and sum of this lane's queries
+#pragma unroll
+  for (int j = 0; j < kAttQ; ++j) m[j] = he_neg_inf(), l[j] = 0.f;
   const float qscale = he_rsqrt((float)kApHd) * kLog2e;
   const he_kv* kbase = k_cache + (he_i64)kvh * max_ctx * kApHd;
   const he_kv* vbase = v_cache + (he_i64)kvh * max_ctx * kApHd;
-  float* S = Ss + g * kApQ * kApSld;
   constexpr int kVec = kApKeys * kApHd / 8;  // 16-byte vectors per K (or V) step
 
   for (int kb = ks; kb < kend; kb += kApKeys) {
@@ -110,79 +106,85 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
     he_cp_async_commit();
     he_cp_async_wait<0>();
     he_sync_block();
-    // S = Q·Kᵀ for this warp's head: 16 queries × 64 keys, scaled into log2 units and masked.
+    // S = Q·Kᵀ for this warp's head, 16 queries × 64 keys in registers, scaled into log2 units and masked.
+    HeMmaAcc sc[kKt];
 #pragma unroll
-    for (int j = 0; j < kApKeys / 16; ++j) {
-      HeMmaAcc s;
-      he_mma_zero(s);
+    for (int j = 0; j < kKt; ++j) {
+      he_mma_zero(sc[j]);
 #pragma unroll
       for (int d = 0; d < kDt; ++d) {
         const HeMmaFrag b = he_mma_load_b(Ks + 16 * j * kApKld + 16 * d, kApKld);
-        he_mma<HE_KV_F16 != 0>(s, qh[d], b);
-        if constexpr (kApXSplit) he_mma<HE_KV_F16 != 0>(s, ql[d], b);
+        he_att_qk<kF16>(sc[j], qh[d], b);
+        if constexpr (kApXSplit) he_att_qk<kF16>(sc[j], ql[d], b);
       }
+    }
+    float mx[kAttQ];
+#pragma unroll
+    for (int j = 0; j < kAttQ; ++j) mx[j] = he_neg_inf();
+#pragma unroll
+    for (int j = 0; j < kKt; ++j)
 #pragma unroll
       for (int i = 0; i < kMmaAcc; ++i) {
-        const int m = he_mma_acc_m(i), key = kb + 16 * j + he_mma_acc_n(i);
-        const bool ok = m < nq && key < kend && key <= pos + t0 + m;
-        S[m * kApSld + 16 * j + he_mma_acc_n(i)] = ok ? s.v[i] * qscale : he_neg_inf();
+        const int r = he_att_q(i), key = kb + 16 * j + he_att_c(i);
+        const bool ok = r < nq && key < kend && key <= pos + t0 + r;
+        sc[j].v[i] = ok ? sc[j].v[i] * qscale : he_neg_inf();
+        mx[he_att_qi(i)] = he_fmax(mx[he_att_qi(i)], sc[j].v[i]);
       }
-    }
-    he_sync_block();
-    // Online softmax over the step, kR lanes per row: new max, probabilities in place, sum, rescale.
-    {
-      float mx = he_neg_inf();
-      for (int n = part; n < kApKeys; n += kR) mx = he_fmax(mx, S[row * kApSld + n]);
+    // Online softmax: the step's max over the lanes of each query, probabilities in place, their sum.
+    float alpha[kAttQ], sum[kAttQ];
 #pragma unroll
-      for (int x = 1; x < kR; x <<= 1) mx = he_fmax(mx, he_shfl_xor(mx, x));
-      const float mold = rm[row], mnew = he_fmax(mold, mx);
-      float sum = 0.f;
-      for (int n = part; n < kApKeys; n += kR) {
-        const float sc = S[row * kApSld + n];
-        const float p = (sc == he_neg_inf()) ? 0.f : he_exp2(sc - mnew);
-        S[row * kApSld + n] = p;
-        sum += p;
+    for (int j = 0; j < kAttQ; ++j) {
+      const float mnew = he_fmax(m[j], he_att_row_max(mx[j]));
+      alpha[j] = (m[j] == he_neg_inf()) ? 0.f : he_exp2(m[j] - mnew);
+      m[j] = mnew;
+      sum[j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kKt; ++j)
+#pragma unroll
+      for (int i = 0; i < kMmaAcc; ++i) {
+        const float x = sc[j].v[i];
+        const float pr_i = (x == he_neg_inf()) ? 0.f : he_exp2(x - m[he_att_qi(i)]);
+        sc[j].v[i] = pr_i;
+        sum[he_att_qi(i)] += pr_i;
       }
 #pragma unroll
-      for (int x = 1; x < kR; x <<= 1) sum += he_shfl_xor(sum, x);
-      const float a = (mold == he_neg_inf()) ? 0.f : he_exp2(mold - mnew);
-      if (part == 0) {
-        rm[row] = mnew;
-        rl[row] = rl[row] * a + sum;
-        ra[row] = a;
-      }
-    }
-    he_sync_block();
-    // O = O·a + P·V
+    for (int j = 0; j < kAttQ; ++j) l[j] = l[j] * alpha[j] + he_att_row_sum(sum[j]);
+    // O = O·alpha + P·V, P straight from the score registers.
 #pragma unroll
     for (int d = 0; d < kDt; ++d)
 #pragma unroll
-      for (int i = 0; i < kMmaAcc; ++i) o[d].v[i] *= ra[he_mma_acc_m(i)];
+      for (int i = 0; i < kMmaAcc; ++i) o[d].v[i] *= alpha[he_att_qi(i)];
 #pragma unroll
-    for (int kk = 0; kk < kApKeys / 16; ++kk) {
+    for (int kk = 0; kk < kKt; ++kk) {
       HeMmaFrag ph, pl;
-      he_mma_load_a_split<HE_KV_F16 != 0>(S + 16 * kk, kApSld, ph, pl);
+      he_att_p_frag<kF16>(sc[kk], ph, pl);
 #pragma unroll
       for (int d = 0; d < kDt; ++d) {
         const HeMmaFrag b = he_mma_load_b(Vt + 16 * d * kApVld + 16 * kk, kApVld);
-        he_mma<HE_KV_F16 != 0>(o[d], ph, b);
-        if constexpr (kApXSplit) he_mma<HE_KV_F16 != 0>(o[d], pl, b);
+        he_att_pv<kF16>(o[d], ph, b);
+        if constexpr (kApXSplit) he_att_pv<kF16>(o[d], pl, b);
       }
     }
-    he_sync_block();  // Ks, Vt and S are rewritten by the next step
+    he_sync_block();  // Ks and Vt are rewritten by the next step
   }
   // This split's state for each (query, head): unnormalised o, then (m, l).
 #pragma unroll
   for (int d = 0; d < kDt; ++d)
 #pragma unroll
     for (int i = 0; i < kMmaAcc; ++i) {
-      const int m = he_mma_acc_m(i);
-      if (m < nq)
-        partial[(((he_i64)(t0 + m) * nh + h) * nsp + sp) * (kApHd + 2) + 16 * d + he_mma_acc_n(i)] = o[d].v[i];
+      const int r = he_att_q(i);
+      if (r < nq) pr[r * pr_q + 16 * d + he_att_c(i)] = o[d].v[i];
     }
-  if (part == 0 && row < nq) {
-    pr_row[kApHd] = rm[row];
-    pr_row[kApHd + 1] = rl[row];
+  if (he_att_leader()) {
+#pragma unroll
+    for (int j = 0; j < kAttQ; ++j) {
+      const int r = he_att_qrow(j);
+      if (r < nq) {
+        pr[r * pr_q + kApHd] = m[j];
+        pr[r * pr_q + kApHd + 1] = l[j];
+      }
+    }
   }
 }
 
