@@ -202,8 +202,15 @@ def prefill_split() -> bool:
 
 
 def ap_defines(hd: int) -> dict:
-    """Build defines of attention_prefill.hip for head size hd."""
-    return {"HE_AP_HD": int(hd), "HE_AP_XSPLIT": int(prefill_split())}
+    """Build defines of attention_prefill.hip for head size hd (HIPENGINE_AP_MIN_BLOCKS=N: N blocks of 4 warps
+    resident per SM, registers capped to fit — an A/B knob)."""
+    d = {"HE_AP_HD": int(hd), "HE_AP_XSPLIT": int(prefill_split())}
+    raw = os.environ.get("HIPENGINE_AP_MIN_BLOCKS", "")
+    if raw:
+        if not raw.isdigit() or not 1 <= int(raw) <= 8:
+            raise UnsupportedError(f"HIPENGINE_AP_MIN_BLOCKS must be 1..8, not {raw!r}")
+        d["HE_AP_MIN_BLOCKS"] = int(raw)
+    return d
 
 
 def mma_rotate() -> bool:
@@ -248,7 +255,7 @@ def attention_prefill_mma(arch: str, G: int, hd: int, max_shared: int) -> bool:
 MMA_SMEM_CAP = 112 * 1024  # a block's ring on NVIDIA: two blocks per SM (H100 / H200: 228 KB per SM)
 # the environment knobs a prefill launch reads (the executor's chunk graphs are keyed by them)
 MMA_KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_ROTATE", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_STAGES",
-             "HIPENGINE_PREFILL_SPLIT")
+             "HIPENGINE_PREFILL_SPLIT", "HIPENGINE_AP_MIN_BLOCKS")
 
 
 class MmaBuild(NamedTuple):

@@ -188,8 +188,18 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
   }
 }
 
+// HE_AP_MIN_BLOCKS (ops.ap_defines, HIPENGINE_AP_MIN_BLOCKS): blocks of 4 warps to keep resident per SM (the
+// compiler caps the registers to fit: 4 → 128 on NVIDIA); 0 leaves the registers to the compiler.
+#ifndef HE_AP_MIN_BLOCKS
+#define HE_AP_MIN_BLOCKS 0
+#endif
+#if HE_AP_MIN_BLOCKS > 0
+#define HE_AP_BOUNDS(g) extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(g * kWarpSize, HE_AP_MIN_BLOCKS * 4 / g)
+#else
+#define HE_AP_BOUNDS(g) HE_KERNEL(g * kWarpSize)
+#endif
 #define HE_AP_KERNEL(g)                                                                                     \
-  HE_KERNEL(g * kWarpSize) attention_prefill_g##g(const float* q, const he_kv* k_cache,                        \
+  HE_AP_BOUNDS(g) attention_prefill_g##g(const float* q, const he_kv* k_cache,                        \
                                                     const he_kv* v_cache, float* partial, const int* pos_p,  \
                                                     int T, int nsp, int nh, int nkv, int hd, int max_ctx) {  \
     extern __shared__ he_vec16 he_ap_smem[];                                                                  \
