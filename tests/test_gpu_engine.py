@@ -181,6 +181,35 @@ def test_matvec_grid_caps(monkeypatch):
             o._grid(8192)
 
 
+def test_prefill_build_knobs(monkeypatch):
+    """attention_prefill's and matmul_mma's build defines: the defaults match the kernels' own (so `kernels
+    check` compiles what runs), the A/B knobs override them, bad values are refused."""
+    from pathlib import Path
+
+    from hipengine.gpu import ops
+
+    ap = (Path(ops.__file__).parents[2] / "kernels_hip/ops/attention_prefill.hip").read_text()
+    pf = (Path(ops.__file__).parents[2] / "kernels_hip/ops/prefill.hip").read_text()
+    assert f"#define HE_AP_MIN_BLOCKS {ops.AP_MIN_BLOCKS}\n" in ap
+    assert "#define HE_AP_XSPLIT 1\n" in ap and "#define HE_PF_XSPLIT 1\n" in pf
+    assert ops.ap_defines(64) == {"HE_AP_HD": 64, "HE_AP_XSPLIT": 1, "HE_AP_MIN_BLOCKS": ops.AP_MIN_BLOCKS}
+    assert ops.MmaBuild(4, 6).defines() == {"HE_PF_WARPS": 4, "HE_PF_STAGES": 6, "HE_PF_XSPLIT": 1}
+    monkeypatch.setenv("HIPENGINE_AP_MIN_BLOCKS", "0")
+    monkeypatch.setenv("HIPENGINE_PREFILL_SPLIT", "0")
+    assert ops.ap_defines(128) == {"HE_AP_HD": 128, "HE_AP_XSPLIT": 0, "HE_AP_MIN_BLOCKS": 0}
+    assert ops.MmaBuild(8, 3).defines()["HE_PF_XSPLIT"] == 0
+    for knob in ("HIPENGINE_AP_MIN_BLOCKS", "HIPENGINE_PREFILL_SPLIT"):  # the chunk graphs are keyed by them
+        assert knob in ops.MMA_KNOBS
+    for bad in ("9", "x", "-1"):
+        monkeypatch.setenv("HIPENGINE_AP_MIN_BLOCKS", bad)
+        with pytest.raises(ops.UnsupportedError, match="HIPENGINE_AP_MIN_BLOCKS"):
+            ops.ap_defines(64)
+    monkeypatch.setenv("HIPENGINE_AP_MIN_BLOCKS", "4")
+    monkeypatch.setenv("HIPENGINE_PREFILL_SPLIT", "2")
+    with pytest.raises(ops.UnsupportedError, match="HIPENGINE_PREFILL_SPLIT"):
+        ops.ap_defines(64)
+
+
 def test_attention_one_kernel_rule(monkeypatch):
     """Decode attention runs as one kernel when its grid puts more than 1.5 blocks on an SM (v36, llama-3.2-1b
     on 132 SMs: it loses at 1K / 8K with 128 blocks and at 16K with 136, wins at 32K with 256); the knob

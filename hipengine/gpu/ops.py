@@ -201,16 +201,18 @@ def prefill_split() -> bool:
     return _env_switch("HIPENGINE_PREFILL_SPLIT") is not False
 
 
+AP_MIN_BLOCKS = 4  # attention_prefill.hip HE_AP_MIN_BLOCKS: 4-warp blocks resident per SM (v44e)
+
+
 def ap_defines(hd: int) -> dict:
-    """Build defines of attention_prefill.hip for head size hd (HIPENGINE_AP_MIN_BLOCKS=N: N blocks of 4 warps
-    resident per SM, registers capped to fit — an A/B knob)."""
-    d = {"HE_AP_HD": int(hd), "HE_AP_XSPLIT": int(prefill_split())}
+    """Build defines of attention_prefill.hip for head size hd: its head size, the activations' split
+    (prefill_split) and the warps kept resident per SM, as AP_MIN_BLOCKS blocks of 4 warps (registers capped
+    to fit); HIPENGINE_AP_MIN_BLOCKS=0..8 overrides it (0: the compiler's choice) — an A/B knob."""
     raw = os.environ.get("HIPENGINE_AP_MIN_BLOCKS", "")
-    if raw:
-        if not raw.isdigit() or not 1 <= int(raw) <= 8:
-            raise UnsupportedError(f"HIPENGINE_AP_MIN_BLOCKS must be 1..8, not {raw!r}")
-        d["HE_AP_MIN_BLOCKS"] = int(raw)
-    return d
+    if raw and (not raw.isdigit() or int(raw) > 8):
+        raise UnsupportedError(f"HIPENGINE_AP_MIN_BLOCKS must be 0..8, not {raw!r}")
+    return {"HE_AP_HD": int(hd), "HE_AP_XSPLIT": int(prefill_split()),
+            "HE_AP_MIN_BLOCKS": int(raw) if raw else AP_MIN_BLOCKS}
 
 
 def mma_rotate() -> bool:
