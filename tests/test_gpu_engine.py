@@ -190,9 +190,11 @@ def test_prefill_build_knobs(monkeypatch):
 
     ap = (Path(ops.__file__).parents[2] / "kernels_hip/ops/attention_prefill.hip").read_text()
     pf = (Path(ops.__file__).parents[2] / "kernels_hip/ops/prefill.hip").read_text()
-    assert f"#define HE_AP_MIN_BLOCKS {ops.AP_MIN_BLOCKS}\n" in ap
+    assert "#define HE_AP_MIN_BLOCKS (HE_AP_HD <= 64 ? 4 : 0)\n" in ap
+    assert [ops.ap_min_blocks(hd) for hd in (16, 64, 80, 128)] == [4, 4, 0, 0]
     assert "#define HE_AP_XSPLIT 1\n" in ap and "#define HE_PF_XSPLIT 1\n" in pf
-    assert ops.ap_defines(64) == {"HE_AP_HD": 64, "HE_AP_XSPLIT": 1, "HE_AP_MIN_BLOCKS": ops.AP_MIN_BLOCKS}
+    assert ops.ap_defines(64) == {"HE_AP_HD": 64, "HE_AP_XSPLIT": 1, "HE_AP_MIN_BLOCKS": 4}
+    assert ops.ap_defines(128)["HE_AP_MIN_BLOCKS"] == 0
     assert ops.MmaBuild(4, 6).defines() == {"HE_PF_WARPS": 4, "HE_PF_STAGES": 6, "HE_PF_XSPLIT": 1}
     monkeypatch.setenv("HIPENGINE_AP_MIN_BLOCKS", "0")
     monkeypatch.setenv("HIPENGINE_PREFILL_SPLIT", "0")

@@ -201,18 +201,21 @@ def prefill_split() -> bool:
     return _env_switch("HIPENGINE_PREFILL_SPLIT") is not False
 
 
-AP_MIN_BLOCKS = 4  # attention_prefill.hip HE_AP_MIN_BLOCKS: 4-warp blocks resident per SM (v44e)
+def ap_min_blocks(hd: int) -> int:
+    """attention_prefill.hip's HE_AP_MIN_BLOCKS default: 4 blocks of 4 warps resident per SM at hd ≤ 64
+    (registers capped at 128: v44e), 0 (the compiler's choice) above, where the O and q fragments need more."""
+    return 4 if hd <= 64 else 0
 
 
 def ap_defines(hd: int) -> dict:
     """Build defines of attention_prefill.hip for head size hd: its head size, the activations' split
-    (prefill_split) and the warps kept resident per SM, as AP_MIN_BLOCKS blocks of 4 warps (registers capped
-    to fit); HIPENGINE_AP_MIN_BLOCKS=0..8 overrides it (0: the compiler's choice) — an A/B knob."""
+    (prefill_split) and the warps kept resident per SM (ap_min_blocks); HIPENGINE_AP_MIN_BLOCKS=0..8 overrides
+    the last (0: the compiler's choice) — an A/B knob."""
     raw = os.environ.get("HIPENGINE_AP_MIN_BLOCKS", "")
     if raw and (not raw.isdigit() or int(raw) > 8):
         raise UnsupportedError(f"HIPENGINE_AP_MIN_BLOCKS must be 0..8, not {raw!r}")
     return {"HE_AP_HD": int(hd), "HE_AP_XSPLIT": int(prefill_split()),
-            "HE_AP_MIN_BLOCKS": int(raw) if raw else AP_MIN_BLOCKS}
+            "HE_AP_MIN_BLOCKS": int(raw) if raw else ap_min_blocks(hd)}
 
 
 def mma_rotate() -> bool:

@@ -89,21 +89,28 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
   constexpr int kVec = kApKeys * kApHd / 8;  // 16-byte vectors per K (or V) step
 
   for (int kb = ks; kb < kend; kb += kApKeys) {
-    // K rows into Ks (asynchronous), V rows transposed into Vt; keys at or past kend are zeros.
+    // K rows into Ks (asynchronous); keys at or past kend are zeros.
     for (int i = tid; i < kVec; i += kThreads) {
       const int key = i / (kApHd / 8), c = (i % (kApHd / 8)) * 8;
       const bool ok = kb + key < kend;
       he_cp_async16(Ks + key * kApKld + c, ok ? (const void*)(kbase + (he_i64)(kb + key) * kApHd + c)
                                              : (const void*)kbase, ok);
-      const he_vec16 v = ok ? he_load16(vbase + (he_i64)(kb + key) * kApHd + c) : he_vec16{0u, 0u, 0u, 0u};
-      const he_u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        Vt[(c + 2 * j) * kApVld + key] = (he_u16)(w[j] & 0xffffu);
-        Vt[(c + 2 * j + 1) * kApVld + key] = (he_u16)(w[j] >> 16);
-      }
     }
     he_cp_async_commit();
+    // V rows transposed into Vt: a lane takes two consecutive keys (kp) and 8 dims, so each store is a
+    // 32-bit word (key pair) and the lanes of a store hit consecutive words — conflict-free. (One key per lane
+    // and 16-bit stores put a warp's 8 dim groups on one bank: 8-way conflicts, 32 stores per lane per step.)
+    for (int i = tid; i < kVec / 2; i += kThreads) {
+      const int kp = i % (kApKeys / 2), c = (i / (kApKeys / 2)) * 8, k0 = kb + 2 * kp;
+      const he_vec16 a = k0 < kend ? he_load16(vbase + (he_i64)k0 * kApHd + c) : he_vec16{0u, 0u, 0u, 0u};
+      const he_vec16 b = k0 + 1 < kend ? he_load16(vbase + (he_i64)(k0 + 1) * kApHd + c) : he_vec16{0u, 0u, 0u, 0u};
+      const he_u32 wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // dims c + 2j (the words' low halves) and c + 2j + 1 (high halves)
+        *(he_u32*)(Vt + (c + 2 * j) * kApVld + 2 * kp) = (wa[j] & 0xffffu) | (wb[j] << 16);
+        *(he_u32*)(Vt + (c + 2 * j + 1) * kApVld + 2 * kp) = (wa[j] >> 16) | (wb[j] & 0xffff0000u);
+      }
+    }
     he_cp_async_wait<0>();
     he_sync_block();
     // S = Q·Kᵀ for this warp's head, 16 queries × 64 keys in registers, scaled into log2 units and masked.
@@ -188,12 +195,13 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
   }
 }
 
-// HE_AP_MIN_BLOCKS (ops.ap_defines, HIPENGINE_AP_MIN_BLOCKS): the warps of 4 blocks of 4 warps kept resident
-// per SM (the compiler caps the registers to fit: 128 on NVIDIA, 44 B of spills outside the step loop; left
-// to itself it takes 142 and fits 3 blocks — measured 8% slower at 1K, 6% at 32K: v44e); 0 leaves the
-// registers to the compiler.
+// HE_AP_MIN_BLOCKS (ops.ap_defines, HIPENGINE_AP_MIN_BLOCKS): the warps of that many blocks of 4 warps kept
+// resident per SM (the compiler caps the registers to fit). 4 at hd ≤ 64: 128 registers on NVIDIA, ~48 B of
+// spills outside the step loop, where left to itself it takes 142 and fits 3 blocks (measured 8% slower at
+// 1K, 6% at 32K: v44e); 0 (the compiler's choice) at larger hd, whose O and q fragments alone need more (hd
+// 128 capped at 128 registers: 700 B of spills).
 #ifndef HE_AP_MIN_BLOCKS
-#define HE_AP_MIN_BLOCKS 4
+#define HE_AP_MIN_BLOCKS (HE_AP_HD <= 64 ? 4 : 0)
 #endif
 #if HE_AP_MIN_BLOCKS > 0
 #define HE_AP_BOUNDS(g) extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(g * kWarpSize, HE_AP_MIN_BLOCKS * 4 / g)
