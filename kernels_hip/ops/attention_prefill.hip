@@ -209,9 +209,9 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
 #define HE_AP_BOUNDS(g) HE_KERNEL(g * kWarpSize)
 #endif
 #define HE_AP_KERNEL(g)                                                                                     \
-  HE_AP_BOUNDS(g) attention_prefill_g##g(const float* q, const he_kv* k_cache,                        \
-                                                    const he_kv* v_cache, float* partial, const int* pos_p,  \
-                                                    int T, int nsp, int nh, int nkv, int hd, int max_ctx) {  \
+  HE_AP_BOUNDS(g) attention_prefill_g##g(const float* q, const he_kv* k_cache, const he_kv* v_cache,          \
+                                         float* partial, const int* pos_p, int T, int nsp, int nh, int nkv,   \
+                                         int hd, int max_ctx) {                                               \
     extern __shared__ he_vec16 he_ap_smem[];                                                                  \
     (void)nkv; (void)hd; /* = gridDim.x / nsp and HE_AP_HD: for the reader (and the host's emulation) */     \
     he_pdl_trigger();                                                                                         \
