@@ -526,14 +526,7 @@ HE_INLINE int he_att_q(int) { return he_lane_id() & 15; }
 HE_INLINE int he_att_c(int i) { return 4 * (he_lane_id() >> 4) + i; }
 HE_INLINE int he_att_qrow(int) { return he_lane_id() & 15; }
 HE_INLINE bool he_att_leader() { return (he_lane_id() >> 4) == 0; }
-HE_INLINE float he_att_row_max(float v) {
-  v = he_fmax(v, he_shfl_xor(v, 16));
-  return he_fmax(v, he_shfl_xor(v, 32));
-}
-HE_INLINE float he_att_row_sum(float v) {
-  v += he_shfl_xor(v, 16);
-  return v + he_shfl_xor(v, 32);
-}
+HE_INLINE constexpr int he_att_row_lanes() { return 16; }  // lanes l, l ^ 16, l ^ 32, l ^ 48: one query
 template <bool kF16>
 HE_INLINE void he_att_qk(HeMmaAcc& s, const HeMmaFrag& q, const HeMmaFrag& k) { he_mma<kF16>(s, k, q); }
 template <bool kF16>
@@ -550,14 +543,7 @@ HE_INLINE int he_att_q(int i) { return he_mma_acc_m(i); }
 HE_INLINE int he_att_c(int i) { return he_mma_acc_n(i); }
 HE_INLINE int he_att_qrow(int j) { return (he_lane_id() >> 2) + 8 * j; }
 HE_INLINE bool he_att_leader() { return (he_lane_id() & 3) == 0; }
-HE_INLINE float he_att_row_max(float v) {
-  v = he_fmax(v, he_shfl_xor(v, 1));
-  return he_fmax(v, he_shfl_xor(v, 2));
-}
-HE_INLINE float he_att_row_sum(float v) {
-  v += he_shfl_xor(v, 1);
-  return v + he_shfl_xor(v, 2);
-}
+HE_INLINE constexpr int he_att_row_lanes() { return 1; }  // lanes 4g .. 4g + 3: the same queries
 template <bool kF16>
 HE_INLINE void he_att_qk(HeMmaAcc& s, const HeMmaFrag& q, const HeMmaFrag& k) { he_mma<kF16>(s, q, k); }
 template <bool kF16>
@@ -568,6 +554,14 @@ HE_INLINE void he_att_p_frag(const HeMmaAcc& s, HeMmaFrag& hi, HeMmaFrag& lo) {
   for (int q = 0; q < 4; ++q) he_split2<kF16>(s.v[2 * q], s.v[2 * q + 1], hi.w[q], lo.w[q]);  // slots 2q, 2q+1
 }
 #endif
+HE_INLINE float he_att_row_max(float v) {  // over the four lanes of a query: xor he_att_row_lanes(), then twice it
+  v = he_fmax(v, he_shfl_xor(v, he_att_row_lanes()));
+  return he_fmax(v, he_shfl_xor(v, 2 * he_att_row_lanes()));
+}
+HE_INLINE float he_att_row_sum(float v) {
+  v += he_shfl_xor(v, he_att_row_lanes());
+  return v + he_shfl_xor(v, 2 * he_att_row_lanes());
+}
 
 #if HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 HE_INLINE void he_cp_async16(void* dst, const void* src, bool valid) {

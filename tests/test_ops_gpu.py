@@ -229,9 +229,9 @@ ATTN_CASES = [  # nh, nkv, hd, seq, max_ctx, T
     (32, 8, 64, 1024, 1088, 64), (32, 8, 64, 64, 4160, 64), (8, 2, 128, 4100, 8192, 37), (12, 2, 128, 300, 512, 20)]
 
 
-@pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", ATTN_CASES)
-def test_attention(gpu, nh, nkv, hd, seq, max_ctx, T):
-    """Query t sees positions [0, pos0 + t]; pos0 = seq - T. Splits past the end must be skipped."""
+def _run_attention(gpu, nh, nkv, hd, seq, max_ctx, T):
+    """Ops.attention of T random queries at pos0 = seq - T over a random bf16 cache, outputs poisoned:
+    (output [T][nh·hd], q, K and V as float64, pos0)."""
     rt, ops, O = gpu
     nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd)
     k = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32) * 2)
@@ -243,7 +243,14 @@ def test_attention(gpu, nh, nkv, hd, seq, max_ctx, T):
     ops.attention(rt.upload(q), rt.upload(k), rt.upload(v), part, out, rt.upload(np.array([pos0], np.int32)), T=T,
                   nh=nh, nkv=nkv, hd=hd, max_ctx=max_ctx, nsplit=nsplit, chunk=chunk)
     got = rt.download(out, (T, nh * hd), np.float32)
-    kf, vf = O.from_bf16(k).astype(np.float64), O.from_bf16(v).astype(np.float64)
+    return got, q, O.from_bf16(k).astype(np.float64), O.from_bf16(v).astype(np.float64), pos0
+
+
+@pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", ATTN_CASES)
+def test_attention(gpu, nh, nkv, hd, seq, max_ctx, T):
+    """Query t sees positions [0, pos0 + t]; pos0 = seq - T. Splits past the end must be skipped."""
+    rt, ops, O = gpu
+    got, q, kf, vf, pos0 = _run_attention(gpu, nh, nkv, hd, seq, max_ctx, T)
     # the matrix-core prefill takes q and the probabilities as hi/lo 16-bit pairs (~16 bits): its scores,
     # in the tens here, carry ~1e-4 of absolute error
     mma = T > 1 and O.attention_prefill_mma(rt.arch, nh // nkv, hd, rt.max_shared_per_block)
@@ -260,17 +267,7 @@ def test_attention_prefill_unsplit(gpu, nh, nkv, hd, seq, max_ctx, T, monkeypatc
     if not (T > 1 and O.attention_prefill_mma(rt.arch, nh // nkv, hd, rt.max_shared_per_block)):
         pytest.skip("no matrix-core prefill attention here")
     monkeypatch.setenv("HIPENGINE_PREFILL_SPLIT", "0")
-    nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd)
-    k = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32) * 2)
-    v = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32))
-    q = RNG.standard_normal((T, nh * hd)).astype(np.float32)
-    pos0 = seq - T
-    part = poisoned(rt, O.Ops.partial_floats(T, nh, hd, nsplit))
-    out = poisoned(rt, T * nh * hd)
-    ops.attention(rt.upload(q), rt.upload(k), rt.upload(v), part, out, rt.upload(np.array([pos0], np.int32)), T=T,
-                  nh=nh, nkv=nkv, hd=hd, max_ctx=max_ctx, nsplit=nsplit, chunk=chunk)
-    got = rt.download(out, (T, nh * hd), np.float32)
-    kf, vf = O.from_bf16(k).astype(np.float64), O.from_bf16(v).astype(np.float64)
+    got, q, kf, vf, pos0 = _run_attention(gpu, nh, nkv, hd, seq, max_ctx, T)
     q16 = O.from_bf16(O.to_bf16(q)).astype(np.float64)
     for t in range(T):
         ref = O.ref_attention(q16[t].reshape(nh, hd), kf, vf, pos0 + t + 1)
