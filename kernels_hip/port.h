@@ -737,6 +737,9 @@ HE_INLINE he_u32 he_sm_id() {
 
 // Portable extern "C" kernel declaration; standalone kernels are `HE_KERNEL(256) name(args) {...}`.
 #define HE_KERNEL(max_threads) extern "C" __global__ void HE_LAUNCH_BOUNDS(max_threads)
+// + at least min_blocks blocks resident per SM / CU (registers capped to fit: HE_LAUNCH_BOUNDS_MIN)
+#define HE_KERNEL_MIN(max_threads, min_blocks) \
+  extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(max_threads, min_blocks)
 
 // ------------------------------------------------------------------------------------------------------
 // Launch overlap between consecutive kernels of one stream (the per-op path's decode step).

@@ -58,8 +58,8 @@ def test_ops_are_warp_width_agnostic(path):
 
 
 def _kernel_bodies(code: str):
-    """(name, body) of every HE_KERNEL in `code` (comments stripped; macro kernels included)."""
-    for m in re.finditer(r"HE_KERNEL\([^)]*\)\s*([\w#]+)\s*\(", code):
+    """(name, body) of every HE_KERNEL / HE_KERNEL_MIN in `code` (comments stripped; macro kernels included)."""
+    for m in re.finditer(r"HE_KERNEL(?:_MIN)?\([^)]*\)[\s\\]*([\w#]+)\s*\(", code):
         i = code.index("{", m.end())
         depth, j = 1, i + 1
         while depth:
@@ -97,7 +97,7 @@ READ_ONLY_PARAMS = {"W", "W2", "Wg", "Wu", "gamma", "bias", "cos_t", "sin_t", "t
 
 
 def _kernel_params(code: str):
-    for m in re.finditer(r"HE_KERNEL\([^)]*\)\s*([\w#]+)\s*\(", code):
+    for m in re.finditer(r"HE_KERNEL(?:_MIN)?\([^)]*\)[\s\\]*([\w#]+)\s*\(", code):
         i, depth = m.end(), 1
         j = i
         while depth:

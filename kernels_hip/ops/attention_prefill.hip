@@ -203,15 +203,12 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
 #ifndef HE_AP_MIN_BLOCKS
 #define HE_AP_MIN_BLOCKS (HE_AP_HD <= 64 ? 4 : 0)
 #endif
-#if HE_AP_MIN_BLOCKS > 0
-#define HE_AP_BOUNDS(g) extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(g * kWarpSize, HE_AP_MIN_BLOCKS * 4 / g)
-#else
-#define HE_AP_BOUNDS(g) HE_KERNEL(g * kWarpSize)
-#endif
+// As launch bounds: HE_AP_MIN_BLOCKS·4 warps in blocks of G; with 0, 8 warps (≤ 255 registers: no cap).
+constexpr int kApMinWarps = HE_AP_MIN_BLOCKS > 0 ? HE_AP_MIN_BLOCKS * 4 : 8;
 #define HE_AP_KERNEL(g)                                                                                     \
-  HE_AP_BOUNDS(g) attention_prefill_g##g(const float* q, const he_kv* k_cache, const he_kv* v_cache,          \
-                                         float* partial, const int* pos_p, int T, int nsp, int nh, int nkv,   \
-                                         int hd, int max_ctx) {                                               \
+  HE_KERNEL_MIN(g * kWarpSize, kApMinWarps / g)                                                             \
+      attention_prefill_g##g(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,    \
+                             const int* pos_p, int T, int nsp, int nh, int nkv, int hd, int max_ctx) {      \
     extern __shared__ he_vec16 he_ap_smem[];                                                                  \
     (void)nkv; (void)hd; /* = gridDim.x / nsp and HE_AP_HD: for the reader (and the host's emulation) */     \
     he_pdl_trigger();                                                                                         \

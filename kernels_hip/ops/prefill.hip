@@ -340,7 +340,7 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
 // with S·kchunk ≥ in and (S − 1)·kchunk < in; part: S·tiles·16·kMT·kPfBN floats when S > 1.
 // Two blocks per SM (the ring is sized for it: ops.mma_build), so registers are capped to fit two.
 #define HE_MATMUL_MMA_KERNEL(NAME, MT)                                                                        \
-  extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kPfThreads, 2)                                              \
+  HE_KERNEL_MIN(kPfThreads, 2)                                                                                \
       NAME(const he_u16* __restrict__ W, const he_u16* __restrict__ W2, const float* X, const float* bias,    \
            float* Y, int M, int rows, int in, int mode, int w_f16, int kchunk, int rotate, float* part,       \
            he_u32* count) {                                                                                   \
