@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from datetime import datetime, timezone
 
@@ -218,4 +217,6 @@ def chunk_breakdown(be, pos: int, M: int = 64, reps: int = 5) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hipengine.errors import run_script
+
+    run_script(main)

@@ -33,4 +33,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hipengine.errors import run_script
+
+    run_script(main)

@@ -45,4 +45,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from hipengine.errors import run_script
+
+    run_script(main)

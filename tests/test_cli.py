@@ -203,3 +203,30 @@ def test_bench_decode_max_context_smaller_than_context_is_refused(capsys):
     assert cli.main(["bench", "decode", "--shape", "llama-3.2-1b", "--context", "8192", "--max-context", "4096"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --max-context 4096 is smaller than --context 8192: the KV cache must hold the context"]
+
+
+SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_report_errors_in_one_line(path):
+    """Every script with a main() runs it through hipengine.errors.run_script, so that no GPU, a bad option or
+    a refused shape is the CLI's one line and exit code, never a traceback."""
+    text = path.read_text()
+    if "def main(" not in text:
+        pytest.skip("no main()")
+    tail = text[text.index('if __name__ == "__main__":'):]
+    own = "except HipEngineError" in text  # bench_cpu.py: runs from a checkout without the package installed
+    assert own or "run_script(main)" in tail, f"{path.name}: call main() through hipengine.errors.run_script"
+
+
+def test_gpu_script_without_gpu_is_one_line():
+    """scripts/bench_prefill.py on a machine without a GPU: one line, non-zero exit."""
+    if os.environ.get("HIPENGINE_TEST_HAS_GPU") or Path("/dev/nvidia0").exists() or Path("/dev/kfd").exists():
+        pytest.skip("a GPU is present")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_prefill.py"
+    env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
+    r = subprocess.run([sys.executable, str(script), "--lengths", "64"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
