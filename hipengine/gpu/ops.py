@@ -224,12 +224,18 @@ def mma_rotate() -> bool:
     return _env_switch("HIPENGINE_MMA_ROTATE") is not False
 
 
+def mma_tiles(rows: int, mode: int, tile_rows: int) -> int:
+    """Blocks of one matmul_mma launch along the weight: tile_rows weight rows each (mode 2: tile_rows / 2 rows
+    of each of gate and up, so half as many output rows per tile)."""
+    return math.ceil(rows / (tile_rows // 2 if mode == 2 else tile_rows))
+
+
 def mma_plan(rows: int, inn: int, mode: int, num_sms: int, tile_rows: int = 64) -> tuple[int, int, int]:
     """(tiles, splits, kchunk) of one matmul_mma launch: tiles of `tile_rows` weight rows (mode 2: half as
     many output rows per tile); when they cannot fill the GPU, K is split so that at most 2 blocks per SM
     run, each split a whole number of MMA_BK-column k-steps (no empty split). tiles · splits ≤ 2 · num_sms
     whenever splits > 1 (mma_part_floats relies on it)."""
-    tiles = math.ceil(rows / (tile_rows // 2 if mode == 2 else tile_rows))
+    tiles = mma_tiles(rows, mode, tile_rows)
     steps = math.ceil(inn / MMA_BK)
     # at most 2 blocks per SM: with the ring sized for two blocks (MmaBuild) that is all that is resident at
     # once, and a second wave of a few blocks cost QKV 21% (6 splits of 48 tiles = 288 blocks; v42e)
@@ -294,7 +300,7 @@ def mma_build(rt, rows: int | None = None, mode: int = 0) -> MmaBuild:
         warps = int(raw)
     else:
         # 8 warps where the 128-row tiles take at most two K splits (gate/up of Llama-3.2-1B: 128 tiles × 2)
-        wide = rows is not None and 2 * math.ceil(rows / (64 if mode == 2 else 128)) >= rt.num_sms
+        wide = rows is not None and 2 * mma_tiles(rows, mode, 128) >= rt.num_sms
         # gfx942: the 8-warp block's [128][132] fp32 result tile alone exceeds its 64 KiB of LDS
         warps = 8 if wide and mma_shared_bytes(PREFILL_M, 2, 128) <= rt.max_shared_per_block else 4
     forced = os.environ.get("HIPENGINE_MMA_STAGES")
