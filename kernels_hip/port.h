@@ -563,18 +563,36 @@ HE_INLINE float he_att_row_sum(float v) {
   return v + he_shfl_xor(v, 2 * he_att_row_lanes());
 }
 
-#if HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-HE_INLINE void he_cp_async16(void* dst, const void* src, bool valid) {
+// HeSmem: a shared-memory buffer as a generic pointer and (NVIDIA) its 32-bit shared-window address, taken once
+// per kernel (he_smem(p)) so that copies into it at byte offsets (he_cp_async16_at) need no per-copy address
+// conversion (on sm_90 each cvta.to.shared reads two special registers).
+struct HeSmem {
+  char* p;
   he_u32 s;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(valid ? 16 : 0) : "memory");
+};
+#if HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+HE_INLINE HeSmem he_smem(char* p) {
+  he_u32 s;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(s) : "l"(p));
+  return HeSmem{p, s};
+}
+HE_INLINE void he_cp_async16_at(const HeSmem& b, int off, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(b.s + off), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+HE_INLINE void he_cp_async16(void* dst, const void* src, bool valid) {
+  he_cp_async16_at(he_smem((char*)dst), 0, src, valid);
 }
 HE_INLINE void he_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 HE_INLINE void he_cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 #else
+HE_INLINE HeSmem he_smem(char* p) { return HeSmem{p, 0u}; }
 HE_INLINE void he_cp_async16(void* dst, const void* src, bool valid) {
   *(he_vec16*)dst = valid ? *(const he_vec16*)src : he_vec16{0u, 0u, 0u, 0u};
+}
+HE_INLINE void he_cp_async16_at(const HeSmem& b, int off, const void* src, bool valid) {
+  he_cp_async16(b.p + off, src, valid);
 }
 HE_INLINE void he_cp_async_commit() {}
 template <int N>

@@ -151,50 +151,56 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
   const int rot = (rotate && nsteps > 0) ? nt % nsteps : 0;
   const int half = kPfBN / 2;
 
-  // This thread's copies of a stage: source rows (nullptr: past the weight / the chunk, or no such copy),
-  // columns inside the step, and offsets inside the stage.
+  // This thread's copies of a stage: source rows (always a mapped address: row 0 where the row is past the
+  // weight / the chunk, which wok / xok then mark), columns inside the step, offsets inside the stage (−1: no
+  // such copy). Copies go to the ring through its shared address, taken once (port.h he_smem).
+  const HeSmem ring = he_smem(smem);
   const he_u16* wp[kWPer];
   int wc[kWPer], ws[kWPer];
+  bool wok[kWPer];
 #pragma unroll
   for (int i = 0; i < kWPer; ++i) {
     const int idx = tid + i * kPfThreads, vr = idx / (kPfBK / 8);
     wc[i] = (idx % (kPfBK / 8)) * 8;
-    ws[i] = vr * kPfWld * 2 + wc[i] * 2;
+    ws[i] = (idx < kWVec) ? vr * kPfWld * 2 + wc[i] * 2 : -1;
     const int n = (mode == 2) ? nt * half + (vr % half) : nt * kPfBN + vr;
     const he_u16* base = (mode == 2 && vr >= half) ? W2 : W;
-    wp[i] = (idx < kWVec && n < rows) ? base + (he_i64)n * in + wc[i] : nullptr;
-    if (idx >= kWVec) ws[i] = -1;
+    wok[i] = idx < kWVec && n < rows;
+    wp[i] = base + (wok[i] ? (he_i64)n * in : 0) + wc[i];
   }
   const float* xp[kXPer];
   int xc[kXPer], xs[kXPer];
+  bool xok[kXPer];
 #pragma unroll
   for (int i = 0; i < kXPer; ++i) {
     const int idx = tid + i * kPfThreads, m = idx / (kPfBK / 4);
     xc[i] = (idx % (kPfBK / 4)) * 4;
     xs[i] = (idx < kXVec) ? Sm::kW + m * kPfXld * 4 + xc[i] * 4 : -1;
-    xp[i] = (idx < kXVec && m < M) ? X + (he_i64)m * in + xc[i] : nullptr;
+    xok[i] = idx < kXVec && m < M;
+    xp[i] = X + (xok[i] ? (he_i64)m * in : 0) + xc[i];
   }
-  // in % 8 == 0 and kchunk % kPfBK == 0: a 16-byte copy is wholly inside [kbeg, kend) or wholly outside.
-  auto copy_w = [&](int step) {
-    char* st = smem + (step % kPfStages) * Sm::kStage;
-    const int k0 = kbeg + ((step + rot) % nsteps) * kPfBK;
+  // The copies of the step in stage `stage` whose columns start at k0. in % 8 == 0 and kchunk % kPfBK == 0: a
+  // 16-byte copy is wholly inside [kbeg, kend) or wholly outside; only a split's last columns can be short.
+  auto copy_w = [&](int stage, int k0) {
+    const bool whole = k0 + kPfBK <= kend;
 #pragma unroll
     for (int i = 0; i < kWPer; ++i)
       if (ws[i] >= 0) {
-        const bool ok = wp[i] && k0 + wc[i] < kend;
-        he_cp_async16(st + ws[i], ok ? (const void*)(wp[i] + k0) : (const void*)W, ok);
+        const bool ok = wok[i] && (whole || k0 + wc[i] < kend);
+        he_cp_async16_at(ring, stage * Sm::kStage + ws[i], wp[i] + (ok ? k0 : 0), ok);
       }
   };
-  auto copy_x = [&](int step) {
-    char* st = smem + (step % kPfStages) * Sm::kStage;
-    const int k0 = kbeg + ((step + rot) % nsteps) * kPfBK;
+  auto copy_x = [&](int stage, int k0) {
+    const bool whole = k0 + kPfBK <= kend;
 #pragma unroll
     for (int i = 0; i < kXPer; ++i)
       if (xs[i] >= 0) {
-        const bool ok = xp[i] && k0 + xc[i] < kend;
-        he_cp_async16(st + xs[i], ok ? (const void*)(xp[i] + k0) : (const void*)X, ok);
+        const bool ok = xok[i] && (whole || k0 + xc[i] < kend);
+        he_cp_async16_at(ring, stage * Sm::kStage + xs[i], xp[i] + (ok ? k0 : 0), ok);
       }
   };
+  // The columns of step s: kbeg + ((s + rot) % nsteps)·kPfBK (the k-loop below steps them without dividing).
+  auto step_k0 = [&](int s) { return kbeg + ((s + rot) % nsteps) * kPfBK; };
 
   using Map = HePfWarpMap<kMT>;
   constexpr int kTM = Map::kTM, kTN = Map::kTN, kMG = Map::kMG, kNG = Map::kNG;
@@ -206,22 +212,27 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
   // The ring's first kPfStages - 1 steps: weights before the wait (they never depend on the previous kernel),
   // X after it; one copy group per step (group 0 also holds the early weights of steps 1 ..).
   for (int s = 0; s < kPfStages - 1; ++s)
-    if (s < nsteps) copy_w(s);
+    if (s < nsteps) copy_w(s, step_k0(s));
   he_pdl_wait();  // port.h: X, Y, part and count are step data
   for (int s = 0; s < kPfStages - 1; ++s) {
-    if (s < nsteps) copy_x(s);
+    if (s < nsteps) copy_x(s, step_k0(s));
     he_cp_async_commit();
   }
   const int warp = he_warp_id(), mg = warp % kMG, ng = warp / kMG;
-  for (int step = 0; step < nsteps; ++step) {
+  // The next step to request (step + kPfStages − 1): its stage and its column step, advanced with wrap-around.
+  int nstage = kPfStages - 1, ncol = nsteps > 0 ? (kPfStages - 1 + rot) % nsteps : 0;
+  for (int step = 0, stage = 0; step < nsteps; ++step) {
     he_cp_async_wait<kPfStages - 2>();  // this thread's copies of `step` have landed ...
     he_sync_block();                    // ... and everyone's; everyone is done with step - 1's stage
-    if (step + kPfStages - 1 < nsteps) {
-      copy_w(step + kPfStages - 1);  // into the stage step - 1 used
-      copy_x(step + kPfStages - 1);
+    if (step + kPfStages - 1 < nsteps) {  // into the stage step - 1 used
+      copy_w(nstage, kbeg + ncol * kPfBK);
+      copy_x(nstage, kbeg + ncol * kPfBK);
+      nstage = (nstage + 1 == kPfStages) ? 0 : nstage + 1;
+      ncol = (ncol + 1 == nsteps) ? 0 : ncol + 1;
     }
     he_cp_async_commit();
-    const char* st = smem + (step % kPfStages) * Sm::kStage;
+    const char* st = smem + stage * Sm::kStage;
+    stage = (stage + 1 == kPfStages) ? 0 : stage + 1;
     const he_u16* Ws = (const he_u16*)st;
     const float* Xs = (const float*)(st + Sm::kW);
 #pragma unroll
