@@ -96,24 +96,28 @@ constexpr int kMaxBlockThreads = 1024;
 constexpr int kMaxWarpsPerBlock = kMaxBlockThreads / kWarpSize;  // sizes block-reduction scratch
 
 // ------------------------------------------------------------------------------------------------------
-// Thread / block indices (x and y; kernels here use at most 2-D grids and 1-D blocks).
+// Thread / block indices (x, y, z; kernels here use at most 3-D grids and 1-D blocks).
 // ------------------------------------------------------------------------------------------------------
 #if HE_AMD
 HE_INLINE int he_thread_idx() { return (int)__builtin_amdgcn_workitem_id_x(); }
 HE_INLINE int he_block_idx() { return (int)__builtin_amdgcn_workgroup_id_x(); }
 HE_INLINE int he_block_idx_y() { return (int)__builtin_amdgcn_workgroup_id_y(); }
+HE_INLINE int he_block_idx_z() { return (int)__builtin_amdgcn_workgroup_id_z(); }
 HE_INLINE int he_block_dim() { return (int)__builtin_amdgcn_workgroup_size_x(); }
 // grid_size is in work-items on AMD (HSA dispatch packet); divide by the block size to get blocks.
 HE_INLINE int he_grid_dim() { return (int)(__builtin_amdgcn_grid_size_x() / __builtin_amdgcn_workgroup_size_x()); }
 HE_INLINE int he_grid_dim_y() { return (int)(__builtin_amdgcn_grid_size_y() / __builtin_amdgcn_workgroup_size_y()); }
+HE_INLINE int he_grid_dim_z() { return (int)(__builtin_amdgcn_grid_size_z() / __builtin_amdgcn_workgroup_size_z()); }
 HE_INLINE int he_lane_id() { return (int)__builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u)); }
 #else
 HE_INLINE int he_thread_idx() { return (int)threadIdx.x; }
 HE_INLINE int he_block_idx() { return (int)blockIdx.x; }
 HE_INLINE int he_block_idx_y() { return (int)blockIdx.y; }
+HE_INLINE int he_block_idx_z() { return (int)blockIdx.z; }
 HE_INLINE int he_block_dim() { return (int)blockDim.x; }
 HE_INLINE int he_grid_dim() { return (int)gridDim.x; }
 HE_INLINE int he_grid_dim_y() { return (int)gridDim.y; }
+HE_INLINE int he_grid_dim_z() { return (int)gridDim.z; }
 HE_INLINE int he_lane_id() { return (int)(threadIdx.x & (kWarpSize - 1)); }
 #endif
 HE_INLINE int he_warp_id() { return he_thread_idx() / kWarpSize; }

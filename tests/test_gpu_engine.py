@@ -129,13 +129,37 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
         for rows in (1, 13, 576, 960, 2048, 3072, 8192, 128256):
             for inn in (8, 72, 576, 2048, 2056, 8192, 14336):
                 for mode in (0, 2):
-                    for tr in (64, 128):
-                        tiles, S, kchunk = ops.mma_plan(rows, inn, mode, sms, tr)
+                    for tr, z in ((64, 1), (128, 1), (64, 2), (64, 8), (128, 4)):
+                        tiles, S, kchunk = ops.mma_plan(rows, inn, mode, sms, tr, z)
                         assert tiles == math.ceil(rows / (tr // 2 if mode == 2 else tr))
                         assert kchunk % ops.MMA_BK == 0 and S * kchunk >= inn and (S - 1) * kchunk < inn
-                        if S > 1:
-                            assert tiles < sms and S * tiles * tr * 128 <= ops.mma_part_floats(sms, 128)
+                        if S > 1:  # one arrival counter per (row, token) tile; the partial tiles fit
+                            assert tiles * z < sms and S * tiles * z * tr * 128 <= ops.mma_part_floats(sms, 128)
+    # token tiles: a 100-token chunk is an m128 launch, so its scratch is sized for 128 rows
+    assert ops.mma_part_floats(132, 100) == ops.mma_part_floats(132, 128) == 2 * 132 * 128 * 128
     assert ops.mma_supported("sm_90") and ops.mma_supported("gfx942") and not ops.mma_supported("sm_75")
+
+
+def test_mma_token_tiles(monkeypatch):
+    """HIPENGINE_MMA_ZTILES cuts a chunk into token tiles only for weights with fewer row tiles than SMs; the
+    instantiation holds ceil(M / Z) tokens and the tiles cover M."""
+    from hipengine.gpu import ops
+
+    assert ops.mma_token_tiles(128, 32, 132) == (128, 1) and ops.mma_token_tiles(100, 32, 132) == (128, 1)
+    monkeypatch.setenv("HIPENGINE_MMA_ZTILES", "4")
+    assert ops.mma_token_tiles(128, 32, 132) == (32, 4) and ops.mma_token_tiles(128, 132, 132) == (128, 1)
+    assert ops.mma_token_tiles(100, 32, 132) == (32, 4) and ops.mma_token_tiles(5, 32, 132) == (16, 1)
+    monkeypatch.setenv("HIPENGINE_MMA_ZTILES", "8")
+    assert ops.mma_token_tiles(100, 32, 132) == (16, 7)
+    for M in range(1, 129):
+        for z in ("1", "2", "4", "8"):
+            monkeypatch.setenv("HIPENGINE_MMA_ZTILES", z)
+            mt, zt = ops.mma_token_tiles(M, 16, 132)
+            assert mt in (16, 32, 64, 128) and (zt - 1) * mt < M <= zt * mt
+    assert "HIPENGINE_MMA_ZTILES" in ops.MMA_KNOBS  # the chunk graphs are keyed by it
+    monkeypatch.setenv("HIPENGINE_MMA_ZTILES", "3")
+    with pytest.raises(ops.UnsupportedError, match="HIPENGINE_MMA_ZTILES"):
+        ops.mma_token_tiles(128, 32, 132)
 
 
 def test_attention_plan_caps_splits_when_free():

@@ -346,10 +346,25 @@ def test_prefill_matmul_mma(gpu, M, mode, f16, rows, inn, warps, monkeypatch):
     ops.mma_build): split K (13 and 333 rows: one or a few tiles) and one split (9,000 rows), rows and
     columns that are not tile multiples, chunks of 1 .. 128 tokens, outputs poisoned; then bit-identical on
     a second launch, arrival counters left zero."""
+    monkeypatch.setenv("HIPENGINE_MMA_WARPS", warps)
+    _check_prefill_matmul_mma(gpu, M, mode, f16, rows, inn)
+
+
+@pytest.mark.parametrize("M", [37, 100, 128])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("rows,inn", [(333, 2056), (2048, 2048)])
+@pytest.mark.parametrize("ztiles", ["2", "4", "8"])
+def test_prefill_matmul_mma_token_tiles(gpu, M, mode, rows, inn, ztiles, monkeypatch):
+    """The matrix-core prefill projection cut into token tiles (HIPENGINE_MMA_ZTILES: grid.z, fewer K
+    splits), last tiles short, against float64; deterministic, counters left zero."""
+    monkeypatch.setenv("HIPENGINE_MMA_ZTILES", ztiles)
+    _check_prefill_matmul_mma(gpu, M, mode, mode == 2, rows, inn)
+
+
+def _check_prefill_matmul_mma(gpu, M, mode, f16, rows, inn):
     rt, ops, O = gpu
     if not O.mma_supported(rt.arch):
         pytest.skip(f"no matrix cores on {rt.arch}")
-    monkeypatch.setenv("HIPENGINE_MMA_WARPS", warps)
     bits, W = weights(O, rows, inn, f16)
     bits2, W2 = weights(O, rows, inn, f16)
     X = RNG.standard_normal((M, inn)).astype(np.float32)

@@ -230,18 +230,45 @@ def mma_tiles(rows: int, mode: int, tile_rows: int) -> int:
     return math.ceil(rows / (tile_rows // 2 if mode == 2 else tile_rows))
 
 
-def mma_plan(rows: int, inn: int, mode: int, num_sms: int, tile_rows: int = 64) -> tuple[int, int, int]:
+def mma_plan(rows: int, inn: int, mode: int, num_sms: int, tile_rows: int = 64,
+             ztiles: int = 1) -> tuple[int, int, int]:
     """(tiles, splits, kchunk) of one matmul_mma launch: tiles of `tile_rows` weight rows (mode 2: half as
-    many output rows per tile); when they cannot fill the GPU, K is split so that at most 2 blocks per SM
-    run, each split a whole number of MMA_BK-column k-steps (no empty split). tiles · splits ≤ 2 · num_sms
-    whenever splits > 1 (mma_part_floats relies on it)."""
+    many output rows per tile), each launched for `ztiles` token tiles (mma_token_tiles); when the
+    tiles · ztiles blocks cannot fill the GPU, K is split so that at most 2 blocks per SM run, each split a
+    whole number of MMA_BK-column k-steps (no empty split). tiles · ztiles · splits ≤ 2 · num_sms and
+    tiles · ztiles < num_sms whenever splits > 1 (mma_part_floats and the arrival counters rely on it)."""
     tiles = mma_tiles(rows, mode, tile_rows)
     steps = math.ceil(inn / MMA_BK)
+    blocks = tiles * ztiles
     # at most 2 blocks per SM: with the ring sized for two blocks (MmaBuild) that is all that is resident at
     # once, and a second wave of a few blocks cost QKV 21% (6 splits of 48 tiles = 288 blocks; v42e)
-    splits = 1 if tiles >= num_sms else min(steps, max(1, (2 * num_sms) // tiles))
+    splits = 1 if blocks >= num_sms else min(steps, max(1, (2 * num_sms) // blocks))
     kchunk = math.ceil(steps / splits) * MMA_BK
     return tiles, math.ceil(inn / kchunk), kchunk
+
+
+def mma_rows(m: int) -> int:
+    """Token rows of the matmul_mma_m* instantiation that takes m tokens: 16, 32, 64 or 128 (PREFILL_M)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else PREFILL_M
+
+
+def mma_ztiles() -> int:
+    """Token tiles a matmul_mma launch may cut its chunk into where the weight has fewer row tiles than SMs
+    (else K splits fill the GPU): 1 (the whole chunk per block), or HIPENGINE_MMA_ZTILES = 2, 4 or 8."""
+    raw = os.environ.get("HIPENGINE_MMA_ZTILES", "1")
+    if raw not in ("1", "2", "4", "8"):
+        raise UnsupportedError(f"HIPENGINE_MMA_ZTILES must be 1, 2, 4 or 8, not {raw!r}")
+    return int(raw)
+
+
+def mma_token_tiles(M: int, tiles: int, num_sms: int) -> tuple[int, int]:
+    """(mt, ztiles): the matmul_mma_m{mt} instantiation for a chunk of M tokens and the token tiles (grid.z)
+    it is launched for. With fewer row tiles than SMs and mma_ztiles() = Z > 1, blocks take about M / Z
+    tokens each (mt the instantiation that holds them), so the grid fills with ztiles · tiles blocks and K
+    is split less (prefill.hip: token tiles); otherwise one tile of mma_rows(M) tokens."""
+    z = mma_ztiles() if tiles < num_sms else 1
+    mt = mma_rows(math.ceil(M / z))
+    return mt, math.ceil(M / mt)
 
 
 AP_MAX_SPLITS = 16  # attention_prefill's splits: at most the combine's one-round-trip batch (ATTN_COMBINE_BATCH)
@@ -266,7 +293,7 @@ def attention_prefill_mma(arch: str, G: int, hd: int, max_shared: int) -> bool:
 MMA_SMEM_CAP = 112 * 1024  # a block's ring on NVIDIA: two blocks per SM (H100 / H200: 228 KB per SM)
 # the environment knobs a prefill launch reads (the executor's chunk graphs are keyed by them)
 MMA_KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_ROTATE", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_STAGES",
-             "HIPENGINE_PREFILL_SPLIT", "HIPENGINE_AP_MIN_BLOCKS")
+             "HIPENGINE_PREFILL_SPLIT", "HIPENGINE_AP_MIN_BLOCKS", "HIPENGINE_MMA_ZTILES")
 
 
 class MmaBuild(NamedTuple):
@@ -329,8 +356,10 @@ def mma_shared_bytes(mt: int, stages: int, tile_rows: int = 64) -> int:
 
 
 def mma_part_floats(num_sms: int, max_m: int) -> int:
-    """Size of matmul_mma's split-K scratch for chunks of up to max_m tokens, any build (see mma_plan)."""
-    return 2 * num_sms * MMA_MAX_TILE_ROWS * (math.ceil(max_m / 16) * 16)
+    """Size of matmul_mma's split-K scratch for chunks of up to max_m tokens, any build and token tiling: at
+    most 2 · num_sms blocks when K is split (mma_plan), each a [mt, tile_rows] partial tile with
+    mt ≤ mma_rows(max_m) (the instantiation's rows, not the chunk's: 100 tokens run as m128)."""
+    return 2 * num_sms * MMA_MAX_TILE_ROWS * mma_rows(max_m)
 
 
 def attention_one_kernel(blocks: int, num_sms: int) -> bool:
@@ -531,10 +560,10 @@ class Ops:
             return
         if part is None or count is None:
             raise DeviceError("prefill_matmul on the matrix cores needs its split-K scratch (part, count)")
-        mt = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
         build = mma_build(self.rt, rows, mode)
-        tiles, splits, kchunk = mma_plan(rows, inn, mode, self.rt.num_sms, build.tile_rows)
-        self.rt.launch(self.fn("prefill", f"matmul_mma_m{mt}", build.defines()), (tiles, splits),
+        mt, ztiles = mma_token_tiles(M, mma_tiles(rows, mode, build.tile_rows), self.rt.num_sms)
+        tiles, splits, kchunk = mma_plan(rows, inn, mode, self.rt.num_sms, build.tile_rows, ztiles)
+        self.rt.launch(self.fn("prefill", f"matmul_mma_m{mt}", build.defines()), (tiles, splits, ztiles),
                        build.warps * self.rt.warp_size,
                        [_p(W), _p(W2), _p(X), _p(bias), _p(Y), c_int32(M), c_int32(rows), c_int32(inn),
                         c_int32(mode), c_int32(int(f16)), c_int32(kchunk), c_int32(int(mma_rotate())), _p(part),

@@ -70,9 +70,9 @@ HE_KERNEL(kMatvecMaxThreads) matmul_small_m(const he_u16* __restrict__ W, const 
 // ---- the matrix-core form ------------------------------------------------------------------------------
 // A block of kPfWarps warps owns kPfBN = 16·kPfWarps "virtual" weight rows — rows n0 .. n0+kPfBN-1 of W
 // (modes 0, 1), or kPfBN/2 rows of Wg followed by the same rows of Wu (mode 2, so SiLU·mul finds both halves
-// in the block) — and all 16·kMT token rows of the chunk (kMT ≤ 8: up to 128 tokens). The warps form kMG
-// token groups × kNG weight groups (HePfWarpMap): a warp takes kTM token tiles against kTN of the block's
-// 16-row weight tiles, so each A fragment is built once per warp and k-step. K advances kPfBK columns per
+// in the block) — and 16·kMT token rows of the chunk (kMT ≤ 8: up to 128 tokens; see token tiles below). The
+// warps form kMG token groups × kNG weight groups (HePfWarpMap): a warp takes kTM token tiles against kTN of
+// the block's 16-row weight tiles, so each A fragment is built once per warp and k-step. K advances kPfBK columns per
 // step through a ring of kPfStages shared-memory stages filled by asynchronous copies (port.h
 // he_cp_async16: no registers, kPfStages − 1 steps in flight while the matrix cores work on one); the
 // weights of the first steps are requested before the wait for the previous kernel. The build (warps,
@@ -83,10 +83,13 @@ HE_KERNEL(kMatvecMaxThreads) matmul_small_m(const he_u16* __restrict__ W, const 
 // activations keep ~16 (bf16) / ~22 (fp16) bits of mantissa instead of 8 / 11 — prefill stays as close to
 // the fp32 reference as the FMA path (the weights are exact either way) for twice the matrix work, which
 // these chunk sizes leave idle anyway. (fp16 weights: |x| must stay below 65504, as in any fp16 model.)
-// Split K (grid.y = S > 1, for weights with too few 64-row tiles to fill the GPU): split s sums columns
+// Token tiles (grid.z = Z > 1): block z takes tokens [z·16·kMT, (z+1)·16·kMT) of the chunk, so a weight with
+// few row tiles fills the GPU with Z·tiles blocks and fewer K splits (each split costs a partial tile's round
+// trip through `part` and the last arriver's sum); the weight tile is then read Z times, from L2.
+// Split K (grid.y = S > 1, for weights with too few (row, token) tiles to fill the GPU): split s sums columns
 // [s·kchunk, (s+1)·kchunk) into its slice of `part`, and the last of a tile's S blocks to arrive (sync.h
-// he_arrive_last; count: one zeroed word per tile, left zero) adds the S slices in split order — the result
-// does not depend on which block finishes last — and applies the epilogue:
+// he_arrive_last; count: one zeroed word per (row, token) tile, left zero) adds the S slices in split order —
+// the result does not depend on which block finishes last — and applies the epilogue:
 //   mode 0: Y = X Wᵀ (+ bias)   1: Y += X Wᵀ   2: Y = silu(X Wgᵀ) * (X Wuᵀ)   (Y [M, rows], row stride rows).
 #ifndef HE_PF_WARPS
 #define HE_PF_WARPS 4
@@ -144,11 +147,18 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
   constexpr int kXVec = kBM * kPfBK / 4;    // and X
   constexpr int kWPer = (kWVec + kPfThreads - 1) / kPfThreads, kXPer = (kXVec + kPfThreads - 1) / kPfThreads;
   const int tid = he_thread_idx(), nt = he_block_idx(), split = he_block_idx_y(), S = he_grid_dim_y();
+  // This block's token tile: rows [m0, m0 + M) of X and Y (the host launches ceil(M / kBM) of them).
+  const int m0 = he_block_idx_z() * kBM;
+  M = (M - m0 < kBM) ? M - m0 : kBM;
+  X += (he_i64)m0 * in;
+  Y += (he_i64)m0 * rows;
+  // The (row, token) tile's index among tiles·Z, for part and count (read again where used: fewer live registers).
+  auto tile_id = [&]() { return he_block_idx_z() * he_grid_dim() + nt; };
   const int kbeg = split * kchunk, kend = (kbeg + kchunk < in) ? kbeg + kchunk : in;
   const int nsteps = (kend - kbeg + kPfBK - 1) / kPfBK;
-  // rotate: tile nt starts its k-loop at step nt % nsteps and wraps around, so the blocks in flight read
+  // rotate: tile t starts its k-loop at step t % nsteps and wraps around, so the blocks in flight read
   // different columns of X at a time instead of all the same ones (a fixed order per tile: deterministic).
-  const int rot = (rotate && nsteps > 0) ? nt % nsteps : 0;
+  const int rot = (rotate && nsteps > 0) ? tile_id() % nsteps : 0;
   const int half = kPfBN / 2;
 
   // This thread's copies of a stage: source rows (always a mapped address: row 0 where the row is past the
@@ -273,17 +283,18 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
     static_assert(kTile % (4 * kPfThreads) == 0, "result tile in whole vectors per thread");
     constexpr int kSB = (kPfWarps == 4 ? 32 : 16) / kV;
     static_assert(kSB >= 1, "at least one split per round trip");
-    he_vec16* mine = (he_vec16*)(part + ((he_i64)split * he_grid_dim() + nt) * kTile);
+    const int tiles = he_grid_dim() * he_grid_dim_z(), tile = tile_id();
+    he_vec16* mine = (he_vec16*)(part + ((he_i64)split * tiles + tile) * kTile);
 #pragma unroll
     for (int v = 0; v < kV; ++v) {
       const int e = 4 * (tid + v * kPfThreads);
       mine[e / 4] = *(const he_vec16*)(C + (e / kPfBN) * kPfCld + e % kPfBN);
     }
     he_fence_acq_rel_device();  // release: this thread's slice stores, before the arrival (AMD: per thread)
-    if (!he_arrive_last(count + nt, (he_u32)S)) return;
+    if (!he_arrive_last(count + tile, (he_u32)S)) return;
     he_fence_acq_rel_device();  // acquire: every split's slice
-    const he_vec16* all = (const he_vec16*)(part + (he_i64)nt * kTile);  // split s at + s·grid·kTile floats
-    const he_i64 sstride = (he_i64)he_grid_dim() * kTile / 4;
+    const he_vec16* all = (const he_vec16*)(part + (he_i64)tile * kTile);  // split s at + s·tiles·kTile floats
+    const he_i64 sstride = (he_i64)tiles * kTile / 4;
     float sum[kV][4];
 #pragma unroll
     for (int v = 0; v < kV; ++v)
@@ -346,9 +357,10 @@ HE_INLINE void he_matmul_mma_body(const he_u16* __restrict__ W, const he_u16* __
   }
 }
 
-// Launch: grid (tiles, S), kPfThreads threads, HePfSmem<kMT>::kBytes of dynamic shared memory; tiles =
-// ceil(rows / kPfBN) (mode 2: ceil(rows / (kPfBN / 2))); M ≤ 16·kMT; in % 8 == 0; kchunk a multiple of kPfBK
-// with S·kchunk ≥ in and (S − 1)·kchunk < in; part: S·tiles·16·kMT·kPfBN floats when S > 1.
+// Launch: grid (tiles, S, Z), kPfThreads threads, HePfSmem<kMT>::kBytes of dynamic shared memory; tiles =
+// ceil(rows / kPfBN) (mode 2: ceil(rows / (kPfBN / 2))); Z = ceil(M / (16·kMT)) token tiles; in % 8 == 0;
+// kchunk a multiple of kPfBK with S·kchunk ≥ in and (S − 1)·kchunk < in; when S > 1, part:
+// S·tiles·Z·16·kMT·kPfBN floats and count: tiles·Z zeroed words.
 // Two blocks per SM (the ring is sized for it: ops.mma_build), so registers are capped to fit two.
 #define HE_MATMUL_MMA_KERNEL(NAME, MT)                                                                        \
   HE_KERNEL_MIN(kPfThreads, 2)                                                                                \
