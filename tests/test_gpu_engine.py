@@ -145,6 +145,9 @@ def test_mma_token_tiles(monkeypatch):
     instantiation holds ceil(M / Z) tokens and the tiles cover M."""
     from hipengine.gpu import ops
 
+    assert ops.mma_token_tiles(128, 32, 132) == (64, 2) and ops.mma_token_tiles(100, 32, 132) == (64, 2)
+    assert ops.mma_token_tiles(128, 132, 132) == (128, 1) and ops.mma_token_tiles(16, 32, 132) == (16, 1)
+    monkeypatch.setenv("HIPENGINE_MMA_ZTILES", "1")
     assert ops.mma_token_tiles(128, 32, 132) == (128, 1) and ops.mma_token_tiles(100, 32, 132) == (128, 1)
     monkeypatch.setenv("HIPENGINE_MMA_ZTILES", "4")
     assert ops.mma_token_tiles(128, 32, 132) == (32, 4) and ops.mma_token_tiles(128, 132, 132) == (128, 1)

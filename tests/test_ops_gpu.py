@@ -353,7 +353,7 @@ def test_prefill_matmul_mma(gpu, M, mode, f16, rows, inn, warps, monkeypatch):
 @pytest.mark.parametrize("M", [37, 100, 128])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("rows,inn", [(333, 2056), (2048, 2048)])
-@pytest.mark.parametrize("ztiles", ["2", "4", "8"])
+@pytest.mark.parametrize("ztiles", ["1", "4", "8"])  # 2: the default, in the tests above
 def test_prefill_matmul_mma_token_tiles(gpu, M, mode, rows, inn, ztiles, monkeypatch):
     """The matrix-core prefill projection cut into token tiles (HIPENGINE_MMA_ZTILES: grid.z, fewer K
     splits), last tiles short, against float64; deterministic, counters left zero."""

@@ -253,9 +253,11 @@ def mma_rows(m: int) -> int:
 
 
 def mma_ztiles() -> int:
-    """Token tiles a matmul_mma launch may cut its chunk into where the weight has fewer row tiles than SMs
-    (else K splits fill the GPU): 1 (the whole chunk per block), or HIPENGINE_MMA_ZTILES = 2, 4 or 8."""
-    raw = os.environ.get("HIPENGINE_MMA_ZTILES", "1")
+    """Token tiles a matmul_mma launch cuts its chunk into where the weight has fewer row tiles than SMs
+    (else K splits fill the GPU): 2, or HIPENGINE_MMA_ZTILES = 1 (the whole chunk per block), 4 or 8.
+    Measured on H200 (Llama-3.2-1B, 128-token chunks, docs/perf-log.md v45b): 2 took the 1K prompt from 31.4
+    to 28.4 ms (O −25%, QKV, gate/up and down −2–3%); 4 and 8 lost (gate/up +36% / +120%: m32 / m16 k-steps)."""
+    raw = os.environ.get("HIPENGINE_MMA_ZTILES", "2")
     if raw not in ("1", "2", "4", "8"):
         raise UnsupportedError(f"HIPENGINE_MMA_ZTILES must be 1, 2, 4 or 8, not {raw!r}")
     return int(raw)
