@@ -184,7 +184,7 @@ def chunk_breakdown(be, pos: int, M: int = 64, reps: int = 5) -> dict:
         "down": (lambda: ops.prefill_matmul(L["w_down"], be.h, be.x, M, d, F, mode=1, f16=f16, **mm), d * F),
     }
     out = {"position": pos, "tokens": M, "us_per_chunk": {}, "weight_gbps": {}, "tflops": {}, "builds": {}}
-    rows = {"qkv": (qd + 2 * kvd, 0), "o": (d, 1), "gate_up": (F, 2), "down": (d, 1)}
+    rows = {"qkv": (qd + 2 * kvd, 0, d, M), "o": (d, 1, qd, M), "gate_up": (F, 2, d, M), "down": (d, 1, F, M)}
     for k, (fn, n) in projections.items():
         out["builds"][k] = O.mma_build(rt, *rows[k])._asdict()
         us = timed(fn)

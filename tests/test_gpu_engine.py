@@ -105,6 +105,9 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
     assert ops.mma_build(h200) == (4, 4) and ops.mma_build(h200, 8192, 2) == (8, 3)
     assert ops.mma_build(h200, 2048, 0) == (4, 4) and ops.mma_build(h200, 3072, 0) == (4, 4)
     assert ops.mma_build(h200, 128256, 0) == (8, 3)
+    # with the weight's columns and the chunk: 8 warps where each K split keeps >= MMA_WIDE_STEPS k-steps
+    assert ops.mma_build(h200, 3072, 0, 2048) == (8, 3) and ops.mma_build(h200, 2048, 1, 8192) == (8, 3)
+    assert ops.mma_build(h200, 2048, 1, 2048) == (4, 4) and ops.mma_build(h200, 3072, 0, 2048, 64) == (4, 4)
     assert ops.mma_build(gfx942) == (4, 2) and ops.mma_build(gfx942, 128256, 0) == (4, 2)  # 8 warps: no room
     for dev in (h200, gfx942):
         for rows, mode in ((2048, 1), (16384, 2), (128256, 0)):
@@ -147,6 +150,7 @@ def test_mma_token_tiles(monkeypatch):
 
     assert ops.mma_token_tiles(128, 32, 132) == (64, 2) and ops.mma_token_tiles(100, 32, 132) == (64, 2)
     assert ops.mma_token_tiles(128, 132, 132) == (128, 1) and ops.mma_token_tiles(16, 32, 132) == (16, 1)
+    assert ops.mma_token_tiles(64, 32, 132) == (64, 1)  # no tiles under 64 tokens unless forced
     monkeypatch.setenv("HIPENGINE_MMA_ZTILES", "1")
     assert ops.mma_token_tiles(128, 32, 132) == (128, 1) and ops.mma_token_tiles(100, 32, 132) == (128, 1)
     monkeypatch.setenv("HIPENGINE_MMA_ZTILES", "4")

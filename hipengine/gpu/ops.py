@@ -252,12 +252,12 @@ def mma_rows(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else PREFILL_M
 
 
-def mma_ztiles() -> int:
-    """Token tiles a matmul_mma launch cuts its chunk into where the weight has fewer row tiles than SMs
-    (else K splits fill the GPU): 2, or HIPENGINE_MMA_ZTILES = 1 (the whole chunk per block), 4 or 8.
-    Measured on H200 (Llama-3.2-1B, 128-token chunks, docs/perf-log.md v45b): 2 took the 1K prompt from 31.4
-    to 28.4 ms (O −25%, QKV, gate/up and down −2–3%); 4 and 8 lost (gate/up +36% / +120%: m32 / m16 k-steps)."""
-    raw = os.environ.get("HIPENGINE_MMA_ZTILES", "2")
+def mma_ztiles() -> int | None:
+    """HIPENGINE_MMA_ZTILES = 1, 2, 4 or 8: the token tiles mma_token_tiles cuts a chunk into (A/B); None when
+    unset (the default rule there)."""
+    raw = os.environ.get("HIPENGINE_MMA_ZTILES", "")
+    if raw == "":
+        return None
     if raw not in ("1", "2", "4", "8"):
         raise UnsupportedError(f"HIPENGINE_MMA_ZTILES must be 1, 2, 4 or 8, not {raw!r}")
     return int(raw)
@@ -265,10 +265,14 @@ def mma_ztiles() -> int:
 
 def mma_token_tiles(M: int, tiles: int, num_sms: int) -> tuple[int, int]:
     """(mt, ztiles): the matmul_mma_m{mt} instantiation for a chunk of M tokens and the token tiles (grid.z)
-    it is launched for. With fewer row tiles than SMs and mma_ztiles() = Z > 1, blocks take about M / Z
-    tokens each (mt the instantiation that holds them), so the grid fills with ztiles · tiles blocks and K
-    is split less (prefill.hip: token tiles); otherwise one tile of mma_rows(M) tokens."""
-    z = mma_ztiles() if tiles < num_sms else 1
+    it is launched for. Where the weight has fewer row tiles than SMs, Z token tiles (blocks of about M / Z
+    tokens, mt the instantiation that holds them) fill the grid with Z · tiles blocks and K is split less
+    (prefill.hip: token tiles); otherwise one tile of mma_rows(M) tokens. Z: 2 for chunks of more than 64
+    tokens (tiles of at least 64), else 1; HIPENGINE_MMA_ZTILES forces it. Measured on H200 (Llama-3.2-1B,
+    docs/perf-log.md v45b/v45c): Z = 2 took a 1K prompt from 31.4 to 28.4 ms (O −25%); Z = 4 and 8 (m32 / m16
+    k-steps) lost (gate/up +36% / +120%), as did Z = 2 on a 64-token prompt (+7%)."""
+    forced = mma_ztiles()
+    z = (forced or (2 if M > 64 else 1)) if tiles < num_sms else 1
     mt = mma_rows(math.ceil(M / z))
     return mt, math.ceil(M / mt)
 
@@ -292,6 +296,7 @@ def attention_prefill_mma(arch: str, G: int, hd: int, max_shared: int) -> bool:
             and ap_shared_bytes(G, hd) <= min(max_shared, 64 * 1024))
 
 
+MMA_WIDE_STEPS = 12  # mma_build: the fewest k-steps per K split for which 8 warps beat 4 with split K
 MMA_SMEM_CAP = 112 * 1024  # a block's ring on NVIDIA: two blocks per SM (H100 / H200: 228 KB per SM)
 # the environment knobs a prefill launch reads (the executor's chunk graphs are keyed by them)
 MMA_KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_ROTATE", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_STAGES",
@@ -315,11 +320,13 @@ class MmaBuild(NamedTuple):
         return mma_shared_bytes(mt, self.stages, self.tile_rows)
 
 
-def mma_build(rt, rows: int | None = None, mode: int = 0) -> MmaBuild:
-    """The matmul_mma build for a weight of `rows` rows (mode as prefill_matmul): 8 warps (128-row tiles) where
-    such tiles fill at least half the GPU and the block fits (gate/up, the LM head: gate/up measured 13%
-    faster, bench_prefill_h200_v43a.json; not on gfx942), else 4 (64-row tiles, K split over fewer blocks:
-    QKV, O, down); HIPENGINE_MMA_WARPS=4|8 forces it. The ring as deep as fits (at most 6 stages) a chunk of
+def mma_build(rt, rows: int | None = None, mode: int = 0, inn: int | None = None, M: int = PREFILL_M) -> MmaBuild:
+    """The matmul_mma build for a weight of `rows` × `inn` (mode as prefill_matmul) and chunks of M tokens:
+    8 warps (128-row tiles) where the block fits (not on gfx942) and either such tiles fill at least half the
+    GPU (gate/up, the LM head: gate/up measured 13% faster, bench_prefill_h200_v43a.json) or, with the token
+    tiles of mma_token_tiles, each K split of the 8-warp plan keeps at least MMA_WIDE_STEPS k-steps (QKV and
+    down of Llama-3.2-1B: 13 and 32 steps, −22% / −17% against 4 warps; O: 8 steps, +7%; v45c); else 4 (64-row
+    tiles). HIPENGINE_MMA_WARPS=4|8 forces it. The ring as deep as fits (at most 6 stages) a chunk of
     PREFILL_M tokens in a block's shared memory — on NVIDIA within MMA_SMEM_CAP (two blocks per SM), on
     gfx942 its 64 KiB of LDS — or HIPENGINE_MMA_STAGES."""
     raw = os.environ.get("HIPENGINE_MMA_WARPS", "")
@@ -330,6 +337,10 @@ def mma_build(rt, rows: int | None = None, mode: int = 0) -> MmaBuild:
     else:
         # 8 warps where the 128-row tiles take at most two K splits (gate/up of Llama-3.2-1B: 128 tiles × 2)
         wide = rows is not None and 2 * mma_tiles(rows, mode, 128) >= rt.num_sms
+        if rows is not None and inn is not None and not wide:
+            t = mma_tiles(rows, mode, 128)
+            kchunk = mma_plan(rows, inn, mode, rt.num_sms, 128, mma_token_tiles(M, t, rt.num_sms)[1])[2]
+            wide = kchunk // MMA_BK >= MMA_WIDE_STEPS
         # gfx942: the 8-warp block's [128][132] fp32 result tile alone exceeds its 64 KiB of LDS
         warps = 8 if wide and mma_shared_bytes(PREFILL_M, 2, 128) <= rt.max_shared_per_block else 4
     forced = os.environ.get("HIPENGINE_MMA_STAGES")
@@ -562,7 +573,7 @@ class Ops:
             return
         if part is None or count is None:
             raise DeviceError("prefill_matmul on the matrix cores needs its split-K scratch (part, count)")
-        build = mma_build(self.rt, rows, mode)
+        build = mma_build(self.rt, rows, mode, inn, M)
         mt, ztiles = mma_token_tiles(M, mma_tiles(rows, mode, build.tile_rows), self.rt.num_sms)
         tiles, splits, kchunk = mma_plan(rows, inn, mode, self.rt.num_sms, build.tile_rows, ztiles)
         self.rt.launch(self.fn("prefill", f"matmul_mma_m{mt}", build.defines()), (tiles, splits, ztiles),
