@@ -336,9 +336,9 @@ def mma_build(rt, rows: int | None = None, mode: int = 0, inn: int | None = None
         warps = int(raw)
     else:
         # 8 warps where the 128-row tiles take at most two K splits (gate/up of Llama-3.2-1B: 128 tiles × 2)
-        wide = rows is not None and 2 * mma_tiles(rows, mode, 128) >= rt.num_sms
+        t = mma_tiles(rows, mode, 128) if rows is not None else 0
+        wide = rows is not None and 2 * t >= rt.num_sms
         if rows is not None and inn is not None and not wide:
-            t = mma_tiles(rows, mode, 128)
             kchunk = mma_plan(rows, inn, mode, rt.num_sms, 128, mma_token_tiles(M, t, rt.num_sms)[1])[2]
             wide = kchunk // MMA_BK >= MMA_WIDE_STEPS
         # gfx942: the 8-warp block's [128][132] fp32 result tile alone exceeds its 64 KiB of LDS
