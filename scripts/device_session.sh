@@ -122,14 +122,17 @@ case "$MODE" in
     run ops_tests 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs
     bench_ops ;;
   abenv)  # per-op A/B of environment settings on this tree: $AB_ENVS, one word per run (VAR=V[,VAR=V] or -),
-          # each the per-op decode bench at 1K/8K/32K in its own process; then a kernel timeline at 1K per word
-          # of $AB_PROFILE_ENVS (scripts/profile_perop.py), and the op tests
+          # each the per-op decode bench at $AB_CONTEXTS (default 1K/8K/32K) in its own process; then a kernel
+          # timeline at 1K per word of $AB_PROFILE_ENVS (scripts/profile_perop.py), bench_ops (no decode) per
+          # word of $AB_BENCH_OPS_ENVS, and the op tests ($AB_TESTS: a -k expression run FIRST instead)
+    [ -n "${AB_TESTS:-}" ] && run ops_tests_k 120 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "$AB_TESTS"
     i=0
     for e in ${AB_ENVS:--}; do
       [ "$e" = - ] && e=""
       echo "abenv_$i: ${e:-default}" | tee -a "$SUMMARY"
-      run "abenv_$i" 90 env ${e//,/ } $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
-        --context 8192 --context 32768 --no-monokernel --json "$OUT/abenv_$i.json"
+      run "abenv_$i" 90 env ${e//,/ } $PY -m hipengine bench decode --shape llama-3.2-1b \
+        $(for c in ${AB_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) --no-monokernel \
+        --json "$OUT/abenv_$i.json"
       i=$((i + 1))
     done
     i=0
@@ -139,7 +142,14 @@ case "$MODE" in
       run "prof_$i" 60 env ${e//,/ } $PY scripts/profile_perop.py --context 1024 --json "$OUT/prof_$i.json"
       i=$((i + 1))
     done
-    ops_tests ;;
+    i=0
+    for e in ${AB_BENCH_OPS_ENVS:-}; do
+      [ "$e" = - ] && e=""
+      echo "bench_ops_$i: ${e:-default}" | tee -a "$SUMMARY"
+      run "bench_ops_$i" 80 env ${e//,/ } $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops_$i.json"
+      i=$((i + 1))
+    done
+    [ -z "${AB_TESTS:-}" ] && ops_tests ;;
   recordperop)  # the figures of record after a per-op change (monokernel SASS unchanged): op + engine tests, the
                 # decode bench of both paths (tokens compared), bench_ops, the per-op kernel timeline at 1K
     ops_tests; engine_tests; bench; bench_ops
