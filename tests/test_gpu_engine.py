@@ -618,18 +618,26 @@ class EmulatedRuntime:
         xs = self._f32(x, rows * n).reshape(rows, n).astype(np.float64)
         self._f32(y, rows * n)[:] = self._norm(xs, gamma, eps, n).reshape(-1)
 
-    def _k_matvec(self, grid, W, x, gamma, eps, residual, y, rows, inn, f16):
+    def _ctr(self, ctr):
+        """The ring build's unit counter (two words): zero at every launch, and left zero (matvec.hip)."""
+        if ctr:
+            assert not self.view(ctr, np.uint32, 2).any(), "matvec unit counter not zero at launch"
+
+    def _k_matvec(self, grid, W, x, gamma, eps, residual, y, rows, inn, f16, ctr=0):
+        self._ctr(ctr)
         r = self._w(W, rows, inn, f16) @ self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
         if residual:
             r = r + self._f32(residual, rows)
         self._f32(y, rows)[:] = r
 
-    def _k_matvec_gate_up(self, grid, Wg, Wu, x, gamma, eps, y, rows, inn, f16):
+    def _k_matvec_gate_up(self, grid, Wg, Wu, x, gamma, eps, y, rows, inn, f16, ctr=0):
+        self._ctr(ctr)
         xn = self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
         self._f32(y, rows)[:] = O.ref_silu(self._w(Wg, rows, inn, f16) @ xn) * (self._w(Wu, rows, inn, f16) @ xn)
 
     def _k_matvec_qkv(self, grid, W, x, gamma, eps, bias, cos, sin, pos, q_out, kc, vc, max_ctx, q_dim, kv_dim, hd,
-                      inn, rope, f16):
+                      inn, rope, f16, ctr=0):
+        self._ctr(ctr)
         rows = q_dim + 2 * kv_dim
         qkv = self._w(W, rows, inn, f16) @ self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
         if bias:

@@ -571,17 +571,20 @@ class Ops:
 
     def matvec(self, W, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, residual=None, f16=False,
                stream=None, grid: int | None = None, threads: int = MATVEC_THREADS, role: str = "",
-               rows1: bool | None = None, ring: bool | None = None):
+               rows1: bool | None = None, ring: bool | None = None, counter=None):
         """y = W·x (+ residual), RMSNorm(x; gamma) first when gamma is given. rows1: the one-row-unit kernel
         (default: matvec_rows1(...) decides; an explicit grid keeps the two-row kernel unless rows1=True).
-        ring: matvec.hip's ring build (default: the role's, Ops._ring); it takes the two-row kernel."""
+        ring: matvec.hip's ring build (default: the role's, Ops._ring); it takes the two-row kernel.
+        counter: two zeroed uint32 words of this call site (the ring build takes units in arrival order and
+        leaves them zero; None: grid-stride units)."""
         self._check_in(inn)
         rb = None if rows1 else self._ring(role, inn, ring, (rows + 1) // 2, threads, grid)
         if rb is not None:
             defines, g, shared = rb
             self.rt.launch(self.fn("matvec", "matvec", defines), g, threads,
                            [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows),
-                            c_int32(inn), c_int32(int(f16))], shared=shared, stream=stream, pdl=self._pdl(role))
+                            c_int32(inn), c_int32(int(f16)), _p(counter)], shared=shared, stream=stream,
+                           pdl=self._pdl(role))
             return
         if rows1 is None:
             rows1 = grid is None and matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms)
@@ -593,20 +596,22 @@ class Ops:
             g = grid or self._grid((rows + 1) // 2, threads)
         self.rt.launch(fn, g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
-                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl(role))
+                        c_int32(int(f16)), _p(None)], shared=inn * 4, stream=stream, pdl=self._pdl(role))
 
     def matvec_gate_up(self, Wg, Wu, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
-                       stream=None, grid: int | None = None, threads: int = MATVEC_THREADS, ring: bool | None = None):
+                       stream=None, grid: int | None = None, threads: int = MATVEC_THREADS, ring: bool | None = None,
+                       counter=None):
         self._check_in(inn)
         defines, g, shared = self._ring("gate_up", inn, ring, rows, threads, grid) or (
             None, grid or self._grid(rows, threads), inn * 4)
         self.rt.launch(self.fn("matvec", "matvec_gate_up", defines), g, threads,
                        [_p(Wg), _p(Wu), _p(x), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
-                        c_int32(int(f16))], shared=shared, stream=stream, pdl=self._pdl("gate_up"))
+                        c_int32(int(f16)), _p(counter if defines else None)], shared=shared, stream=stream,
+                       pdl=self._pdl("gate_up"))
 
     def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,
                    hd: int, inn: int, gamma=None, eps: float = 0.0, bias=None, rope: bool = True, f16=False,
-                   stream=None, threads: int = MATVEC_THREADS, ring: bool | None = None):
+                   stream=None, threads: int = MATVEC_THREADS, ring: bool | None = None, counter=None):
         self._check_in(inn)
         units = (q_dim + 2 * kv_dim) // 2
         defines, g, shared = self._ring("qkv", inn, ring, units, threads, None) or (
@@ -614,8 +619,8 @@ class Ops:
         self.rt.launch(self.fn("matvec", "matvec_qkv", defines), g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(bias), _p(cos), _p(sin), _p(pos), _p(q_out),
                         _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(q_dim), c_int32(kv_dim), c_int32(hd),
-                        c_int32(inn), c_int32(int(rope)), c_int32(int(f16))], shared=shared, stream=stream,
-                       pdl=self._pdl("qkv"))
+                        c_int32(inn), c_int32(int(rope)), c_int32(int(f16)), _p(counter if defines else None)],
+                       shared=shared, stream=stream, pdl=self._pdl("qkv"))
 
     def matmul_small_m(self, W, X, Y, M: int, rows: int, inn: int, mode: int = 0, W2=None, bias=None, f16=False,
                        stream=None):

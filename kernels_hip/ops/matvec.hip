@@ -358,14 +358,37 @@ HE_INLINE void he_matvec_run(const Op& op, float* xs, float* scratch) {
 #define HE_MATVEC_RING 0
 #endif
 constexpr int kMvRingDepth = HE_MATVEC_RING;
+static_assert(kMvRingDepth >= 0 && kMvRingDepth <= 8, "HE_MATVEC_RING: 0 (registers) or a depth of 2..8");
 template <int kRows>
 constexpr int kMvRingSlot = kRows * kMatvecUnroll * kWarpSize * 16;  // one batch of a unit: 4 KiB (NVIDIA)
+
+// The warp's next unit after u: the grid-stride order (ctr == nullptr), or the next unit nobody has taken
+// (ctr[0]: a ticket counter, lane 0's relaxed fetch_add, broadcast). A warp that draws past the last unit
+// arrives on ctr[1] (acq_rel at device scope); the last of the grid's warps to arrive resets both words
+// (relaxed stores): every draw is ordered before its own warp's arrival, so all draws happen-before the
+// reset, and the next launch that uses these words starts after this kernel has completed (the ring build
+// triggers the next launch only after its own wait, below). Which warp takes a unit changes no sum.
+HE_INLINE int he_mv_next_unit(int u, int units, he_u32* ctr) {
+  if (ctr == nullptr) return u + he_mv_stride();
+  he_u32 t = 0u;
+  if (he_lane_id() == 0) {
+    t = he_fetch_add_relaxed_device(ctr, 1u);
+    if (t >= (he_u32)units &&
+        he_fetch_add_acq_rel_device(ctr + 1, 1u) == (he_u32)(he_grid_dim() * he_num_warps()) - 1u) {
+      he_store_relaxed_device(ctr, 0u);
+      he_store_relaxed_device(ctr + 1, 0u);
+    }
+  }
+  t = he_f32_as_u32(he_shfl(he_u32_as_f32(t), 0));
+  return t < (he_u32)units ? (int)t : units;
+}
 
 // Request the batch at (u, c0) of op into the ring at byte offset off, advance to the warp's next batch, and
 // close a copy group (an empty one past op's last unit: every call closes exactly one group).
 template <class Op, int kRows>
-HE_INLINE void he_mv_ring_request(const Op& op, int& u, int& c0, const HeSmem& ring, int off) {
-  if (u < op.units()) {
+HE_INLINE void he_mv_ring_request(const Op& op, int& u, int& c0, const HeSmem& ring, int off, he_u32* ctr) {
+  const int units = op.units();
+  if (u < units) {
     const he_u16* rp[kRows];
     op.rows(u, rp);
     const int lane = he_lane_id();
@@ -380,64 +403,89 @@ HE_INLINE void he_mv_ring_request(const Op& op, int& u, int& c0, const HeSmem& r
     c0 += kMatvecBatch;
     if (c0 >= op.in) {
       c0 = 0;
-      u += he_mv_stride();
+      u = he_mv_next_unit(u, units, ctr);
     }
   }
   he_cp_async_commit();
 }
 
+// ctr: two zeroed words per call site (the decode step's matvecs: GpuBackend.mv_count) for units taken in
+// arrival order — the ring build runs one block per SM, and where the hardware places two blocks of one
+// kernel on an SM (an SM the kernel before left free), grid-stride units would leave those two blocks a
+// double share; nullptr: grid-stride units.
 template <bool kF16, int kRows, class Op>
-HE_INLINE void he_matvec_ring_run(const Op& op, float* xs, char* ring_base, float* scratch) {
-  constexpr int D = kMvRingDepth > 0 ? kMvRingDepth : 1, kSlot = kMvRingSlot<kRows>;
-  he_pdl_trigger();
+HE_INLINE void he_matvec_ring_run(const Op& op, float* xs, char* ring_base, float* scratch, he_u32* ctr) {
+  constexpr int D = kMvRingDepth > 1 ? kMvRingDepth : 2, kSlot = kMvRingSlot<kRows>;
   char* mine = ring_base + he_warp_id() * D * kSlot;
   const HeSmem ring = he_smem(mine);
   const int units = op.units();
-  int iu = he_mv_first(), ic = 0;  // the next batch to request
+  int iu = ctr == nullptr ? he_mv_first() : he_mv_next_unit(-1, units, ctr), ic = 0;  // the next batch to request
+  int su[D], sc[D];  // unit and first column of the batch in each slot (warp-uniform; slot indices constant)
 #pragma unroll
-  for (int i = 0; i < D; ++i) he_mv_ring_request<Op, kRows>(op, iu, ic, ring, i * kSlot);  // weights only
+  for (int i = 0; i < D; ++i) {  // weights only: no kernel writes them
+    su[i] = iu;
+    sc[i] = ic;
+    he_mv_ring_request<Op, kRows>(op, iu, ic, ring, i * kSlot, ctr);
+  }
   he_pdl_wait();
-  int u = he_mv_first(), c0 = 0, slot = 0;
+  // Only now may the next kernel launch: it finds this block's SM with room for one block beside it, and the
+  // launch after it waits for this kernel's completion (one kernel ahead, not several).
+  he_pdl_trigger();
   float pv[kRows];  // the current unit's epilogue operands (op.pre)
-  if (u < units) op.pre(u, pv);
+  if (su[0] < units) op.pre(su[0], pv);
   he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
   float acc[kRows][2];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
   const he_vec16* piece = (const he_vec16*)mine + he_lane_id();
-  while (u < units) {
-    he_cp_async_wait<D - 1>();  // this lane's oldest group — the batch at (u, c0) — has landed
-    he_vec16 w[kRows][kMatvecUnroll];
+  for (bool more = su[0] < units; more;) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int k = 0; k < kMatvecUnroll; ++k) w[r][k] = piece[((slot * kRows + r) * kMatvecUnroll + k) * kWarpSize];
-    he_mv_consume<kF16>(w, c0, op.in, xs, acc);
-    he_mv_ring_request<Op, kRows>(op, iu, ic, ring, slot * kSlot);  // the slot just read: D batches ahead
-    slot = slot + 1 == D ? 0 : slot + 1;
-    c0 += kMatvecBatch;
-    if (c0 >= op.in) {  // the unit's last batch: reduce over the warp, store, next unit
-      float sum[kRows];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        sum[r] = he_warp_sum(acc[r][0] + acc[r][1]);
-        acc[r][0] = acc[r][1] = 0.f;
+    for (int s = 0; s < D; ++s) {  // batch t in slot s; batch t + 1 in slot (s + 1) % D
+      const int u = su[s], c0 = sc[s];
+      if (u >= units) {
+        more = false;
+        break;
       }
-      op.epi(u, sum, pv);
-      c0 = 0;
-      u += he_mv_stride();
-      if (u < units) op.pre(u, pv);
+      he_cp_async_wait<D - 1>();  // this lane's oldest group — the batch in slot s — has landed
+      // he_mv_consume's sums in its order (k, then r), each piece read from the ring where it is used
+#pragma unroll
+      for (int k = 0; k < kMatvecUnroll; ++k) {
+        const int c = c0 + k * kMatvecSweep + he_lane_id() * 8;
+        if (c0 + kMatvecBatch <= op.in || c < op.in) {
+#pragma unroll
+          for (int r = 0; r < kRows; ++r)
+            acc[r][k & 1] = he_wfma8<kF16>(piece[((s * kRows + r) * kMatvecUnroll + k) * kWarpSize], xs + c,
+                                           acc[r][k & 1]);
+        }
+      }
+      su[s] = iu;  // the slot just read takes the batch D ahead
+      sc[s] = ic;
+      he_mv_ring_request<Op, kRows>(op, iu, ic, ring, s * kSlot, ctr);
+      if (c0 + kMatvecBatch >= op.in) {  // the unit's last batch: reduce over the warp, store, next unit
+        float sum[kRows];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          sum[r] = he_warp_sum(acc[r][0] + acc[r][1]);
+          acc[r][0] = acc[r][1] = 0.f;
+        }
+        op.epi(u, sum, pv);
+        const int nu = su[(s + 1) % D];
+        if (nu < units) op.pre(nu, pv);
+      }
     }
   }
 }
 
 // The per-op kernels' body in either build. x stays at the start of the dynamic shared memory; the ring
 // follows it (in % 8 == 0: 32-byte aligned).
+// ctr: the ring build's unit counter (he_matvec_ring_run; nullptr: grid-stride); the register build's grid
+// is sized so that every block is resident at once and ignores it.
 template <bool kF16, int kRows = 2, class Op>
-HE_INLINE void he_matvec_op(const Op& op, float* xs, float* scratch) {
+HE_INLINE void he_matvec_op(const Op& op, float* xs, float* scratch, he_u32* ctr) {
 #if HE_MATVEC_RING
-  he_matvec_ring_run<kF16, kRows>(op, xs, (char*)(xs + op.in), scratch);
+  he_matvec_ring_run<kF16, kRows>(op, xs, (char*)(xs + op.in), scratch, ctr);
 #else
+  (void)ctr;
   he_matvec_run<kF16, kRows>(op, xs, scratch);
 #endif
 }
@@ -447,27 +495,28 @@ HE_INLINE void he_matvec_op(const Op& op, float* xs, float* scratch) {
 #define HE_MV_KERNEL HE_KERNEL(kMatvecMaxThreads)
 #endif
 constexpr int kMatvecRingThreads = 256, kMatvecRingMinBlocks = 4;
-static_assert(kMatvecRingThreads <= kMatvecMaxThreads, "the host launches either build with the same blocks");
+static_assert(kMatvecRingThreads <= kMatvecMaxThreads && kMatvecRingMinBlocks > 1,
+              "the host launches either build with the same blocks");
 
 HE_MV_KERNEL matvec(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
-                       const float* residual, float* y, int rows, int in, int w_f16) {
+                    const float* residual, float* y, int rows, int in, int w_f16, he_u32* ctr) {
   extern __shared__ float he_xs[];  // [in]
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvPlain op{x, gamma, eps, in, W, residual, y, rows};
-  if (w_f16) he_matvec_op<true>(op, he_xs, scratch);
-  else he_matvec_op<false>(op, he_xs, scratch);
+  if (w_f16) he_matvec_op<true>(op, he_xs, scratch, ctr);
+  else he_matvec_op<false>(op, he_xs, scratch, ctr);
 }
 
 // Not in the monokernel's module (HE_IN_MONOKERNEL): it does not use it, and kernels beside its own change
 // how NVVM compiles it (see attention_decode.hip).
 #ifndef HE_IN_MONOKERNEL
 HE_MV_KERNEL matvec_rows1(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma,
-                             float eps, const float* residual, float* y, int rows, int in, int w_f16) {
+                          float eps, const float* residual, float* y, int rows, int in, int w_f16, he_u32* ctr) {
   extern __shared__ float he_xs[];  // [in]
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvPlain1 op{x, gamma, eps, in, W, residual, y, rows};
-  if (w_f16) he_matvec_op<true, 1>(op, he_xs, scratch);
-  else he_matvec_op<false, 1>(op, he_xs, scratch);
+  if (w_f16) he_matvec_op<true, 1>(op, he_xs, scratch, ctr);
+  else he_matvec_op<false, 1>(op, he_xs, scratch, ctr);
 }
 #endif
 
@@ -494,12 +543,13 @@ struct HeMvGateUp {
 };
 
 HE_MV_KERNEL matvec_gate_up(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
-                               const float* __restrict__ gamma, float eps, float* y, int rows, int in, int w_f16) {
+                            const float* __restrict__ gamma, float eps, float* y, int rows, int in, int w_f16,
+                            he_u32* ctr) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvGateUp op{x, gamma, eps, in, Wg, Wu, y, rows};
-  if (w_f16) he_matvec_op<true>(op, he_xs, scratch);
-  else he_matvec_op<false>(op, he_xs, scratch);
+  if (w_f16) he_matvec_op<true>(op, he_xs, scratch, ctr);
+  else he_matvec_op<false>(op, he_xs, scratch, ctr);
 }
 
 // ---- QKV + bias + RoPE + KV append -------------------------------------------------------------------------
@@ -571,13 +621,13 @@ HE_MV_KERNEL matvec_qkv(const he_u16* __restrict__ W, const float* x, const floa
                            const float* __restrict__ bias, const float* __restrict__ cos_t,
                            const float* __restrict__ sin_t, const int* pos_p, float* __restrict__ q_out,
                            he_kv* __restrict__ k_cache, he_kv* __restrict__ v_cache, int max_ctx, int q_dim,
-                           int kv_dim, int hd, int in, int rope, int w_f16) {
+                           int kv_dim, int hd, int in, int rope, int w_f16, he_u32* ctr) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvQkvT<true> op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
                           max_ctx, q_dim, kv_dim, hd, rope};
-  if (w_f16) he_matvec_op<true>(op, he_xs, scratch);
-  else he_matvec_op<false>(op, he_xs, scratch);
+  if (w_f16) he_matvec_op<true>(op, he_xs, scratch, ctr);
+  else he_matvec_op<false>(op, he_xs, scratch, ctr);
 }
 
 #endif
