@@ -114,6 +114,81 @@ def test_matvec_rows1_same_bits(gpu, rows, inn, f16, norm, residual):
     close(out[True], ref, 1e-4, 1e-4)
 
 
+def _ring_or_skip(rt, O, inn):
+    if not O.matvec_ring_depth(rt.arch, inn, rt.warp_size, rt.max_shared_per_block):
+        pytest.skip(f"no ring build for in={inn} on {rt.arch}")
+
+
+@pytest.mark.parametrize("rows,inn", [(1, 8), (333, 2056), (2051, 576), (2048, 8192), (3072, 2048), (7, 6152)])
+@pytest.mark.parametrize("f16", [False, True])
+@pytest.mark.parametrize("norm,residual", [(False, False), (True, True), (False, True)])
+def test_matvec_ring_same_bits(gpu, rows, inn, f16, norm, residual):
+    """matvec.hip's ring build (weights through shared memory) gives the register build's bits — the same
+    sums in the same order — on the default grid and on grids of 1, 3 and 1000 blocks."""
+    rt, ops, O = gpu
+    _ring_or_skip(rt, O, inn)
+    bits, W = weights(O, rows, inn, f16)
+    x = rt.upload(RNG.standard_normal(inn).astype(np.float32))
+    g = rt.upload((1 + 0.3 * RNG.standard_normal(inn)).astype(np.float32)) if norm else None
+    r = RNG.standard_normal(rows).astype(np.float32)
+    wb, out = rt.upload(bits), {}
+    for ring, grid in ((False, None), (True, None), (True, 1), (True, 3), (True, 1000)):
+        y = rt.upload(r) if residual else poisoned(rt, rows)
+        ops.matvec(wb, x, y, rows, inn, gamma=g, eps=1e-5, residual=y if residual else None, f16=f16, ring=ring,
+                   grid=grid)
+        out[ring, grid] = rt.download(y, rows, np.float32)
+    assert not np.isnan(out[False, None]).any()
+    for k, v in out.items():
+        assert v.tobytes() == out[False, None].tobytes(), k
+    ref = W @ O.ref_rmsnorm(rt.download(x, inn, np.float32), rt.download(g, inn, np.float32) if norm else None,
+                            1e-5) + (r if residual else 0)
+    close(out[True, None], ref, 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("rows,inn", [(1, 8), (333, 576), (8192, 2048)])
+@pytest.mark.parametrize("f16", [False, True])
+def test_matvec_gate_up_ring_same_bits(gpu, rows, inn, f16):
+    rt, ops, O = gpu
+    _ring_or_skip(rt, O, inn)
+    bg, _ = weights(O, rows, inn, f16, scale=2.0)
+    bu, _ = weights(O, rows, inn, f16)
+    x = rt.upload(RNG.standard_normal(inn).astype(np.float32))
+    g = rt.upload((1 + 0.3 * RNG.standard_normal(inn)).astype(np.float32))
+    out = {}
+    for ring in (False, True):
+        y = poisoned(rt, rows)
+        ops.matvec_gate_up(rt.upload(bg), rt.upload(bu), x, y, rows, inn, gamma=g, eps=1e-6, f16=f16, ring=ring)
+        out[ring] = rt.download(y, rows, np.float32)
+    assert not np.isnan(out[True]).any()
+    assert out[True].tobytes() == out[False].tobytes()
+
+
+@pytest.mark.parametrize("nh,nkv,hd,inn", [(4, 2, 24, 64), (32, 8, 64, 2048), (12, 2, 128, 264)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rope", [True, False])
+def test_matvec_qkv_ring_same_bits(gpu, nh, nkv, hd, inn, bias, rope):
+    rt, ops, O = gpu
+    _ring_or_skip(rt, O, inn)
+    rows, max_ctx = (nh + 2 * nkv) * hd, 50
+    bits, _ = weights(O, rows, inn, False)
+    x = rt.upload(RNG.standard_normal(inn).astype(np.float32))
+    g = rt.upload((1 + 0.3 * RNG.standard_normal(inn)).astype(np.float32))
+    b = rt.upload((0.1 * RNG.standard_normal(rows)).astype(np.float32)) if bias else None
+    inv = 1.0 / (10000.0 ** (np.arange(0, hd, 2) / hd))
+    cos, sin = (rt.upload(t) for t in O.rope_tables(inv, max_ctx))
+    pos = rt.upload(np.array([int(RNG.integers(0, max_ctx))], np.int32))
+    wb, out = rt.upload(bits), {}
+    for ring in (False, True):
+        q_out = poisoned(rt, rows)
+        kc, vc = poisoned(rt, nkv * max_ctx * hd, np.uint16), poisoned(rt, nkv * max_ctx * hd, np.uint16)
+        ops.matvec_qkv(wb, x, q_out, kc, vc, cos, sin, pos, max_ctx=max_ctx, q_dim=nh * hd, kv_dim=nkv * hd,
+                       hd=hd, inn=inn, gamma=g, eps=1e-5, bias=b, rope=rope, ring=ring)
+        out[ring] = [rt.download(a, n, dt).tobytes() for a, n, dt in
+                     ((q_out, rows, np.float32), (kc, nkv * max_ctx * hd, np.uint16),
+                      (vc, nkv * max_ctx * hd, np.uint16))]
+    assert out[True] == out[False]
+
+
 @pytest.mark.parametrize("grid", [1, 3, 1000])
 def test_matvec_grid_sizes(gpu, grid):
     """The grid-stride loop is correct whatever grid the caller picks (the monokernel picks its own)."""
