@@ -293,37 +293,6 @@ def test_matvec_rows1_rule(monkeypatch):
         ops.pdl_off_roles()
 
 
-def test_matvec_ring_rule(monkeypatch):
-    """The ring build's depth: 2-row slots of 4 KiB per warp (warp 32) beside x within the budget, at least 2,
-    at most MATVEC_RING_MAX_DEPTH; NVIDIA sm_80+ only. Roles by name; the knobs checked."""
-    from hipengine.errors import UnsupportedError
-    from hipengine.gpu import ops
-
-    monkeypatch.delenv("HIPENGINE_MATVEC_RING_KB", raising=False)
-    big = 227 * 1024
-    assert ops.matvec_ring_depth("sm_90", 2048, 32, big) == 3  # (104 - 8) KiB / 32 KiB per block
-    assert ops.matvec_ring_depth("sm_90", 8192, 32, big) == 2  # x takes 32 KiB
-    assert ops.matvec_ring_depth("sm_90", 14336, 32, big) == 0  # 56 KiB of x: one slot would be left
-    assert ops.matvec_ring_depth("sm_90", 64, 32, big, kb=227) == 7  # 227 KiB: 7 slots of 32 KiB
-    assert ops.matvec_ring_depth("sm_80", 2048, 32, 163 * 1024) == 3
-    assert ops.matvec_ring_depth("sm_75", 2048, 32, 64 * 1024) == 0
-    assert ops.matvec_ring_depth("gfx942", 2048, 64, 64 * 1024) == 0
-    monkeypatch.setenv("HIPENGINE_MATVEC_RING_KB", "200")
-    assert ops.matvec_ring_depth("sm_90", 2048, 32, big) == 6
-    monkeypatch.setenv("HIPENGINE_MATVEC_RING_KB", "300")
-    with pytest.raises(UnsupportedError, match="HIPENGINE_MATVEC_RING_KB"):
-        ops.matvec_ring_depth("sm_90", 2048, 32, big)
-    monkeypatch.delenv("HIPENGINE_MATVEC_RING", raising=False)
-    assert ops.matvec_ring_roles() == frozenset(ops.MATVEC_RING_DEFAULT)
-    for raw, want in (("0", set()), ("none", set()), ("1", set(ops.MATVEC_RING_ROLES)),
-                      ("all", set(ops.MATVEC_RING_ROLES)), ("o, down", {"o", "down"}), ("o+qkv", {"o", "qkv"})):
-        monkeypatch.setenv("HIPENGINE_MATVEC_RING", raw)
-        assert ops.matvec_ring_roles() == want, raw
-    monkeypatch.setenv("HIPENGINE_MATVEC_RING", "o,oproj")
-    with pytest.raises(UnsupportedError, match="oproj"):
-        ops.matvec_ring_roles()
-
-
 def test_tp_not_supported_yet():
     from hipengine.gpu.executor import GpuBackend
 
@@ -618,26 +587,18 @@ class EmulatedRuntime:
         xs = self._f32(x, rows * n).reshape(rows, n).astype(np.float64)
         self._f32(y, rows * n)[:] = self._norm(xs, gamma, eps, n).reshape(-1)
 
-    def _ctr(self, ctr):
-        """The ring build's unit counter (two words): zero at every launch, and left zero (matvec.hip)."""
-        if ctr:
-            assert not self.view(ctr, np.uint32, 2).any(), "matvec unit counter not zero at launch"
-
-    def _k_matvec(self, grid, W, x, gamma, eps, residual, y, rows, inn, f16, ctr=0):
-        self._ctr(ctr)
+    def _k_matvec(self, grid, W, x, gamma, eps, residual, y, rows, inn, f16):
         r = self._w(W, rows, inn, f16) @ self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
         if residual:
             r = r + self._f32(residual, rows)
         self._f32(y, rows)[:] = r
 
-    def _k_matvec_gate_up(self, grid, Wg, Wu, x, gamma, eps, y, rows, inn, f16, ctr=0):
-        self._ctr(ctr)
+    def _k_matvec_gate_up(self, grid, Wg, Wu, x, gamma, eps, y, rows, inn, f16):
         xn = self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
         self._f32(y, rows)[:] = O.ref_silu(self._w(Wg, rows, inn, f16) @ xn) * (self._w(Wu, rows, inn, f16) @ xn)
 
     def _k_matvec_qkv(self, grid, W, x, gamma, eps, bias, cos, sin, pos, q_out, kc, vc, max_ctx, q_dim, kv_dim, hd,
-                      inn, rope, f16, ctr=0):
-        self._ctr(ctr)
+                      inn, rope, f16):
         rows = q_dim + 2 * kv_dim
         qkv = self._w(W, rows, inn, f16) @ self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
         if bias:

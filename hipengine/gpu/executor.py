@@ -195,11 +195,6 @@ class GpuBackend(Backend):
         self.attn_count = self._buf(cfg.num_kv_heads * 4)  # decode attention's arrival counters (Ops.attention)
         self.rt.copy_htod(self.attn_count, np.zeros(cfg.num_kv_heads, np.uint32))
         self.mm_count = self._buf(self.rt.num_sms * 4)  # the matrix-core prefill's arrival counters
-        # the decode matvecs' unit counters (Ops.matvec counter: the ring build), two words per call site:
-        # [layer][qkv, o, gate_up, down], then the LM head
-        n_mv = 2 * (4 * cfg.num_layers + 1)
-        self.mv_count = self._buf(n_mv * 4)
-        self.rt.copy_htod(self.mv_count, np.zeros(n_mv, np.uint32))
         self.rt.copy_htod(self.mm_count, np.zeros(self.rt.num_sms, np.uint32))
         self.cand = self._buf(2 * self.ops.argmax_blocks() * 4)  # grid-wide greedy candidates (Ops.argmax)
         self.pos_buf = self._buf(4)
@@ -231,37 +226,29 @@ class GpuBackend(Backend):
         ops.embedding(self.embed, self.tokens, 1, self.embed_vocab, d, self.x, self.embed_f16, stream=s)
         for i, L in enumerate(self.layers):
             f16 = L["f16"]
-            ctr = [self._mv_ctr(4 * i + k) for k in range(4)]  # qkv, o, gate_up, down
             if cfg.qk_norm:
                 ops.matvec_qkv(L["wqkv"], self.x, self.qkv, self._kc(i), self._vc(i), self.cos, self.sin,
                                self.pos_buf, max_ctx=self.max_context, q_dim=qd, kv_dim=kvd, hd=hd, inn=d,
-                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=False, f16=f16, stream=s,
-                               counter=ctr[0])
+                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=False, f16=f16, stream=s)
                 ops.qk_norm_rope(self.qkv, self.q, self._kc(i), self._vc(i), self.cos, self.sin, self.pos_buf,
                                  T=1, nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                                  q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps, stream=s)
             else:
                 ops.matvec_qkv(L["wqkv"], self.x, self.q, self._kc(i), self._vc(i), self.cos, self.sin,
                                self.pos_buf, max_ctx=self.max_context, q_dim=qd, kv_dim=kvd, hd=hd, inn=d,
-                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=True, f16=f16, stream=s,
-                               counter=ctr[0])
+                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=True, f16=f16, stream=s)
             ops.attention(self.q, self._kc(i), self._vc(i), self.partial, self.att, self.pos_buf, T=1,
                           nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                           nsplit=self.nsplit, chunk=self.chunk, count=self.attn_count,
                           early=self._capturing, stream=s)
-            ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s, role="o", counter=ctr[1])
+            ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s, role="o")
             yield 1
             ops.matvec_gate_up(L["w_gate"], L["w_up"], self.x, self.h, F, d, gamma=L["ffn_norm"], eps=eps,
-                               f16=f16, stream=s, counter=ctr[2])
-            ops.matvec(L["w_down"], self.h, out, d, F, residual=res, f16=f16, stream=s, role="down",
-                       counter=ctr[3])
+                               f16=f16, stream=s)
+            ops.matvec(L["w_down"], self.h, out, d, F, residual=res, f16=f16, stream=s, role="down")
             yield 1
         ops.matvec(self.lm_head, self.x, self.logits, cfg.vocab_size, d, gamma=self.final_norm, eps=eps,
-                   f16=self.head_f16, stream=s, role="lm_head", counter=self._mv_ctr(4 * cfg.num_layers))
-
-    def _mv_ctr(self, k: int) -> int:
-        """Device address of the decode matvecs' unit counter k (two words: self.mv_count)."""
-        return self.mv_count.ptr + 8 * k
+                   f16=self.head_f16, stream=s, role="lm_head")
 
     def _capture(self, launches: Callable[[], None]):
         """A graph of what launches() enqueues on self.stream; if it raises, the capture ends and nothing is

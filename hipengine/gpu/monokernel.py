@@ -360,11 +360,6 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     # the one-row-unit matvec's build (Ops.matvec rows1)
     jobs += [("ops/matvec.hip", {"defines": {**(kv_defines(f16) or {}), "HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL}})
              for f16 in sorted(set(f16_variants))]
-    # the ring builds (Ops._ring: one per depth) for the hidden / MLP sizes of the presets and common models
-    depths = {O.matvec_ring_depth(arch, n, 32, h200.max_shared_per_block)
-              for n in (1536, 2048, 3072, 4096, 5120, 8192, 8960, 11008)} - {0}
-    jobs += [("ops/matvec.hip", {"defines": {**(kv_defines(f16) or {}), "HE_MATVEC_RING": d}})
-             for f16 in sorted(set(f16_variants)) for d in sorted(depths)]
     # every cache-size class: either side of LONG_CONTEXT (q_regs_build) and of ops.ATTN_WARP_MAX_CTX
     # (attn_warp_max), the per-op attention module and the monokernel of each; builds that coincide once
     sizes = sorted({LONG_CONTEXT - 1, LONG_CONTEXT, O.ATTN_WARP_MAX_CTX - 1, O.ATTN_WARP_MAX_CTX})

@@ -434,54 +434,6 @@ def pdl_off_roles() -> frozenset:
     return roles
 
 
-MATVEC_RING_ROLES = ("qkv", "o", "gate_up", "down", "lm_head", "other")  # "other": calls without a role
-MATVEC_RING_DEFAULT: tuple = ()  # the roles that take the ring build by default (HIPENGINE_MATVEC_RING)
-MATVEC_RING_KB = 104  # a ring-build block's shared memory (x + rings): two kernels' blocks fit one SM
-MATVEC_RING_MAX_DEPTH = 8
-
-
-def matvec_ring_roles() -> frozenset:
-    """Decode matvecs that run matvec.hip's ring build (HIPENGINE_MATVEC_RING: 0 / none, 1 / all, or a list
-    of MATVEC_RING_ROLES separated by "," or "+"; default MATVEC_RING_DEFAULT). Where the ring cannot be used
-    (no asynchronous copies, or x alone nearly fills the block's shared memory) the register build runs."""
-    raw = os.environ.get("HIPENGINE_MATVEC_RING")
-    if raw is None:
-        return frozenset(MATVEC_RING_DEFAULT)
-    raw = raw.strip()
-    if raw in ("0", "none", ""):
-        return frozenset()
-    if raw in ("1", "all"):
-        return frozenset(MATVEC_RING_ROLES)
-    roles = frozenset(r.strip() for r in raw.replace("+", ",").split(",") if r.strip())
-    bad = sorted(roles - set(MATVEC_RING_ROLES))
-    if bad:
-        raise UnsupportedError(f"HIPENGINE_MATVEC_RING: unknown role(s) {', '.join(bad)} "
-                               f"(0, 1, or roles: {', '.join(MATVEC_RING_ROLES)})")
-    return roles
-
-
-def matvec_ring_kb() -> int:
-    """A ring-build block's shared memory budget in KiB (HIPENGINE_MATVEC_RING_KB, default MATVEC_RING_KB)."""
-    raw = os.environ.get("HIPENGINE_MATVEC_RING_KB", str(MATVEC_RING_KB))
-    if not raw.strip().isdigit() or not 16 <= int(raw) <= 227:
-        raise UnsupportedError(f"HIPENGINE_MATVEC_RING_KB={raw}: a whole number of KiB, 16..227")
-    return int(raw)
-
-
-def matvec_ring_depth(arch: str, inn: int, warp: int, max_shared: int, kb: int | None = None) -> int:
-    """Batches in flight per warp of the ring build (its HE_MATVEC_RING) for a matvec with `inn` inputs: as
-    many 2-row slots (2 · MATVEC_UNROLL · warp · 16 bytes) per warp of a MATVEC_THREADS block as fit the
-    budget beside x (inn · 4 bytes), at most MATVEC_RING_MAX_DEPTH; 0 (the register build) where fewer than
-    2 fit or the target has no asynchronous copies (NVIDIA sm_80+ only: elsewhere port.h's copy is a plain
-    load and store, and the registers' stream is the better form)."""
-    if not mma_supported(arch) or not arch.startswith("sm_"):
-        return 0
-    budget = min(1024 * (kb or matvec_ring_kb()), max_shared)
-    slot_block = 2 * MATVEC_UNROLL * warp * 16 * (MATVEC_THREADS // warp)
-    depth = min(MATVEC_RING_MAX_DEPTH, (budget - inn * 4) // slot_block)
-    return depth if depth >= 2 else 0
-
-
 ATTN_WARP_MAX_CTX = 8192  # KV caches shorter than this take the warp's running max (attn_warp_max)
 
 
@@ -515,7 +467,6 @@ class Ops:
         # touches data of the kernels before it, so this is safe for any sequence; pdl_enabled() decides.
         self.pdl = pdl_enabled(rt)
         self.pdl_off = pdl_off_roles()
-        self.ring_roles = matvec_ring_roles()
 
     def _pdl(self, role: str) -> bool:
         """Whether a kernel of this decode-step role launches with programmatic dependent launch."""
@@ -556,36 +507,12 @@ class Ops:
                        [_p(x), _p(gamma), c_float(eps), c_int32(n), _p(y)], stream=stream, pdl=self.pdl)
 
     # ---- matvecs ------------------------------------------------------------------------------------------
-    def _ring(self, role: str, inn: int, ring: bool | None, units: int, threads: int, grid: int | None):
-        """(function-build defines, grid, shared bytes) of the ring build for this call, or None for the
-        register build: ring=None follows ring_roles (matvec_ring_roles) for `role` ("" is "other"). The ring
-        build runs one MATVEC_THREADS block per SM (at most), so the next kernel's block fits beside it."""
-        if ring is False or (ring is None and (role or "other") not in self.ring_roles) or threads != MATVEC_THREADS:
-            return None
-        depth = matvec_ring_depth(self.rt.arch, inn, self.rt.warp_size, self.rt.max_shared_per_block)
-        if not depth:
-            return None
-        g = grid or self._grid(units, threads, blocks_per_sm=1)
-        slot = 2 * MATVEC_UNROLL * self.rt.warp_size * 16
-        return {"HE_MATVEC_RING": depth}, g, inn * 4 + (threads // self.rt.warp_size) * depth * slot
-
     def matvec(self, W, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, residual=None, f16=False,
                stream=None, grid: int | None = None, threads: int = MATVEC_THREADS, role: str = "",
-               rows1: bool | None = None, ring: bool | None = None, counter=None):
+               rows1: bool | None = None):
         """y = W·x (+ residual), RMSNorm(x; gamma) first when gamma is given. rows1: the one-row-unit kernel
-        (default: matvec_rows1(...) decides; an explicit grid keeps the two-row kernel unless rows1=True).
-        ring: matvec.hip's ring build (default: the role's, Ops._ring); it takes the two-row kernel.
-        counter: two zeroed uint32 words of this call site (the ring build takes units in arrival order and
-        leaves them zero; None: grid-stride units)."""
+        (default: matvec_rows1(...) decides; an explicit grid keeps the two-row kernel unless rows1=True)."""
         self._check_in(inn)
-        rb = None if rows1 else self._ring(role, inn, ring, (rows + 1) // 2, threads, grid)
-        if rb is not None:
-            defines, g, shared = rb
-            self.rt.launch(self.fn("matvec", "matvec", defines), g, threads,
-                           [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows),
-                            c_int32(inn), c_int32(int(f16)), _p(counter)], shared=shared, stream=stream,
-                           pdl=self._pdl(role))
-            return
         if rows1 is None:
             rows1 = grid is None and matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms)
         if rows1:
@@ -596,31 +523,26 @@ class Ops:
             g = grid or self._grid((rows + 1) // 2, threads)
         self.rt.launch(fn, g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
-                        c_int32(int(f16)), _p(None)], shared=inn * 4, stream=stream, pdl=self._pdl(role))
+                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl(role))
 
     def matvec_gate_up(self, Wg, Wu, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
-                       stream=None, grid: int | None = None, threads: int = MATVEC_THREADS, ring: bool | None = None,
-                       counter=None):
+                       stream=None, grid: int | None = None, threads: int = MATVEC_THREADS):
         self._check_in(inn)
-        defines, g, shared = self._ring("gate_up", inn, ring, rows, threads, grid) or (
-            None, grid or self._grid(rows, threads), inn * 4)
-        self.rt.launch(self.fn("matvec", "matvec_gate_up", defines), g, threads,
+        g = grid or self._grid(rows, threads)
+        self.rt.launch(self.fn("matvec", "matvec_gate_up"), g, threads,
                        [_p(Wg), _p(Wu), _p(x), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
-                        c_int32(int(f16)), _p(counter if defines else None)], shared=shared, stream=stream,
-                       pdl=self._pdl("gate_up"))
+                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl("gate_up"))
 
     def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,
                    hd: int, inn: int, gamma=None, eps: float = 0.0, bias=None, rope: bool = True, f16=False,
-                   stream=None, threads: int = MATVEC_THREADS, ring: bool | None = None, counter=None):
+                   stream=None, threads: int = MATVEC_THREADS):
         self._check_in(inn)
-        units = (q_dim + 2 * kv_dim) // 2
-        defines, g, shared = self._ring("qkv", inn, ring, units, threads, None) or (
-            None, self._grid(units, threads), inn * 4)
-        self.rt.launch(self.fn("matvec", "matvec_qkv", defines), g, threads,
+        g = self._grid((q_dim + 2 * kv_dim) // 2, threads)
+        self.rt.launch(self.fn("matvec", "matvec_qkv"), g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(bias), _p(cos), _p(sin), _p(pos), _p(q_out),
                         _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(q_dim), c_int32(kv_dim), c_int32(hd),
-                        c_int32(inn), c_int32(int(rope)), c_int32(int(f16)), _p(counter if defines else None)],
-                       shared=shared, stream=stream, pdl=self._pdl("qkv"))
+                        c_int32(inn), c_int32(int(rope)), c_int32(int(f16))], shared=inn * 4, stream=stream,
+                       pdl=self._pdl("qkv"))
 
     def matmul_small_m(self, W, X, Y, M: int, rows: int, inn: int, mode: int = 0, W2=None, bias=None, f16=False,
                        stream=None):

@@ -339,201 +339,25 @@ HE_INLINE void he_matvec_run(const Op& op, float* xs, float* scratch) {
   he_mv_finish<kF16>(op, s, xs, scratch, none);
 }
 
-// ---- the ring build (HE_MATVEC_RING = D > 0): weights staged through shared memory -------------------------
-// The per-op kernels above hold the bytes they have in flight in registers (64 per lane): two 256-thread
-// blocks fill an SM's register file, so the NEXT kernel of the decode step cannot become resident — and
-// request its weights — until this one's blocks leave, and HBM idles at every kernel boundary (the
-// increments over bytes / bandwidth: QKV +2.0, O +1.2, gate/up +2.4, down +2.6 µs per layer at 1K,
-// docs/perf-log.md end of session 12). In the ring build each warp keeps D batches in flight as
-// asynchronous copies into its own shared-memory ring (port.h he_cp_async16_at: no registers held), the
-// kernel is capped at 64 registers per thread and the host runs one block per SM (ops.matvec_ring_plan), so
-// the next kernel's block fits beside it and requests D batches per warp before its he_pdl_wait(): the
-// next op's weights stream under this op's tail, and the O-proj's under the attention stage.
-// A lane copies exactly the 16-byte pieces it later reads (slot layout [kRows][kMatvecUnroll][lane]), so
-// its own cp.async.wait_group is the only synchronisation (no block barrier in the loop; conflict-free
-// shared reads). Batches are consumed in column order through he_mv_consume, and a row ends in the same
-// he_warp_sum: the bits are the register build's (tests/test_ops_gpu.py test_matvec_ring_same_bits).
-// Dynamic shared memory: in floats of x, then warps · D · kMvRingSlot<kRows> bytes.
-#ifndef HE_MATVEC_RING
-#define HE_MATVEC_RING 0
-#endif
-constexpr int kMvRingDepth = HE_MATVEC_RING;
-static_assert(kMvRingDepth >= 0 && kMvRingDepth <= 8, "HE_MATVEC_RING: 0 (registers) or a depth of 2..8");
-template <int kRows>
-constexpr int kMvRingSlot = kRows * kMatvecUnroll * kWarpSize * 16;  // one batch of a unit: 4 KiB (NVIDIA)
-
-// Where a warp's units come from. ctr == nullptr: the grid-stride order. Otherwise in arrival order from a
-// ticket counter (ctr[0]): lane 0 draws the ticket of the warp's NEXT unit when it takes the current one
-// (a relaxed fetch_add whose reply is only needed a unit later, so its round trip hides behind the unit's
-// copies), and the warp takes it (a broadcast) when the current unit's last batch has been requested. A warp
-// that takes a ticket past the last unit arrives on ctr[1] (acq_rel at device scope) and draws no more; the
-// last of the grid's warps to arrive resets both words (relaxed stores): every draw is ordered before its own
-// warp's arrival, so all draws happen-before the reset, and the kernel's completion publishes it to the next
-// launch that uses these words (a call site's next use is a decode step later). Why tickets: the ring build
-// runs one block per SM, and where the hardware places two blocks of a kernel on one SM (an SM the kernel
-// before left free), grid-stride units would give that SM a double share. Which warp takes a unit changes
-// no sum.
-struct HeMvUnits {
-  he_u32* ctr;
-  int units;
-  he_u32 ticket;  // lane 0: the draw for the warp's next unit, in flight
-  HE_INLINE void draw() {
-    if (he_lane_id() == 0) ticket = he_fetch_add_relaxed_device(ctr, 1u);
-  }
-  HE_INLINE int first() {
-    if (ctr == nullptr) return he_mv_first();
-    draw();
-    return take();
-  }
-  HE_INLINE int next(int u) { return ctr == nullptr ? u + he_mv_stride() : take(); }
-  HE_INLINE int take() {
-    const he_u32 t = he_f32_as_u32(he_shfl(he_u32_as_f32(ticket), 0));
-    if (t < (he_u32)units) {
-      draw();
-      return (int)t;
-    }
-    if (he_lane_id() == 0 &&
-        he_fetch_add_acq_rel_device(ctr + 1, 1u) == (he_u32)(he_grid_dim() * he_num_warps()) - 1u) {
-      he_store_relaxed_device(ctr, 0u);
-      he_store_relaxed_device(ctr + 1, 0u);
-    }
-    return units;
-  }
-};
-
-// Request the batch at (u, c0) of op into the ring at byte offset off, advance to the warp's next batch, and
-// close a copy group (an empty one past op's last unit: every call closes exactly one group).
-template <class Op, int kRows>
-HE_INLINE void he_mv_ring_request(const Op& op, int& u, int& c0, const HeSmem& ring, int off, HeMvUnits& src) {
-  const int units = op.units();
-  if (u < units) {
-    const he_u16* rp[kRows];
-    op.rows(u, rp);
-    const int lane = he_lane_id();
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int k = 0; k < kMatvecUnroll; ++k) {
-        const int c = c0 + k * kMatvecSweep + lane * 8;
-        const bool ok = c < op.in;
-        he_cp_async16_at(ring, off + ((r * kMatvecUnroll + k) * kWarpSize + lane) * 16, rp[r] + (ok ? c : 0), ok);
-      }
-    c0 += kMatvecBatch;
-    if (c0 >= op.in) {
-      c0 = 0;
-      u = src.next(u);
-    }
-  }
-  he_cp_async_commit();
-}
-
-// ctr: two zeroed words per call site (the decode step's matvecs: GpuBackend.mv_count) for units taken in
-// arrival order — the ring build runs one block per SM, and where the hardware places two blocks of one
-// kernel on an SM (an SM the kernel before left free), grid-stride units would leave those two blocks a
-// double share; nullptr: grid-stride units.
-template <bool kF16, int kRows, class Op>
-HE_INLINE void he_matvec_ring_run(const Op& op, float* xs, char* ring_base, float* scratch, he_u32* ctr) {
-  constexpr int D = kMvRingDepth > 1 ? kMvRingDepth : 2, kSlot = kMvRingSlot<kRows>;
-  he_pdl_trigger();  // the next kernel's block fits beside this one (one per SM: 2 × 104 KiB) and fills its rings
-  char* mine = ring_base + he_warp_id() * D * kSlot;
-  const HeSmem ring = he_smem(mine);
-  const int units = op.units();
-  HeMvUnits src{ctr, units, 0u};
-  int iu = src.first(), ic = 0;  // the next batch to request
-  int su[D], sc[D];  // unit and first column of the batch in each slot (warp-uniform; slot indices constant)
-#pragma unroll
-  for (int i = 0; i < D; ++i) {  // weights only: no kernel writes them
-    su[i] = iu;
-    sc[i] = ic;
-    he_mv_ring_request<Op, kRows>(op, iu, ic, ring, i * kSlot, src);
-  }
-  he_pdl_wait();
-  float pv[kRows];  // the current unit's epilogue operands (op.pre)
-  if (su[0] < units) op.pre(su[0], pv);
-  he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
-  float acc[kRows][2];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
-  const he_vec16* piece = (const he_vec16*)mine + he_lane_id();
-  for (bool more = su[0] < units; more;) {
-#pragma unroll
-    for (int s = 0; s < D; ++s) {  // batch t in slot s; batch t + 1 in slot (s + 1) % D
-      const int u = su[s], c0 = sc[s];
-      if (u >= units) {
-        more = false;
-        break;
-      }
-      he_cp_async_wait<D - 1>();  // this lane's oldest group — the batch in slot s — has landed
-      // he_mv_consume's sums in its order (k, then r), each piece read from the ring where it is used
-#pragma unroll
-      for (int k = 0; k < kMatvecUnroll; ++k) {
-        const int c = c0 + k * kMatvecSweep + he_lane_id() * 8;
-        if (c0 + kMatvecBatch <= op.in || c < op.in) {
-#pragma unroll
-          for (int r = 0; r < kRows; ++r)
-            acc[r][k & 1] = he_wfma8<kF16>(piece[((s * kRows + r) * kMatvecUnroll + k) * kWarpSize], xs + c,
-                                           acc[r][k & 1]);
-        }
-      }
-      su[s] = iu;  // the slot just read takes the batch D ahead
-      sc[s] = ic;
-      he_mv_ring_request<Op, kRows>(op, iu, ic, ring, s * kSlot, src);
-      if (c0 + kMatvecBatch >= op.in) {  // the unit's last batch: reduce over the warp, store, next unit
-        float sum[kRows];
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          sum[r] = he_warp_sum(acc[r][0] + acc[r][1]);
-          acc[r][0] = acc[r][1] = 0.f;
-        }
-        op.epi(u, sum, pv);
-        const int nu = su[(s + 1) % D];
-        if (nu < units) op.pre(nu, pv);
-      }
-    }
-  }
-}
-
-// The per-op kernels' body in either build. x stays at the start of the dynamic shared memory; the ring
-// follows it (in % 8 == 0: 32-byte aligned).
-// ctr: the ring build's unit counter (he_matvec_ring_run; nullptr: grid-stride); the register build's grid
-// is sized so that every block is resident at once and ignores it.
-template <bool kF16, int kRows = 2, class Op>
-HE_INLINE void he_matvec_op(const Op& op, float* xs, float* scratch, he_u32* ctr) {
-#if HE_MATVEC_RING
-  he_matvec_ring_run<kF16, kRows>(op, xs, (char*)(xs + op.in), scratch, ctr);
-#else
-  (void)ctr;
-  he_matvec_run<kF16, kRows>(op, xs, scratch);
-#endif
-}
-#if HE_MATVEC_RING  // 64 registers: the next kernel's block fits beside this one (see above)
-#define HE_MV_KERNEL HE_KERNEL_MIN(kMatvecRingThreads, kMatvecRingMinBlocks)
-#else
-#define HE_MV_KERNEL HE_KERNEL(kMatvecMaxThreads)
-#endif
-constexpr int kMatvecRingThreads = 256, kMatvecRingMinBlocks = 4;
-static_assert(kMatvecRingThreads <= kMatvecMaxThreads && kMatvecRingMinBlocks > 1,
-              "the host launches either build with the same blocks");
-
-HE_MV_KERNEL matvec(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
-                    const float* residual, float* y, int rows, int in, int w_f16, he_u32* ctr) {
+HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
+                       const float* residual, float* y, int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];  // [in]
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvPlain op{x, gamma, eps, in, W, residual, y, rows};
-  if (w_f16) he_matvec_op<true>(op, he_xs, scratch, ctr);
-  else he_matvec_op<false>(op, he_xs, scratch, ctr);
+  if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
+  else he_matvec_run<false>(op, he_xs, scratch);
 }
 
 // Not in the monokernel's module (HE_IN_MONOKERNEL): it does not use it, and kernels beside its own change
 // how NVVM compiles it (see attention_decode.hip).
 #ifndef HE_IN_MONOKERNEL
-HE_MV_KERNEL matvec_rows1(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma,
-                          float eps, const float* residual, float* y, int rows, int in, int w_f16, he_u32* ctr) {
+HE_KERNEL(kMatvecMaxThreads) matvec_rows1(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma,
+                             float eps, const float* residual, float* y, int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];  // [in]
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvPlain1 op{x, gamma, eps, in, W, residual, y, rows};
-  if (w_f16) he_matvec_op<true, 1>(op, he_xs, scratch, ctr);
-  else he_matvec_op<false, 1>(op, he_xs, scratch, ctr);
+  if (w_f16) he_matvec_run<true, 1>(op, he_xs, scratch);
+  else he_matvec_run<false, 1>(op, he_xs, scratch);
 }
 #endif
 
@@ -559,14 +383,13 @@ struct HeMvGateUp {
   }
 };
 
-HE_MV_KERNEL matvec_gate_up(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
-                            const float* __restrict__ gamma, float eps, float* y, int rows, int in, int w_f16,
-                            he_u32* ctr) {
+HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu, const float* x,
+                               const float* __restrict__ gamma, float eps, float* y, int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvGateUp op{x, gamma, eps, in, Wg, Wu, y, rows};
-  if (w_f16) he_matvec_op<true>(op, he_xs, scratch, ctr);
-  else he_matvec_op<false>(op, he_xs, scratch, ctr);
+  if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
+  else he_matvec_run<false>(op, he_xs, scratch);
 }
 
 // ---- QKV + bias + RoPE + KV append -------------------------------------------------------------------------
@@ -634,17 +457,17 @@ struct HeMvQkvT {
 
 using HeMvQkv = HeMvQkvT<false>;  // the monokernel's
 
-HE_MV_KERNEL matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
+HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
                            const float* __restrict__ bias, const float* __restrict__ cos_t,
                            const float* __restrict__ sin_t, const int* pos_p, float* __restrict__ q_out,
                            he_kv* __restrict__ k_cache, he_kv* __restrict__ v_cache, int max_ctx, int q_dim,
-                           int kv_dim, int hd, int in, int rope, int w_f16, he_u32* ctr) {
+                           int kv_dim, int hd, int in, int rope, int w_f16) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvQkvT<true> op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
                           max_ctx, q_dim, kv_dim, hd, rope};
-  if (w_f16) he_matvec_op<true>(op, he_xs, scratch, ctr);
-  else he_matvec_op<false>(op, he_xs, scratch, ctr);
+  if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
+  else he_matvec_run<false>(op, he_xs, scratch);
 }
 
 #endif
