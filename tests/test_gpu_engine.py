@@ -241,6 +241,19 @@ def test_prefill_build_knobs(monkeypatch):
     monkeypatch.setenv("HIPENGINE_PREFILL_SPLIT", "2")
     with pytest.raises(ops.UnsupportedError, match="HIPENGINE_PREFILL_SPLIT"):
         ops.ap_defines(64)
+    monkeypatch.delenv("HIPENGINE_PREFILL_SPLIT")
+    # query tiles per block: the knob's value, capped at 16 warps and 1,024 threads (he_ap_qtiles mirrors it)
+    assert "HIPENGINE_AP_QTILES" in ops.MMA_KNOBS and ops.ap_qtiles(4, 32) == ops.AP_QTILES
+    assert [ops.ap_qtiles(G, 32, 4) for G in (1, 4, 5, 8)] == [4, 4, 3, 2]
+    assert [ops.ap_qtiles(G, 64, 4) for G in (1, 4, 5, 8)] == [4, 4, 3, 2]
+    assert ops.ap_qtiles(8, 64, 2) == 2 and ops.ap_qtiles(6, 32, 1) == 1
+    src = ap.split("HE_INLINE constexpr int he_ap_qtiles(int g) {")[1].split("}")[0]
+    assert "16 / g" in src and "1024 / (g * kWarpSize)" in src
+    monkeypatch.setenv("HIPENGINE_AP_QTILES", "2")
+    assert ops.ap_defines(64)["HE_AP_QTILES"] == 2 and ops.ap_qtiles(4, 32) == 2
+    monkeypatch.setenv("HIPENGINE_AP_QTILES", "3")
+    with pytest.raises(ops.UnsupportedError, match="HIPENGINE_AP_QTILES"):
+        ops.ap_defines(64)
 
 
 def test_attention_one_kernel_rule(monkeypatch):

@@ -137,3 +137,14 @@ def test_matvec_rows1_build_compiles(tmp_path, monkeypatch):
     unit.write_text(f'#define HE_MATVEC_UNROLL {MATVEC_ROWS1_UNROLL}\n#include "ops/matvec.hip"\n')
     for r in check.check_all(_targets(), [unit]):
         assert r.ok, f"{r.target}: {r.message}"
+
+
+@pytest.mark.skipif(not _targets(), reason="neither clang-19 nor NVRTC installed")
+def test_attention_prefill_qtiles_build_compiles(tmp_path, monkeypatch):
+    """attention_prefill.hip with 4 query tiles per block (HIPENGINE_AP_QTILES=4: blocks of up to 16 warps,
+    1,024 threads on gfx942's wave64) compiles warnings-as-errors for both targets."""
+    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
+    unit = tmp_path / "attention_prefill_qt4.hip"
+    unit.write_text('#define HE_AP_QTILES 4\n#include "ops/attention_prefill.hip"\n')
+    for r in check.check_all(_targets(), [unit]):
+        assert r.ok, f"{r.target}: {r.message}"

@@ -274,6 +274,29 @@ def test_attention_prefill_unsplit(gpu, nh, nkv, hd, seq, max_ctx, T, monkeypatc
         close(got[t], ref, 1e-2, 5e-3)
 
 
+@pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", [c for c in ATTN_CASES if c[5] > 1])
+def test_attention_prefill_qtiles_same_bits(gpu, nh, nkv, hd, seq, max_ctx, T, monkeypatch):
+    """attention_prefill with 2 and 4 query tiles per block (HIPENGINE_AP_QTILES) gives the one-tile bits: each
+    warp's sums are the same whatever warps share its block's K/V staging."""
+    rt, ops, O = gpu
+    if not O.attention_prefill_mma(rt.arch, nh // nkv, hd, rt.max_shared_per_block):
+        pytest.skip("no matrix-core prefill attention here")
+    nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd)
+    k = rt.upload(O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32) * 2))
+    v = rt.upload(O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32)))
+    q = rt.upload(RNG.standard_normal((T, nh * hd)).astype(np.float32))
+    pos = rt.upload(np.array([seq - T], np.int32))
+    got = {}
+    for qt in ("1", "2", "4"):
+        monkeypatch.setenv("HIPENGINE_AP_QTILES", qt)
+        part, out = poisoned(rt, O.Ops.partial_floats(T, nh, hd, nsplit)), poisoned(rt, T * nh * hd)
+        ops.attention(q, k, v, part, out, pos, T=T, nh=nh, nkv=nkv, hd=hd, max_ctx=max_ctx, nsplit=nsplit,
+                      chunk=chunk)
+        got[qt] = rt.download(out, (T, nh * hd), np.float32)
+    assert not np.isnan(got["1"]).any()
+    assert got["2"].tobytes() == got["1"].tobytes() and got["4"].tobytes() == got["1"].tobytes()
+
+
 @pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", [c for c in ATTN_CASES if c[5] == 1])
 def test_attention_decode_fused(gpu, nh, nkv, hd, seq, max_ctx, T):
     """The one-kernel decode form (attention_decode_g*: splits, the last split block of a KV head combines it)

@@ -207,15 +207,37 @@ def ap_min_blocks(hd: int) -> int:
     return 4 if hd <= 64 else 0
 
 
+AP_QTILES = 1  # attention_prefill.hip HE_AP_QTILES: 16-query tiles per block (HIPENGINE_AP_QTILES: 1, 2, 4)
+
+
+def ap_qtiles_setting() -> int:
+    """The build's HE_AP_QTILES: HIPENGINE_AP_QTILES (1, 2 or 4) or AP_QTILES."""
+    raw = os.environ.get("HIPENGINE_AP_QTILES", "")
+    if raw and raw not in ("1", "2", "4"):
+        raise UnsupportedError(f"HIPENGINE_AP_QTILES must be 1, 2 or 4, not {raw!r}")
+    return int(raw) if raw else AP_QTILES
+
+
+def ap_qtiles(G: int, warp: int, setting: int | None = None) -> int:
+    """Query tiles per attention_prefill_g<G> block (attention_prefill.hip he_ap_qtiles): the setting, capped
+    at 16 warps and 1,024 threads per block."""
+    qt = ap_qtiles_setting() if setting is None else setting
+    cap = min(16 // G, 1024 // (G * warp))
+    return max(1, min(qt, cap))
+
+
 def ap_defines(hd: int) -> dict:
     """Build defines of attention_prefill.hip for head size hd: its head size, the activations' split
-    (prefill_split) and the warps kept resident per SM (ap_min_blocks); HIPENGINE_AP_MIN_BLOCKS=0..8 overrides
-    the last (0: the compiler's choice) — an A/B knob."""
+    (prefill_split), the warps kept resident per SM (ap_min_blocks; HIPENGINE_AP_MIN_BLOCKS=0..8 overrides it,
+    0: the compiler's choice) and the query tiles per block (ap_qtiles_setting) — A/B knobs."""
     raw = os.environ.get("HIPENGINE_AP_MIN_BLOCKS", "")
     if raw and (not raw.isdigit() or int(raw) > 8):
         raise UnsupportedError(f"HIPENGINE_AP_MIN_BLOCKS must be 0..8, not {raw!r}")
-    return {"HE_AP_HD": int(hd), "HE_AP_XSPLIT": int(prefill_split()),
-            "HE_AP_MIN_BLOCKS": int(raw) if raw else ap_min_blocks(hd)}
+    d = {"HE_AP_HD": int(hd), "HE_AP_XSPLIT": int(prefill_split()),
+         "HE_AP_MIN_BLOCKS": int(raw) if raw else ap_min_blocks(hd)}
+    if ap_qtiles_setting() != 1:  # the default build keeps its key (compile caches, precompiled modules)
+        d["HE_AP_QTILES"] = ap_qtiles_setting()
+    return d
 
 
 def mma_rotate() -> bool:
@@ -300,7 +322,7 @@ MMA_WIDE_STEPS = 12  # mma_build: the fewest k-steps per K split for which 8 war
 MMA_SMEM_CAP = 112 * 1024  # a block's ring on NVIDIA: two blocks per SM (H100 / H200: 228 KB per SM)
 # the environment knobs a prefill launch reads (the executor's chunk graphs are keyed by them)
 MMA_KNOBS = ("HIPENGINE_PREFILL_MMA", "HIPENGINE_MMA_ROTATE", "HIPENGINE_MMA_WARPS", "HIPENGINE_MMA_STAGES",
-             "HIPENGINE_PREFILL_SPLIT", "HIPENGINE_AP_MIN_BLOCKS", "HIPENGINE_MMA_ZTILES")
+             "HIPENGINE_PREFILL_SPLIT", "HIPENGINE_AP_MIN_BLOCKS", "HIPENGINE_MMA_ZTILES", "HIPENGINE_AP_QTILES")
 
 
 class MmaBuild(NamedTuple):
@@ -622,8 +644,9 @@ class Ops:
             return
         if T > 1 and attention_prefill_mma(self.rt.arch, G, hd, self.rt.max_shared_per_block):
             nsp = min(AP_MAX_SPLITS, nsplit)  # partial holds T·nh·nsplit·(hd + 2) floats: enough
+            qt = ap_qtiles(G, self.rt.warp_size)
             self.rt.launch(self.fn("attention_prefill", f"attention_prefill_g{G}", ap_defines(hd)),
-                           (nkv * nsp, math.ceil(T / 16)), G * self.rt.warp_size,
+                           (nkv * nsp, math.ceil(T / (16 * qt))), G * qt * self.rt.warp_size,
                            [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(T), c_int32(nsp),
                             c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)],
                            shared=ap_shared_bytes(G, hd), stream=stream, pdl=self.pdl)

@@ -36,7 +36,18 @@ constexpr int kApHd = HE_AP_HD;
 constexpr bool kApXSplit = HE_AP_XSPLIT != 0;
 static_assert(kApHd % 16 == 0 && kApHd >= 16, "HE_AP_HD: a multiple of 16");
 constexpr int kApKeys = 64;           // keys per step
-constexpr int kApQ = 16;              // query tokens per block
+constexpr int kApQ = 16;              // query tokens per warp
+// HE_AP_QTILES (ops.ap_qtiles): 16-query tiles per block — warp w takes head w % G and tile w / G, so one
+// staging of a step's K and Vᵀ serves 16·QT queries of each head (each block re-reads its split's K/V: the
+// chunk's query tiles multiply the K/V traffic, from HBM once a context outgrows L2). Capped per group size at
+// 16 warps and 1,024 threads (he_ap_qtiles; the host mirrors it). The sums per warp are the same at any QT.
+#ifndef HE_AP_QTILES
+#define HE_AP_QTILES 1
+#endif
+HE_INLINE constexpr int he_ap_qtiles(int g) {
+  const int cap = (16 / g < 1024 / (g * kWarpSize)) ? 16 / g : 1024 / (g * kWarpSize);
+  return HE_AP_QTILES < cap ? HE_AP_QTILES : (cap > 1 ? cap : 1);
+}
 constexpr int kApKld = kApHd + 8;     // staged K row (16-bit elements): 16-byte rows, conflict-free B fragments
 constexpr int kApVld = kApKeys + 8;   // staged Vᵀ row
 
@@ -44,25 +55,27 @@ constexpr int kApVld = kApKeys + 8;   // staged Vᵀ row
 // and Vᵀ (the scores and the softmax state live in registers; G does not matter).
 HE_INLINE constexpr int he_ap_smem_bytes(int G) { return (void)G, kApKeys * kApKld * 2 + kApHd * kApVld * 2; }
 
-template <int kG>
+template <int kG, int kQT>
 HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, const he_kv* v_cache,
                                           float* partial, int pos, int T, int nsp, int nh, int max_ctx,
                                           char* smem) {
   static_assert(kG >= 1 && kG <= 8, "group size out of range");
   constexpr bool kF16 = HE_KV_F16 != 0;
-  constexpr int kThreads = kG * kWarpSize;
+  constexpr int kThreads = kG * kQT * kWarpSize;
   constexpr int kDt = kApHd / 16;    // 16-wide tiles of the head dimension
   constexpr int kKt = kApKeys / 16;  // 16-key tiles of a step
   he_u16* Ks = (he_u16*)smem;          // [kApKeys][kApKld]
   he_u16* Vt = Ks + kApKeys * kApKld;  // [kApHd][kApVld]
-  const int tid = he_thread_idx(), g = he_warp_id();
-  const int kvh = he_block_idx() / nsp, sp = he_block_idx() % nsp, t0 = he_block_idx_y() * kApQ;
+  const int tid = he_thread_idx(), g = he_warp_id() % kG;
+  const int kvh = he_block_idx() / nsp, sp = he_block_idx() % nsp, tb = he_block_idx_y() * kApQ * kQT;
+  const int t0 = tb + (he_warp_id() / kG) * kApQ;  // this warp's first query
   const int h = kvh * kG + g, qld = nh * kApHd;
-  const int nq = (T - t0 < kApQ) ? T - t0 : kApQ;  // query rows of this block
-  // The split's keys: nsp ranges of whole steps over [0, pos + T); this block's queries see up to pos + t0 + nq.
+  const int nq = (T - t0 < kApQ) ? (T - t0 > 0 ? T - t0 : 0) : kApQ;  // query rows of this warp
+  // The split's keys: nsp ranges of whole steps over [0, pos + T); the block's queries see up to pos + tend.
   const int len = ((pos + T + nsp - 1) / nsp + kApKeys - 1) / kApKeys * kApKeys;
   const int ks = sp * len;
-  const int kend = (ks + len < pos + t0 + nq) ? ks + len : pos + t0 + nq;
+  const int tend = (T < tb + kApQ * kQT) ? T : tb + kApQ * kQT;
+  const int kend = (ks + len < pos + tend) ? ks + len : pos + tend;  // the block's keys: [ks, kend)
   // partial row of query t0 + r: + r·(nh·nsp·(hd + 2)) floats
   float* pr = partial + (((he_i64)t0 * nh + h) * nsp + sp) * (kApHd + 2);
   const he_i64 pr_q = (he_i64)nh * nsp * (kApHd + 2);
@@ -133,7 +146,7 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
 #pragma unroll
       for (int i = 0; i < kMmaAcc; ++i) {
         const int r = he_att_q(i), key = kb + 16 * j + he_att_c(i);
-        const bool ok = r < nq && key < kend && key <= pos + t0 + r;
+        const bool ok = r < nq && key < ks + len && key <= pos + t0 + r;  // key < kend follows
         sc[j].v[i] = ok ? sc[j].v[i] * qscale : he_neg_inf();
         mx[he_att_qi(i)] = he_fmax(mx[he_att_qi(i)], sc[j].v[i]);
       }
@@ -206,14 +219,15 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
 // As launch bounds: HE_AP_MIN_BLOCKS·4 warps in blocks of G; with 0, 8 warps (≤ 255 registers: no cap).
 constexpr int kApMinWarps = HE_AP_MIN_BLOCKS > 0 ? HE_AP_MIN_BLOCKS * 4 : 8;
 #define HE_AP_KERNEL(g)                                                                                     \
-  HE_KERNEL_MIN(g * kWarpSize, kApMinWarps / g)                                                             \
+  HE_KERNEL_MIN(g * he_ap_qtiles(g) * kWarpSize, kApMinWarps / (g * he_ap_qtiles(g)) > 0                   \
+                                                     ? kApMinWarps / (g * he_ap_qtiles(g)) : 1)                \
       attention_prefill_g##g(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,    \
                              const int* pos_p, int T, int nsp, int nh, int nkv, int hd, int max_ctx) {      \
     extern __shared__ he_vec16 he_ap_smem[];                                                                  \
     (void)nkv; (void)hd; /* = gridDim.x / nsp and HE_AP_HD: for the reader (and the host's emulation) */     \
     he_pdl_trigger();                                                                                         \
     he_pdl_wait(); /* port.h: the position, q and the chunk's K/V rows come from the kernels before */      \
-    he_attention_prefill_block<g>(q, k_cache, v_cache, partial, he_ld_step(pos_p), T, nsp, nh, max_ctx,      \
+    he_attention_prefill_block<g, he_ap_qtiles(g)>(q, k_cache, v_cache, partial, he_ld_step(pos_p), T, nsp, nh, max_ctx,      \
                                   (char*)he_ap_smem);                                                         \
   }
 HE_AP_KERNEL(1)
