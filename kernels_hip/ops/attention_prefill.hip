@@ -6,9 +6,10 @@
 // partial fp32 [T][num_heads][nsp][hd + 2] = (unnormalised o, m, l) per split in log2 units — so its
 // attention_combine (grid (num_heads, T), nsplit = nsp) finishes the job unchanged.
 //
-// attention_prefill_g<G>: grid (num_kv_heads·nsp, ceil(T / 16)), G warps (one per query head of the KV group),
-// dynamic shared memory he_ap_smem_bytes(G); the module built with HE_AP_HD = hd. A block takes 16 query
-// tokens of its KV group against one split of the keys; the splits divide [0, *pos + T) into nsp ranges of
+// attention_prefill_g<G>: grid (num_kv_heads·nsp, ceil(T / (16·QT))), G·QT warps (one per query head of the
+// KV group and 16-query tile; QT = he_ap_qtiles(G), 1 by default), dynamic shared memory he_ap_smem_bytes(G);
+// the module built with HE_AP_HD = hd. A block takes 16·QT query tokens of its KV group against one split
+// of the keys; the splits divide [0, *pos + T) into nsp ranges of
 // whole 64-key steps (nsp ≤ attention_decode.hip's kCombineBatch, so the combine folds all of them in one
 // round trip; splits past a query's last key are empty, l = 0). Per 64-key step the block stages K (rows =
 // keys: the B operand of S = Q·Kᵀ) and Vᵀ (rows = dims: the B operand of O += P·V) in shared memory; each warp
@@ -216,7 +217,8 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
 #ifndef HE_AP_MIN_BLOCKS
 #define HE_AP_MIN_BLOCKS (HE_AP_HD <= 64 ? 4 : 0)
 #endif
-// As launch bounds: HE_AP_MIN_BLOCKS·4 warps in blocks of G; with 0, 8 warps (≤ 255 registers: no cap).
+// As launch bounds: HE_AP_MIN_BLOCKS·4 warps in blocks of G·QT (at least one block); with 0, 8 warps (≤ 255
+// registers: no cap).
 constexpr int kApMinWarps = HE_AP_MIN_BLOCKS > 0 ? HE_AP_MIN_BLOCKS * 4 : 8;
 #define HE_AP_KERNEL(g)                                                                                     \
   HE_KERNEL_MIN(g * he_ap_qtiles(g) * kWarpSize, kApMinWarps / (g * he_ap_qtiles(g)) > 0                   \
@@ -227,8 +229,8 @@ constexpr int kApMinWarps = HE_AP_MIN_BLOCKS > 0 ? HE_AP_MIN_BLOCKS * 4 : 8;
     (void)nkv; (void)hd; /* = gridDim.x / nsp and HE_AP_HD: for the reader (and the host's emulation) */     \
     he_pdl_trigger();                                                                                         \
     he_pdl_wait(); /* port.h: the position, q and the chunk's K/V rows come from the kernels before */      \
-    he_attention_prefill_block<g, he_ap_qtiles(g)>(q, k_cache, v_cache, partial, he_ld_step(pos_p), T, nsp, nh, max_ctx,      \
-                                  (char*)he_ap_smem);                                                         \
+    he_attention_prefill_block<g, he_ap_qtiles(g)>(q, k_cache, v_cache, partial, he_ld_step(pos_p), T, nsp,   \
+                                                   nh, max_ctx, (char*)he_ap_smem);                           \
   }
 HE_AP_KERNEL(1)
 HE_AP_KERNEL(2)
