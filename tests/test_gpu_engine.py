@@ -247,7 +247,7 @@ def test_prefill_build_knobs(monkeypatch):
     assert [ops.ap_qtiles(G, 32, 4) for G in (1, 4, 5, 8)] == [4, 4, 3, 2]
     assert [ops.ap_qtiles(G, 64, 4) for G in (1, 4, 5, 8)] == [4, 4, 3, 2]
     assert ops.ap_qtiles(8, 64, 2) == 2 and ops.ap_qtiles(6, 32, 1) == 1
-    src = ap.split("HE_INLINE constexpr int he_ap_qtiles(int g) {")[1].split("}")[0]
+    src = ap.split("constexpr int he_ap_qtiles(int g) {")[1].split("}")[0]
     assert "16 / g" in src and "1024 / (g * kWarpSize)" in src
     monkeypatch.setenv("HIPENGINE_AP_QTILES", "2")
     assert ops.ap_defines(64)["HE_AP_QTILES"] == 2 and ops.ap_qtiles(4, 32) == 2

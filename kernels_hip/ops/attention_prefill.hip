@@ -45,7 +45,7 @@ constexpr int kApQ = 16;              // query tokens per warp
 #ifndef HE_AP_QTILES
 #define HE_AP_QTILES 1
 #endif
-HE_INLINE constexpr int he_ap_qtiles(int g) {
+__host__ __device__ constexpr int he_ap_qtiles(int g) {  // both sides: launch bounds, templates
   const int cap = (16 / g < 1024 / (g * kWarpSize)) ? 16 / g : 1024 / (g * kWarpSize);
   return HE_AP_QTILES < cap ? HE_AP_QTILES : (cap > 1 ? cap : 1);
 }
@@ -220,9 +220,12 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
 // As launch bounds: HE_AP_MIN_BLOCKS·4 warps in blocks of G·QT (at least one block); with 0, 8 warps (≤ 255
 // registers: no cap).
 constexpr int kApMinWarps = HE_AP_MIN_BLOCKS > 0 ? HE_AP_MIN_BLOCKS * 4 : 8;
+__host__ __device__ constexpr int he_ap_min_blocks(int g) {
+  return kApMinWarps / (g * he_ap_qtiles(g)) > 0 ? kApMinWarps / (g * he_ap_qtiles(g)) : 1;
+}
 #define HE_AP_KERNEL(g)                                                                                     \
-  HE_KERNEL_MIN(g * he_ap_qtiles(g) * kWarpSize, kApMinWarps / (g * he_ap_qtiles(g)) > 0                   \
-                                                     ? kApMinWarps / (g * he_ap_qtiles(g)) : 1)                \
+  constexpr int kApThreads##g = g * he_ap_qtiles(g) * kWarpSize, kApMinBlocks##g = he_ap_min_blocks(g);     \
+  HE_KERNEL_MIN(kApThreads##g, kApMinBlocks##g)                                                             \
       attention_prefill_g##g(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,    \
                              const int* pos_p, int T, int nsp, int nh, int nkv, int hd, int max_ctx) {      \
     extern __shared__ he_vec16 he_ap_smem[];                                                                  \
