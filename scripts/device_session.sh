@@ -73,6 +73,18 @@ ab_sweep() { run ab_sweep 270 $PY scripts/mk_sweep.py --contexts 1024,8192,32768
              [ -n "${AB_MAXCTX:-}" ] && run ab_sweep_maxctx 120 $PY scripts/mk_sweep.py --contexts 1024 \
                --max-context "$AB_MAXCTX" ${ONLY+--only "$ONLY"} \
                $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/ab_sweep_maxctx.json"; }
+# env_runs PREFIX SECONDS "WORDS" CMD...: CMD once per word of WORDS (VAR=V[,VAR=V] or - for none), each in its own
+# process with that environment, logged as PREFIX_i and writing --json $OUT/PREFIX_i.json
+env_runs() {
+  local prefix=$1 limit=$2 words=$3 i=0 e
+  shift 3
+  for e in $words; do
+    [ "$e" = - ] && e=""
+    echo "${prefix}_$i: ${e:-default}" | tee -a "$SUMMARY"
+    run "${prefix}_$i" "$limit" env ${e//,/ } "$@" --json "$OUT/${prefix}_$i.json"
+    i=$((i + 1))
+  done
+}
 preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"; }
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
 engine_tests() { run engine_tests 120 $PY -m pytest tests/test_gpu_engine.py -q -rs -k "not 1b_preset"; }
@@ -126,29 +138,10 @@ case "$MODE" in
           # timeline at 1K per word of $AB_PROFILE_ENVS (scripts/profile_perop.py), bench_ops (no decode) per
           # word of $AB_BENCH_OPS_ENVS, and the op tests ($AB_TESTS: a -k expression run FIRST instead)
     [ -n "${AB_TESTS:-}" ] && run ops_tests_k 120 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "$AB_TESTS"
-    i=0
-    for e in ${AB_ENVS:--}; do
-      [ "$e" = - ] && e=""
-      echo "abenv_$i: ${e:-default}" | tee -a "$SUMMARY"
-      run "abenv_$i" 90 env ${e//,/ } $PY -m hipengine bench decode --shape llama-3.2-1b \
-        $(for c in ${AB_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) --no-monokernel \
-        --json "$OUT/abenv_$i.json"
-      i=$((i + 1))
-    done
-    i=0
-    for e in ${AB_PROFILE_ENVS:--}; do
-      [ "$e" = - ] && e=""
-      echo "prof_$i: ${e:-default}" | tee -a "$SUMMARY"
-      run "prof_$i" 60 env ${e//,/ } $PY scripts/profile_perop.py --context 1024 --json "$OUT/prof_$i.json"
-      i=$((i + 1))
-    done
-    i=0
-    for e in ${AB_BENCH_OPS_ENVS:-}; do
-      [ "$e" = - ] && e=""
-      echo "bench_ops_$i: ${e:-default}" | tee -a "$SUMMARY"
-      run "bench_ops_$i" 80 env ${e//,/ } $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops_$i.json"
-      i=$((i + 1))
-    done
+    env_runs abenv 90 "${AB_ENVS:--}" $PY -m hipengine bench decode --shape llama-3.2-1b \
+      $(for c in ${AB_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) --no-monokernel
+    env_runs prof 60 "${AB_PROFILE_ENVS:--}" $PY scripts/profile_perop.py --context 1024
+    env_runs bench_ops 80 "${AB_BENCH_OPS_ENVS:-}" $PY scripts/bench_ops.py --skip-decode
     [ -z "${AB_TESTS:-}" ] && ops_tests ;;
   recordperop)  # the figures of record after a per-op change (monokernel SASS unchanged): op + engine tests, the
                 # decode bench of both paths (tokens compared), bench_ops, the per-op kernel timeline at 1K

@@ -235,8 +235,9 @@ def ap_defines(hd: int) -> dict:
         raise UnsupportedError(f"HIPENGINE_AP_MIN_BLOCKS must be 0..8, not {raw!r}")
     d = {"HE_AP_HD": int(hd), "HE_AP_XSPLIT": int(prefill_split()),
          "HE_AP_MIN_BLOCKS": int(raw) if raw else ap_min_blocks(hd)}
-    if ap_qtiles_setting() != 1:  # the default build keeps its key (compile caches, precompiled modules)
-        d["HE_AP_QTILES"] = ap_qtiles_setting()
+    qt = ap_qtiles_setting()
+    if qt != 1:  # the default build keeps its key (compile caches, precompiled modules)
+        d["HE_AP_QTILES"] = qt
     return d
 
 

@@ -9,9 +9,9 @@
 // attention_prefill_g<G>: grid (num_kv_heads·nsp, ceil(T / (16·QT))), G·QT warps (one per query head of the
 // KV group and 16-query tile; QT = he_ap_qtiles(G), 1 by default), dynamic shared memory he_ap_smem_bytes(G);
 // the module built with HE_AP_HD = hd. A block takes 16·QT query tokens of its KV group against one split
-// of the keys; the splits divide [0, *pos + T) into nsp ranges of
-// whole 64-key steps (nsp ≤ attention_decode.hip's kCombineBatch, so the combine folds all of them in one
-// round trip; splits past a query's last key are empty, l = 0). Per 64-key step the block stages K (rows =
+// of the keys; the splits divide [0, *pos + T) into nsp ranges of whole 64-key steps (nsp ≤
+// attention_decode.hip's kCombineBatch, so the combine folds all of them in one round trip; splits past a
+// query's last key are empty, l = 0). Per 64-key step the block stages K (rows =
 // keys: the B operand of S = Q·Kᵀ) and Vᵀ (rows = dims: the B operand of O += P·V) in shared memory; each warp
 // takes S for its head on port.h's attention tiles (he_att_*), keeps it in registers, masks it (−inf) and runs
 // the online softmax of its 16 queries there — row maxima and sums over the lanes that hold a query
@@ -221,7 +221,7 @@ HE_INLINE void he_attention_prefill_block(const float* q, const he_kv* k_cache, 
 // registers: no cap).
 constexpr int kApMinWarps = HE_AP_MIN_BLOCKS > 0 ? HE_AP_MIN_BLOCKS * 4 : 8;
 __host__ __device__ constexpr int he_ap_min_blocks(int g) {
-  return kApMinWarps / (g * he_ap_qtiles(g)) > 0 ? kApMinWarps / (g * he_ap_qtiles(g)) : 1;
+  return kApMinWarps >= g * he_ap_qtiles(g) ? kApMinWarps / (g * he_ap_qtiles(g)) : 1;
 }
 #define HE_AP_KERNEL(g)                                                                                     \
   constexpr int kApThreads##g = g * he_ap_qtiles(g) * kWarpSize, kApMinBlocks##g = he_ap_min_blocks(g);     \
