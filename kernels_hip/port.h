@@ -794,6 +794,20 @@ HE_INLINE void he_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory")
 HE_INLINE void he_pdl_trigger() {}
 HE_INLINE void he_pdl_wait() {}
 #endif
+// Where a per-op kernel lets the next one launch: at its top (the default: the next kernel's blocks become
+// resident, and request their weights, as early as slots allow), or — in modules built with HE_PDL_LATE=1
+// (hipengine/gpu/ops.py pdl_late_roles, per decode-step role) — right after its own he_pdl_wait(), so the
+// next kernel launches only once the kernel before this one has completed: the chain of resident kernels
+// runs one kernel deep instead of several (docs/perf-log.md v48).
+#ifndef HE_PDL_LATE
+#define HE_PDL_LATE 0
+#endif
+HE_INLINE void he_pdl_trigger_top() {
+  if (!HE_PDL_LATE) he_pdl_trigger();
+}
+HE_INLINE void he_pdl_trigger_late() {
+  if (HE_PDL_LATE) he_pdl_trigger();
+}
 #if HE_AMD
 HE_INLINE int he_ld_step(const int* p) { return *p; }
 #else

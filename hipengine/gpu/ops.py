@@ -457,6 +457,19 @@ def pdl_off_roles() -> frozenset:
     return roles
 
 
+def pdl_late_roles() -> frozenset:
+    """Decode-step kernels that let the next kernel launch after their own wait instead of at their top
+    (port.h HE_PDL_LATE: the module is built with it): HIPENGINE_PDL_LATE, a comma-separated list of
+    PDL_ROLES. The next kernel then becomes resident only once the kernel before this one has completed, so
+    at most two kernels of the chain hold slots and request weights at once (docs/perf-log.md v48)."""
+    raw = os.environ.get("HIPENGINE_PDL_LATE", "")
+    roles = frozenset(r.strip() for r in raw.split(",") if r.strip())
+    bad = sorted(roles - set(PDL_ROLES))
+    if bad:
+        raise UnsupportedError(f"HIPENGINE_PDL_LATE: unknown role(s) {', '.join(bad)} (roles: {', '.join(PDL_ROLES)})")
+    return roles
+
+
 ATTN_WARP_MAX_CTX = 8192  # KV caches shorter than this take the warp's running max (attn_warp_max)
 
 
@@ -490,10 +503,15 @@ class Ops:
         # touches data of the kernels before it, so this is safe for any sequence; pdl_enabled() decides.
         self.pdl = pdl_enabled(rt)
         self.pdl_off = pdl_off_roles()
+        self.pdl_late = pdl_late_roles()
 
     def _pdl(self, role: str) -> bool:
         """Whether a kernel of this decode-step role launches with programmatic dependent launch."""
         return self.pdl and role not in self.pdl_off
+
+    def _late(self, role: str) -> dict:
+        """The defines that make a kernel of this role trigger the next launch after its wait (pdl_late_roles)."""
+        return {"HE_PDL_LATE": 1} if self.pdl and role in self.pdl_late else {}
 
     def fn(self, source: str, name: str, defines: dict | None = None):
         """Kernel `name` of ops/<source>.hip, compiled once per (source, extra defines)."""
@@ -539,10 +557,10 @@ class Ops:
         if rows1 is None:
             rows1 = grid is None and matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms)
         if rows1:
-            fn = self.fn("matvec", "matvec_rows1", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL})
+            fn = self.fn("matvec", "matvec_rows1", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL, **self._late(role)})
             g = grid or self._grid(rows, threads)
         else:
-            fn = self.fn("matvec", "matvec")
+            fn = self.fn("matvec", "matvec", self._late(role))
             g = grid or self._grid((rows + 1) // 2, threads)
         self.rt.launch(fn, g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
@@ -552,7 +570,7 @@ class Ops:
                        stream=None, grid: int | None = None, threads: int = MATVEC_THREADS):
         self._check_in(inn)
         g = grid or self._grid(rows, threads)
-        self.rt.launch(self.fn("matvec", "matvec_gate_up"), g, threads,
+        self.rt.launch(self.fn("matvec", "matvec_gate_up", self._late("gate_up")), g, threads,
                        [_p(Wg), _p(Wu), _p(x), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
                         c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl("gate_up"))
 
@@ -561,7 +579,7 @@ class Ops:
                    stream=None, threads: int = MATVEC_THREADS):
         self._check_in(inn)
         g = self._grid((q_dim + 2 * kv_dim) // 2, threads)
-        self.rt.launch(self.fn("matvec", "matvec_qkv"), g, threads,
+        self.rt.launch(self.fn("matvec", "matvec_qkv", self._late("qkv")), g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(bias), _p(cos), _p(sin), _p(pos), _p(q_out),
                         _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(q_dim), c_int32(kv_dim), c_int32(hd),
                         c_int32(inn), c_int32(int(rope)), c_int32(int(f16))], shared=inn * 4, stream=stream,
@@ -636,7 +654,8 @@ class Ops:
         lanes = attention_defines(hd, max_ctx)
         if T == 1 and count is not None and (one_kernel if one_kernel is not None
                                              else attention_one_kernel(nkv * nsplit, self.rt.num_sms)):
-            self.rt.launch(self.fn("attention_decode", f"attention_decode_g{G}", lanes), nkv * nsplit,
+            self.rt.launch(self.fn("attention_decode", f"attention_decode_g{G}", {**lanes, **self._late("attn")}),
+                           nkv * nsplit,
                            ATTN_THREADS,
                            [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), _p(count), _p(out),
                             c_int32(nsplit), c_int32(chunk), c_int32(nh), c_int32(nkv), c_int32(hd),
@@ -655,12 +674,14 @@ class Ops:
                            [_p(partial), _p(pos), c_int32(nsp), c_int32(nh), c_int32(hd), _p(out), c_int32(0)],
                            stream=stream, pdl=self.pdl)
             return
-        self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", lanes), (nkv * nsplit, T), ATTN_THREADS,
+        self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", {**lanes, **self._late("attn")}),
+                       (nkv * nsplit, T), ATTN_THREADS,
                        [_p(q), _p(k_cache), _p(v_cache), _p(partial), _p(pos), c_int32(nsplit), c_int32(chunk),
                         c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx),
                         c_int32(int(early and self._pdl("attn") and attention_early_pos()))], shared=shared,
                        stream=stream, pdl=self._pdl("attn"))
-        self.rt.launch(self.fn("attention_decode", "attention_combine", lanes), (nh, T), 128,
+        self.rt.launch(self.fn("attention_decode", "attention_combine", {**lanes, **self._late("combine")}),
+                       (nh, T), 128,
                        [_p(partial), _p(pos), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out),
                         c_int32(int(early and self._pdl("combine") and attention_early_pos()))],
                        stream=stream, pdl=self._pdl("combine"))

@@ -137,7 +137,8 @@ HE_INLINE int he_attn_len(int seq, int nsplit, int chunk) {
 // kEarly, so the bits are too.
 // kTrigger (the same kernel): he_pdl_trigger() once the first K/V batch is requested, so the next kernel
 // (the O-proj) launches — and requests its weights — only behind this block's K/V loads. Triggering at the
-// kernel's top let the O-proj's 8.4 MB of weight requests queue in front of them: −1.3% at 1K (v36).
+// kernel's top let the O-proj's 8.4 MB of weight requests queue in front of them: −1.3% at 1K (v36). In a
+// HE_PDL_LATE build (port.h) the early kernel triggers after its wait instead.
 template <int kG, bool kEarly = false, bool kTrigger = false>
 // q, the caches and partial are rewritten inside the monokernel, so none is `const __restrict__` here (that
 // lets the compiler use the non-coherent read-only path) and cache rows use the coherent streaming load.
@@ -157,8 +158,9 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   const int start = split * chunk;
   const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
   if (n == 0) {  // nothing to attend in this split: mark it empty for the combine
-    if (kTrigger) he_pdl_trigger();
+    if (kTrigger && !(kEarly && HE_PDL_LATE)) he_pdl_trigger();
     if (kEarly) he_pdl_wait();  // partial is step data
+    if (kTrigger && kEarly && HE_PDL_LATE) he_pdl_trigger();
     for (int g = t; g < G; g += nt) {
       float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
       pr[hd] = he_neg_inf();
@@ -187,9 +189,10 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
     kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
     vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
   }
-  if (kTrigger) he_pdl_trigger();
+  if (kTrigger && !(kEarly && HE_PDL_LATE)) he_pdl_trigger();
   if (kEarly) {
     he_pdl_wait();  // port.h: the previous kernel (QKV) has completed; its writes are visible
+    if (kTrigger && HE_PDL_LATE) he_pdl_trigger();  // HE_PDL_LATE builds: after the wait (port.h)
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int p = w0 + rw + j * kR;
@@ -365,11 +368,12 @@ HE_INLINE int he_attn_early_pos(const int* pos_p) { return he_ld_step(pos_p); }
                                       const int* pos_p, int nsplit, int chunk, int nh, int nkv,             \
                                       int hd, int max_ctx, int early_pos) {                                 \
     extern __shared__ float he_attn_smem[];                                                                 \
-    he_pdl_trigger();                                                                                       \
+    he_pdl_trigger_top();                                                                                   \
     const int tq = he_block_idx_y();                                                                        \
     int seq = 0;                                                                                            \
     if (early_pos) seq = he_attn_early_pos(pos_p) + tq + 1;                                                 \
     he_pdl_wait(); /* port.h: the position, q and the newest K/V row come from the kernels before */        \
+    he_pdl_trigger_late();                                                                                  \
     if (!early_pos) seq = he_ld_step(pos_p) + tq + 1;                                                       \
     const int kvh = he_block_idx() / nsplit, split = he_block_idx() % nsplit;                               \
     he_attention_split_block<g>(q + (he_i64)tq * nh * hd, k_cache, v_cache,                                 \
@@ -439,11 +443,12 @@ HE_KERNEL(256) attention_combine(const float* partial, const int* pos_p, int nsp
                                  int nh, int hd, float* __restrict__ out, int early_pos) {
   // The next kernel (the O-proj) may launch at once and request its weights during the splits: on this path
   // that measured faster than launching it after them (docs/perf-log.md v33), unlike the monokernel's v24.
-  he_pdl_trigger();
+  he_pdl_trigger_top();
   const int h = he_block_idx(), tq = he_block_idx_y();
   int seq = 0;
   if (early_pos) seq = he_attn_early_pos(pos_p) + tq + 1;
   he_pdl_wait();  // port.h: everything below reads or writes step data
+  he_pdl_trigger_late();
   if (!early_pos) seq = he_ld_step(pos_p) + tq + 1;
   he_attention_combine(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), 1, nsplit, seq, hd,
                        out + ((he_i64)tq * nh + h) * hd);

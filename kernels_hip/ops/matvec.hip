@@ -331,11 +331,12 @@ struct HeMvPlain1 {
 // the end of the kernel before it. The monokernel runs the same stream through its stages instead.
 template <bool kF16, int kRows = 2, class Op>
 HE_INLINE void he_matvec_run(const Op& op, float* xs, float* scratch) {
-  he_pdl_trigger();
+  he_pdl_trigger_top();
   HeMvStream<kRows> s;
   const HeMvNone none{0};
   he_mv_begin(op, s, none);  // weights only: no kernel writes them
   he_pdl_wait();
+  he_pdl_trigger_late();
   he_mv_finish<kF16>(op, s, xs, scratch, none);
 }
 
