@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from ctypes import c_float, c_int32, c_uint32, c_void_p
 from typing import NamedTuple
 
@@ -446,11 +447,11 @@ PDL_ROLES = ("qkv", "attn", "combine", "o", "gate_up", "down", "lm_head")
 
 def pdl_off_roles() -> frozenset:
     """Decode-step kernels launched in plain stream order although the path uses programmatic dependent
-    launch: HIPENGINE_PDL_OFF, a comma-separated list of PDL_ROLES (A/B and profiling of where each kernel
+    launch: HIPENGINE_PDL_OFF, a list of PDL_ROLES separated by commas or "+" (A/B and profiling of where each kernel
     should become resident; scripts/profile_perop.py). Such a kernel starts once the one before it has
     completed, and the kernel after it cannot start before it has."""
     raw = os.environ.get("HIPENGINE_PDL_OFF", "")
-    roles = frozenset(r.strip() for r in raw.split(",") if r.strip())
+    roles = frozenset(r.strip() for r in re.split(r"[,+]", raw) if r.strip())
     bad = sorted(roles - set(PDL_ROLES))
     if bad:
         raise UnsupportedError(f"HIPENGINE_PDL_OFF: unknown role(s) {', '.join(bad)} (roles: {', '.join(PDL_ROLES)})")
@@ -459,11 +460,11 @@ def pdl_off_roles() -> frozenset:
 
 def pdl_late_roles() -> frozenset:
     """Decode-step kernels that let the next kernel launch after their own wait instead of at their top
-    (port.h HE_PDL_LATE: the module is built with it): HIPENGINE_PDL_LATE, a comma-separated list of
-    PDL_ROLES. The next kernel then becomes resident only once the kernel before this one has completed, so
+    (port.h HE_PDL_LATE: the module is built with it): HIPENGINE_PDL_LATE, a list of PDL_ROLES separated
+    by commas or "+". The next kernel then becomes resident only once the kernel before this one has completed, so
     at most two kernels of the chain hold slots and request weights at once (docs/perf-log.md v48)."""
     raw = os.environ.get("HIPENGINE_PDL_LATE", "")
-    roles = frozenset(r.strip() for r in raw.split(",") if r.strip())
+    roles = frozenset(r.strip() for r in re.split(r"[,+]", raw) if r.strip())
     bad = sorted(roles - set(PDL_ROLES))
     if bad:
         raise UnsupportedError(f"HIPENGINE_PDL_LATE: unknown role(s) {', '.join(bad)} (roles: {', '.join(PDL_ROLES)})")
