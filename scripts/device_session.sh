@@ -15,6 +15,8 @@
 #   perop : op + engine tests, the per-op decode bench at 1K/8K/32K
 #   abperop: per-op trees $AB_PEROP_TREES (commits $AB_PEROP_COMMITS) alternated, 1K/8K/32K; op tests, bench_ops
 #   abenv : per-op A/B of environment settings $AB_ENVS on this tree, 1K/8K/32K; kernel timelines ($AB_PROFILE_ENVS)
+#   recordenv: after a change of per-op defaults: op tests, engine + monokernel tests, the decode bench of record,
+#              the per-op timeline, then per-op A/B runs of $AB_ENVS while the call has time
 #   recordperop: op + engine tests, the decode bench (both paths), bench_ops, the per-op timeline (per-op changes)
 #   recordall: op, engine and monokernel tests, the decode bench (both paths), bench_ops, the per-op timeline
 #              (a change of a body both paths share)
@@ -89,8 +91,9 @@ preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
 engine_tests() { run engine_tests 120 $PY -m pytest tests/test_gpu_engine.py -q -rs -k "not 1b_preset"; }
 bench_ops_decode() { run bench_ops 170 $PY scripts/bench_ops.py --json "$OUT/bench_ops.json"; }
-bench() { run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
-            --context 32768 --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"; }
+bench() { run bench 260 $PY -m hipengine bench decode --shape llama-3.2-1b \
+            $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) \
+            --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"; }
 case "$MODE" in
   iter) profile; sweep; mk_tests; ops_tests; bench_ops ;;
   tune) sweep_best; profile; mk_tests; ops_tests; preset1b ;;  # the sweep's fastest knobs, then profile + tests
@@ -143,6 +146,14 @@ case "$MODE" in
     env_runs prof 60 "${AB_PROFILE_ENVS:--}" $PY scripts/profile_perop.py --context 1024
     env_runs bench_ops 80 "${AB_BENCH_OPS_ENVS:-}" $PY scripts/bench_ops.py --skip-decode
     [ -z "${AB_TESTS:-}" ] && ops_tests ;;
+  recordenv)  # after a change of per-op defaults: op tests ($AB_TESTS: a -k expression), engine + monokernel tests,
+              # the decode bench of record at $BENCH_CONTEXTS (both paths, tokens compared), the per-op timeline
+              # at 1K, then per-op A/B runs of $AB_ENVS at $AB_CONTEXTS while the call has time (under 575 s)
+    run ops_tests_k 120 $PY -m pytest tests/test_ops_gpu.py -q -x -rs ${AB_TESTS:+-k "$AB_TESTS"}
+    engine_tests; mk_tests; bench
+    run profile_perop 60 $PY scripts/profile_perop.py --context 1024 --json "$OUT/profile_perop.json"
+    [ $SECONDS -lt 460 ] && env_runs abenv 90 "${AB_ENVS:--}" $PY -m hipengine bench decode --shape llama-3.2-1b \
+      $(for c in ${AB_CONTEXTS:-1024 8192}; do echo --context "$c"; done) --no-monokernel ;;
   recordperop)  # the figures of record after a per-op change (monokernel SASS unchanged): op + engine tests, the
                 # decode bench of both paths (tokens compared), bench_ops, the per-op kernel timeline at 1K
     ops_tests; engine_tests; bench; bench_ops
@@ -210,7 +221,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordperop|recordall|ncu|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|recordenv|recordperop|recordall|ncu|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

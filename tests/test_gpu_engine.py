@@ -256,15 +256,70 @@ def test_prefill_build_knobs(monkeypatch):
         ops.ap_defines(64)
 
 
+def test_attention_plan_two_rounds_where_one_spills(monkeypatch):
+    """v48: one (KV head, split) block per SM unless that plan spills past one round of the SMs, then two full
+    rounds (llama-3.2-1b on 132 SMs: 16K takes 32 splits of 512 instead of 17 of 992; 8K, 1K and 32K keep their
+    plans, and so does every cache of a TP=2 rank); HIPENGINE_ATTN_BLOCKS_PER_SM overrides; bad values are one
+    clear error."""
+    from hipengine.errors import UnsupportedError
+    from hipengine.gpu import ops
+
+    monkeypatch.delenv("HIPENGINE_ATTN_BLOCKS_PER_SM", raising=False)
+    monkeypatch.delenv("HIPENGINE_ATTN_SPLIT_CAP", raising=False)
+    monkeypatch.delenv("HIPENGINE_ATTN_MAX_CHUNK", raising=False)
+    assert ops.attention_plan(16384, 8, 132) == (32, 512)
+    assert ops.attention_plan(12288, 8, 132) == (32, 384)
+    assert ops.attention_plan(8192, 8, 132) == (16, 512)
+    assert ops.attention_plan(8704, 8, 132) == (31, 288)  # 17 splits of 512 would spill
+    assert ops.attention_plan(1024, 8, 132) == (16, 64)
+    assert ops.attention_plan(32768, 8, 132) == (32, 1024)
+    for ctx in (1024, 4096, 8192, 16384, 32768):
+        assert ops.attention_plan(ctx, 4, 132) == ops.attention_plan(ctx, 4, 132, blocks_per_sm=1.0)
+    monkeypatch.setenv("HIPENGINE_ATTN_BLOCKS_PER_SM", "1")
+    assert ops.attention_plan(16384, 8, 132) == (17, 992)
+    monkeypatch.setenv("HIPENGINE_ATTN_BLOCKS_PER_SM", "2")
+    assert ops.attention_plan(8192, 8, 132) == (32, 256)
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("HIPENGINE_ATTN_BLOCKS_PER_SM", bad)
+        with pytest.raises(UnsupportedError, match="HIPENGINE_ATTN_BLOCKS_PER_SM"):
+            ops.attention_plan(8192, 8, 132)
+
+
+def test_pdl_late_roles(monkeypatch):
+    """v48: the O-proj and the attention split trigger the next launch after their wait by default;
+    HIPENGINE_PDL_LATE names other roles (commas or "+"), "none" none; unknown roles are one clear error; the
+    late roles' modules are built with HE_PDL_LATE=1, the others without it."""
+    from hipengine.errors import UnsupportedError
+    from hipengine.gpu import ops
+
+    monkeypatch.delenv("HIPENGINE_PDL_LATE", raising=False)
+    assert ops.pdl_late_roles() == {"o", "attn"}
+    monkeypatch.setenv("HIPENGINE_PDL_LATE", "o+down,qkv")
+    assert ops.pdl_late_roles() == {"o", "down", "qkv"}
+    monkeypatch.setenv("HIPENGINE_PDL_LATE", "none")
+    assert ops.pdl_late_roles() == frozenset()
+    monkeypatch.setenv("HIPENGINE_PDL_LATE", "o,oproj")
+    with pytest.raises(UnsupportedError, match="HIPENGINE_PDL_LATE: unknown role"):
+        ops.pdl_late_roles()
+    monkeypatch.delenv("HIPENGINE_PDL_LATE")
+    o = ops.Ops.__new__(ops.Ops)
+    o.pdl, o.pdl_late = True, ops.pdl_late_roles()
+    assert o._late("o") == {"HE_PDL_LATE": 1} and o._late("attn") == {"HE_PDL_LATE": 1}
+    assert o._late("down") == {} and o._late("") == {}
+    o.pdl = False  # no programmatic launch (AMD, HIPENGINE_PDL=0): one build for every role
+    assert o._late("o") == {}
+
+
 def test_attention_one_kernel_rule(monkeypatch):
     """Decode attention runs as one kernel when its grid puts more than 1.5 blocks on an SM (v36, llama-3.2-1b
-    on 132 SMs: it loses at 1K / 8K with 128 blocks and at 16K with 136, wins at 32K with 256); the knob
-    forces either form; a bad value is one clear error."""
+    on 132 SMs: it loses at 1K / 8K with 128 blocks and at 16K with 136, wins at 32K with 256; since v48 the
+    16K plan has 256 blocks too); the knob forces either form; a bad value is one clear error."""
     from hipengine.errors import UnsupportedError
     from hipengine.gpu import ops
 
     monkeypatch.delenv("HIPENGINE_ATTN_ONE_KERNEL", raising=False)
-    for ctx, one in ((1024, False), (8192, False), (16384, False), (32768, True)):
+    monkeypatch.delenv("HIPENGINE_ATTN_BLOCKS_PER_SM", raising=False)
+    for ctx, one in ((1024, False), (8192, False), (16384, True), (32768, True)):
         nsplit, _ = ops.attention_plan(ctx, 8, 132)
         assert ops.attention_one_kernel(8 * nsplit, 132) == one, ctx
     monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", "1")
@@ -300,6 +355,8 @@ def test_matvec_rows1_rule(monkeypatch):
     with pytest.raises(UnsupportedError, match="HIPENGINE_MATVEC_ROWS1"):
         ops.matvec_rows1(2048, 8192, 32, 132)
     monkeypatch.setenv("HIPENGINE_PDL_OFF", "o, down")
+    assert ops.pdl_off_roles() == {"o", "down"}
+    monkeypatch.setenv("HIPENGINE_PDL_OFF", "o+down")
     assert ops.pdl_off_roles() == {"o", "down"}
     monkeypatch.setenv("HIPENGINE_PDL_OFF", "o,oproj")
     with pytest.raises(UnsupportedError, match="oproj"):

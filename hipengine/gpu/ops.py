@@ -80,10 +80,19 @@ def attn_lanes(hd: int) -> int:
     return n
 
 
-def attention_blocks_per_sm() -> float:
-    """(kv head, split) blocks per SM the split plan aims for: 1, the monokernel's grid (one round of split
-    blocks, then no idle SM). HIPENGINE_ATTN_BLOCKS_PER_SM overrides (sweeps; fractions allowed)."""
-    return float(os.environ.get("HIPENGINE_ATTN_BLOCKS_PER_SM", "1"))
+def attention_blocks_per_sm() -> float | None:
+    """(kv head, split) blocks per SM the split plan aims for when HIPENGINE_ATTN_BLOCKS_PER_SM sets it
+    (sweeps; fractions allowed); None: attention_plan's rule (1, or 2 where one would spill past a round)."""
+    raw = os.environ.get("HIPENGINE_ATTN_BLOCKS_PER_SM", "")
+    if not raw:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        v = 0.0
+    if not v > 0:
+        raise UnsupportedError(f"HIPENGINE_ATTN_BLOCKS_PER_SM={raw}: a positive number of blocks per SM")
+    return v
 
 
 def attention_max_chunk() -> int:
@@ -108,12 +117,24 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
     chunks a multiple of 32 positions between 32 and 1,024 (attention_max_chunk). Fixed per max_ctx so a captured graph stays valid;
     the per-op path and the monokernel use the same plan (their results are then bit-identical).
 
+    blocks_per_sm (default: attention_blocks_per_sm(), else this rule): 1 — one round of split blocks on the
+    monokernel's grid of one block per SM — unless that plan has more blocks than SMs anyway (a 16K cache of
+    llama-3.2-1b: 17 splits x 8 KV heads = 136 blocks, so 4 SMs take a second round), then 2: two full rounds
+    of half-length splits. Measured on H200 at 16K (docs/perf-log.md v48): per-op 812 → 931 tok/s, monokernel
+    732 → 827. (At 8K two per SM are faster for the per-op path only — 967 → 1,033 — and cost the monokernel
+    its one round, 983 → 899, so the shared plan keeps one there.)
+
     Then fewer, longer splits where that is free: if the plan has more splits than the combine loads in one
     round trip (ATTN_COMBINE_BATCH) but 16 splits still give each warp a single batch of rows (chunk <= the
     rows a 256-thread block scores per batch: 128 at head_dim 64), take 16 — the split takes one batch either
     way, and the combine and the arrival counter save a dependent round trip (at TP=2, 4 KV heads per rank,
     the 1K plan was 32 splits of 32 positions). HIPENGINE_ATTN_SPLIT_CAP=0 keeps the first plan (A/B)."""
     bps = blocks_per_sm or attention_blocks_per_sm()
+    if bps is None:
+        plan = attention_plan(max_ctx, num_kv_heads, num_sms, 1.0, head_dim)
+        if num_kv_heads * plan[0] <= num_sms:
+            return plan
+        bps = 2.0
     want = max(1, math.ceil(bps * num_sms / num_kv_heads))
     chunk = math.ceil(max_ctx / want)
     chunk = min(attention_max_chunk(), max(32, (chunk + 31) // 32 * 32))
@@ -458,13 +479,22 @@ def pdl_off_roles() -> frozenset:
     return roles
 
 
+# The roles whose kernels trigger late by default: the O-proj (gate/up then launches once the attention stage has
+# completed instead of during it) and the attention split. Measured per-op on H200 (docs/perf-log.md v48), tok/s
+# at 1K / 8K: every kernel at its top 1,163 / 955; o late 1,192 / 964; o and attn late 1,197 / 972; one role
+# late alone otherwise −0.7% (combine) to +0.3% (down).
+PDL_LATE_DEFAULT = frozenset({"attn", "o"})
+
+
 def pdl_late_roles() -> frozenset:
     """Decode-step kernels that let the next kernel launch after their own wait instead of at their top
-    (port.h HE_PDL_LATE: the module is built with it): HIPENGINE_PDL_LATE, a list of PDL_ROLES separated
-    by commas or "+". The next kernel then becomes resident only once the kernel before this one has completed, so
-    at most two kernels of the chain hold slots and request weights at once (docs/perf-log.md v48)."""
-    raw = os.environ.get("HIPENGINE_PDL_LATE", "")
-    roles = frozenset(r.strip() for r in re.split(r"[,+]", raw) if r.strip())
+    (port.h HE_PDL_LATE: the module is built with it): PDL_LATE_DEFAULT, or HIPENGINE_PDL_LATE — a list of
+    PDL_ROLES separated by commas or "+", or "none". The next kernel then becomes resident only once the
+    kernel before this one has completed: the chain of resident kernels runs shallower."""
+    raw = os.environ.get("HIPENGINE_PDL_LATE")
+    if raw is None:
+        return PDL_LATE_DEFAULT
+    roles = frozenset(r.strip() for r in re.split(r"[,+]", raw) if r.strip() and r.strip() != "none")
     bad = sorted(roles - set(PDL_ROLES))
     if bad:
         raise UnsupportedError(f"HIPENGINE_PDL_LATE: unknown role(s) {', '.join(bad)} (roles: {', '.join(PDL_ROLES)})")
