@@ -468,14 +468,19 @@ PDL_ROLES = ("qkv", "attn", "combine", "o", "gate_up", "down", "lm_head")
 
 def pdl_off_roles() -> frozenset:
     """Decode-step kernels launched in plain stream order although the path uses programmatic dependent
-    launch: HIPENGINE_PDL_OFF, a list of PDL_ROLES separated by commas or "+" (A/B and profiling of where each kernel
-    should become resident; scripts/profile_perop.py). Such a kernel starts once the one before it has
+    launch: HIPENGINE_PDL_OFF, a list of PDL_ROLES separated by commas or "+" (A/B and profiling of where each
+    kernel should become resident; scripts/profile_perop.py). Such a kernel starts once the one before it has
     completed, and the kernel after it cannot start before it has."""
-    raw = os.environ.get("HIPENGINE_PDL_OFF", "")
-    roles = frozenset(r.strip() for r in re.split(r"[,+]", raw) if r.strip())
+    return _pdl_role_list("HIPENGINE_PDL_OFF", os.environ.get("HIPENGINE_PDL_OFF", ""))
+
+
+def _pdl_role_list(var: str, raw: str) -> frozenset:
+    """The PDL_ROLES named in `raw` (separated by commas or "+"; "none" names none); an unknown one is one
+    clear error naming `var`."""
+    roles = frozenset(r.strip() for r in re.split(r"[,+]", raw) if r.strip() and r.strip() != "none")
     bad = sorted(roles - set(PDL_ROLES))
     if bad:
-        raise UnsupportedError(f"HIPENGINE_PDL_OFF: unknown role(s) {', '.join(bad)} (roles: {', '.join(PDL_ROLES)})")
+        raise UnsupportedError(f"{var}: unknown role(s) {', '.join(bad)} (roles: {', '.join(PDL_ROLES)})")
     return roles
 
 
@@ -492,13 +497,7 @@ def pdl_late_roles() -> frozenset:
     PDL_ROLES separated by commas or "+", or "none". The next kernel then becomes resident only once the
     kernel before this one has completed: the chain of resident kernels runs shallower."""
     raw = os.environ.get("HIPENGINE_PDL_LATE")
-    if raw is None:
-        return PDL_LATE_DEFAULT
-    roles = frozenset(r.strip() for r in re.split(r"[,+]", raw) if r.strip() and r.strip() != "none")
-    bad = sorted(roles - set(PDL_ROLES))
-    if bad:
-        raise UnsupportedError(f"HIPENGINE_PDL_LATE: unknown role(s) {', '.join(bad)} (roles: {', '.join(PDL_ROLES)})")
-    return roles
+    return PDL_LATE_DEFAULT if raw is None else _pdl_role_list("HIPENGINE_PDL_LATE", raw)
 
 
 ATTN_WARP_MAX_CTX = 8192  # KV caches shorter than this take the warp's running max (attn_warp_max)
