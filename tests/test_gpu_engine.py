@@ -668,7 +668,7 @@ class EmulatedRuntime:
         self._f32(y, rows)[:] = O.ref_silu(self._w(Wg, rows, inn, f16) @ xn) * (self._w(Wu, rows, inn, f16) @ xn)
 
     def _k_matvec_qkv(self, grid, W, x, gamma, eps, bias, cos, sin, pos, q_out, kc, vc, max_ctx, q_dim, kv_dim, hd,
-                      inn, rope, f16, early_pos=0):
+                      inn, rope, f16):
         rows = q_dim + 2 * kv_dim
         qkv = self._w(W, rows, inn, f16) @ self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
         if bias:

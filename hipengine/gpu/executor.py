@@ -236,8 +236,7 @@ class GpuBackend(Backend):
             else:
                 ops.matvec_qkv(L["wqkv"], self.x, self.q, self._kc(i), self._vc(i), self.cos, self.sin,
                                self.pos_buf, max_ctx=self.max_context, q_dim=qd, kv_dim=kvd, hd=hd, inn=d,
-                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=True, f16=f16,
-                               early=self._capturing, stream=s)
+                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=True, f16=f16, stream=s)
             ops.attention(self.q, self._kc(i), self._vc(i), self.partial, self.att, self.pos_buf, T=1,
                           nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                           nsplit=self.nsplit, chunk=self.chunk, count=self.attn_count,

@@ -606,19 +606,14 @@ class Ops:
 
     def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,
                    hd: int, inn: int, gamma=None, eps: float = 0.0, bias=None, rope: bool = True, f16=False,
-                   early: bool = False, stream=None, threads: int = MATVEC_THREADS):
-        """`early`: as in attention — the caller guarantees that *pos was written before the kernel before
-        this one was launched (a captured decode graph), so the kernel may read it before its wait and load
-        its cos / sin when a unit starts (with programmatic dependent launch only; HIPENGINE_QKV_EARLY_POS=0
-        turns it off)."""
+                   stream=None, threads: int = MATVEC_THREADS):
         self._check_in(inn)
-        early = early and self._pdl("qkv") and _env_switch("HIPENGINE_QKV_EARLY_POS") is not False
         g = self._grid((q_dim + 2 * kv_dim) // 2, threads)
         self.rt.launch(self.fn("matvec", "matvec_qkv", self._late("qkv")), g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(bias), _p(cos), _p(sin), _p(pos), _p(q_out),
                         _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(q_dim), c_int32(kv_dim), c_int32(hd),
-                        c_int32(inn), c_int32(int(rope)), c_int32(int(f16)), c_int32(int(early))], shared=inn * 4,
-                       stream=stream, pdl=self._pdl("qkv"))
+                        c_int32(inn), c_int32(int(rope)), c_int32(int(f16))], shared=inn * 4, stream=stream,
+                       pdl=self._pdl("qkv"))
 
     def matmul_small_m(self, W, X, Y, M: int, rows: int, inn: int, mode: int = 0, W2=None, bias=None, f16=False,
                        stream=None):

@@ -407,12 +407,9 @@ HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const
 // kEarlyPos: pre() loads the position when the unit starts, so the epilogue of a warp's last unit ends in one
 // dependent load (cos/sin) instead of two (the per-op kernel, matvec_qkv; same values, same bits). Not the
 // cos/sin as well: a load that depends on another one at the unit's start stalls the warp's in-order issue
-// there, before the prologue's loads (measured −1.7% per-op at 1K, docs/perf-log.md v36) — unless the
-// position is already in a register: pos0 >= 0 (matvec_qkv's early_pos, inside a captured decode graph,
-// where nothing writes the position word) is the position read at the kernel's top, before the wait, and
-// pre() then loads the unit's cos/sin (pv = cos, sin), so the epilogue has no load left (v49). The
-// monokernel keeps the late loads (its position is &iota[pos], no device word; v34: a change in its QKV
-// stream's live state cost it 1.5% at 1K).
+// there, before the prologue's loads (measured −1.7% per-op at 1K, docs/perf-log.md v36). The monokernel
+// keeps the late loads (its position is &iota[pos], no device word; v34: a change in its QKV stream's live
+// state cost it 1.5% at 1K).
 template <bool kEarlyPos>
 struct HeMvQkvT {
   const float* x;
@@ -428,25 +425,15 @@ struct HeMvQkvT {
   he_kv* k_cache;
   he_kv* v_cache;
   int max_ctx, q_dim, kv_dim, hd, rope;
-  int pos0 = -1;  // kEarlyPos: the position read before the wait, or -1 (read at the unit's start)
   HE_INLINE int units() const { return (q_dim + 2 * kv_dim) / 2; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
     const int half = hd / 2, ra = (u / half) * hd + u % half;
     rp[0] = W + (he_i64)ra * in;
     rp[1] = W + (he_i64)(ra + half) * in;
   }
-  HE_INLINE void pre(int u, float (&pv)[2]) const {
+  HE_INLINE void pre(int, float (&pv)[2]) const {
     pv[0] = pv[1] = 0.f;
-    if (!kEarlyPos || !rope || he_lane_id() != 0) return;
-    if (pos0 < 0) {
-      pv[0] = he_u32_as_f32((he_u32)he_ld_step(pos_p));  // its bits
-      return;
-    }
-    const int half = hd / 2, i = u % half;
-    if ((u / half) * hd + i < q_dim + kv_dim) {  // q or k: the pair's rotation
-      pv[0] = cos_t[(he_i64)pos0 * half + i];
-      pv[1] = sin_t[(he_i64)pos0 * half + i];
-    }
+    if (kEarlyPos && rope && he_lane_id() == 0) pv[0] = he_u32_as_f32((he_u32)he_ld_step(pos_p));  // its bits
   }
   HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
     if (he_lane_id() != 0) return;
@@ -454,11 +441,9 @@ struct HeMvQkvT {
     const int ra = (u / half) * hd + i, rb = ra + half;  // rows in the stacked matrix
     float a = acc[0] + (bias ? bias[ra] : 0.f), b = acc[1] + (bias ? bias[rb] : 0.f);
     if (!rope) { q_out[ra] = a; q_out[rb] = b; return; }
-    const bool known = kEarlyPos && pos0 >= 0;  // pv holds the cos / sin already
-    const int pos = known ? pos0 : kEarlyPos ? (int)he_f32_as_u32(pv[0]) : *pos_p;
+    const int pos = kEarlyPos ? (int)he_f32_as_u32(pv[0]) : *pos_p;
     if (ra < q_dim + kv_dim) {  // q or k: rotate
-      const float c = known ? pv[0] : cos_t[(he_i64)pos * half + i];
-      const float s = known ? pv[1] : sin_t[(he_i64)pos * half + i];
+      const float c = cos_t[(he_i64)pos * half + i], s = sin_t[(he_i64)pos * half + i];
       const float ra_v = a * c - b * s, rb_v = b * c + a * s;
       a = ra_v; b = rb_v;
     }
@@ -477,14 +462,11 @@ HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const floa
                            const float* __restrict__ bias, const float* __restrict__ cos_t,
                            const float* __restrict__ sin_t, const int* pos_p, float* __restrict__ q_out,
                            he_kv* __restrict__ k_cache, he_kv* __restrict__ v_cache, int max_ctx, int q_dim,
-                           int kv_dim, int hd, int in, int rope, int w_f16, int early_pos) {
+                           int kv_dim, int hd, int in, int rope, int w_f16) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
-  // early_pos (the host passes it only inside a captured decode graph, where the position word is written
-  // before the graph and never in it): read the position now; it arrives during the wait (HeMvQkvT pos0).
-  const int pos0 = early_pos && rope ? he_ld_step(pos_p) : -1;
   const HeMvQkvT<true> op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
-                          max_ctx, q_dim, kv_dim, hd, rope, pos0};
+                          max_ctx, q_dim, kv_dim, hd, rope};
   if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
   else he_matvec_run<false>(op, he_xs, scratch);
 }
