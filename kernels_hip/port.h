@@ -773,8 +773,9 @@ HE_INLINE he_u32 he_sm_id() {
 //                     the same guarantee as plain stream order. Returns at once when the kernel was not
 //                     launched with the flag. Before it a kernel may only READ data no kernel of the step
 //                     writes (weights, tables); every other load and every store comes after it.
-// Each kernel of kernels_hip/ops calls he_pdl_trigger() first and he_pdl_wait() before its first access to
-// step data (tests/test_port_rules.py checks that every kernel there has the wait). AMD has no such launch:
+// Each kernel of kernels_hip/ops calls he_pdl_trigger() first (the decode step's matvecs, attention split and
+// combine: he_pdl_trigger_top / _late below) and he_pdl_wait() before its first access to step data
+// (tests/test_port_rules.py checks that every kernel there has the wait). AMD has no such launch:
 // kernels run in stream order and both calls are empty.
 // ------------------------------------------------------------------------------------------------------
 // he_ld_step(p): a word of step data (a position, a token, a length) read after he_pdl_wait(). A plain `*p`
