@@ -368,7 +368,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q_regs_build(n),
                                    max_context=n))
              for f16 in f16_variants for g in groups for n in sizes]
-    if O.pdl_late_roles():  # the decode-step modules' HE_PDL_LATE builds (Ops._late), when the environment asks
+    if O.pdl_late_roles():  # the decode-step modules' HE_PDL_LATE builds (Ops._late: default roles or the env's)
         jobs += [(src, {**kw, "defines": {**(kw.get("defines") or {}), "HE_PDL_LATE": 1}}) for src, kw in jobs
                  if src in ("ops/matvec.hip", "ops/attention_decode.hip")]
     unique = {}
