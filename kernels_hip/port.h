@@ -795,7 +795,7 @@ HE_INLINE void he_pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory")
 HE_INLINE void he_pdl_trigger() {}
 HE_INLINE void he_pdl_wait() {}
 #endif
-// Where a per-op kernel lets the next one launch: at its top (the default: the next kernel's blocks become
+// Where a per-op kernel lets the next one launch: at its top (HE_PDL_LATE=0: the next kernel's blocks become
 // resident, and request their weights, as early as slots allow), or — in modules built with HE_PDL_LATE=1
 // (hipengine/gpu/ops.py pdl_late_roles, per decode-step role) — right after its own he_pdl_wait(), so the
 // next kernel launches only once the kernel before this one has completed: the chain of resident kernels
