@@ -149,6 +149,8 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
   constexpr int G = kG, kL = kAttnLpr, kR = kWarpSize / kAttnLpr;  // lanes per row, rows per warp at once
   constexpr int U = kAttnUnroll;
+  // kTrigger's place: before the wait, or (an early kernel in a HE_PDL_LATE build, port.h) right after it
+  constexpr bool kTriggerBefore = kTrigger && !(kEarly && HE_PDL_LATE), kTriggerAfter = kTrigger && !kTriggerBefore;
   (void)nkv;
   hd = he_attn_hd(hd);
   // the block is kAttnThreads wide in both paths (ops.ATTN_THREADS; decode.hip asserts kMkThreads): constants
@@ -158,9 +160,9 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   const int start = split * chunk;
   const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
   if (n == 0) {  // nothing to attend in this split: mark it empty for the combine
-    if (kTrigger && !(kEarly && HE_PDL_LATE)) he_pdl_trigger();
+    if (kTriggerBefore) he_pdl_trigger();
     if (kEarly) he_pdl_wait();  // partial is step data
-    if (kTrigger && kEarly && HE_PDL_LATE) he_pdl_trigger();
+    if (kTriggerAfter) he_pdl_trigger();
     for (int g = t; g < G; g += nt) {
       float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
       pr[hd] = he_neg_inf();
@@ -189,10 +191,10 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
     kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
     vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
   }
-  if (kTrigger && !(kEarly && HE_PDL_LATE)) he_pdl_trigger();
+  if (kTriggerBefore) he_pdl_trigger();
   if (kEarly) {
     he_pdl_wait();  // port.h: the previous kernel (QKV) has completed; its writes are visible
-    if (kTrigger && HE_PDL_LATE) he_pdl_trigger();  // HE_PDL_LATE builds: after the wait (port.h)
+    if (kTriggerAfter) he_pdl_trigger();
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int p = w0 + rw + j * kR;
