@@ -303,11 +303,22 @@ def test_pdl_late_roles(monkeypatch):
         ops.pdl_late_roles()
     monkeypatch.delenv("HIPENGINE_PDL_LATE")
     o = ops.Ops.__new__(ops.Ops)
-    o.pdl, o.pdl_late = True, ops.pdl_late_roles()
+    o.pdl, o.pdl_late = True, ops.pdl_trigger_levels()
     assert o._late("o") == {"HE_PDL_LATE": 1} and o._late("attn") == {"HE_PDL_LATE": 1}
     assert o._late("down") == {} and o._late("") == {}
     o.pdl = False  # no programmatic launch (AMD, HIPENGINE_PDL=0): one build for every role
     assert o._late("o") == {}
+    # v50: matvec roles may trigger once staged (2) or at their end (3); END wins over STAGED over LATE
+    monkeypatch.setenv("HIPENGINE_PDL_STAGED", "o+down")
+    monkeypatch.setenv("HIPENGINE_PDL_END", "down")
+    assert ops.pdl_trigger_levels() == {"o": 2, "attn": 1, "down": 3}
+    o.pdl, o.pdl_late = True, ops.pdl_trigger_levels()
+    assert o._late("o") == {"HE_PDL_LATE": 2} and o._late("down") == {"HE_PDL_LATE": 3}
+    for var in ("HIPENGINE_PDL_STAGED", "HIPENGINE_PDL_END"):
+        monkeypatch.setenv(var, "attn")
+        with pytest.raises(UnsupportedError, match=f"{var}: attn is not a matvec role"):
+            ops.pdl_trigger_levels()
+        monkeypatch.delenv(var)
 
 
 def test_attention_one_kernel_rule(monkeypatch):

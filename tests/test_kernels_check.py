@@ -151,13 +151,13 @@ def test_attention_prefill_qtiles_build_compiles(tmp_path, monkeypatch):
 
 
 def test_pdl_late_builds_compile(tmp_path, monkeypatch):
-    """The HE_PDL_LATE=1 builds of the decode-step modules (Ops._late: the roles of ops.pdl_late_roles trigger
-    the next launch after their wait) compile warnings-as-errors for both targets."""
+    """The HE_PDL_LATE builds of the decode-step modules (Ops._late: ops.pdl_trigger_levels — after the wait;
+    the matvecs also once staged and at their end) compile warnings-as-errors for both targets."""
     monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
     units = []
-    for name in ("matvec", "attention_decode"):
-        unit = tmp_path / f"{name}_late.hip"
-        unit.write_text(f'#define HE_PDL_LATE 1\n#include "ops/{name}.hip"\n')
+    for name, level in (("matvec", 1), ("attention_decode", 1), ("matvec", 2), ("matvec", 3)):
+        unit = tmp_path / f"{name}_late{level}.hip"
+        unit.write_text(f'#define HE_PDL_LATE {level}\n#include "ops/{name}.hip"\n')
         units.append(unit)
     for r in check.check_all(_targets(), units):
         assert r.ok, f"{r.target}: {r.message}"

@@ -368,9 +368,11 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q_regs_build(n),
                                    max_context=n))
              for f16 in f16_variants for g in groups for n in sizes]
-    if O.pdl_late_roles():  # the decode-step modules' HE_PDL_LATE builds (Ops._late: default roles or the env's)
-        jobs += [(src, {**kw, "defines": {**(kw.get("defines") or {}), "HE_PDL_LATE": 1}}) for src, kw in jobs
-                 if src in ("ops/matvec.hip", "ops/attention_decode.hip")]
+    # the decode-step modules' HE_PDL_LATE builds (Ops._late: the default trigger places or the env's)
+    levels = O.pdl_trigger_levels()
+    jobs += [(src, {**kw, "defines": {**(kw.get("defines") or {}), "HE_PDL_LATE": lv}}) for src, kw in jobs
+             for lv in sorted(set(levels.values()))
+             if src == "ops/matvec.hip" or (src == "ops/attention_decode.hip" and lv == 1)]
     unique = {}
     for src, kw in jobs:
         unique.setdefault((src, repr(sorted((kw.get("defines") or {}).items())), repr(kw.get("options"))), (src, kw))

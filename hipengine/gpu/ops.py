@@ -489,6 +489,39 @@ def _pdl_role_list(var: str, raw: str) -> frozenset:
 # at 1K / 8K: every kernel at its top 1,163 / 955; o late 1,192 / 964; o and attn late 1,197 / 972; one role
 # late alone otherwise −0.7% (combine) to +0.3% (down).
 PDL_LATE_DEFAULT = frozenset({"attn", "o"})
+# The matvec roles, whose kernels can also trigger once their activation is staged or at their end (port.h
+# HE_PDL_LATE = 2 / 3; pdl_trigger_level).
+PDL_MATVEC_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def pdl_staged_roles() -> frozenset:
+    """Matvec roles whose kernels let the next one launch once the block has staged its activation
+    (HIPENGINE_PDL_STAGED: roles as in pdl_late_roles; port.h HE_PDL_LATE=2)."""
+    return _pdl_matvec_roles("HIPENGINE_PDL_STAGED")
+
+
+def pdl_end_roles() -> frozenset:
+    """Matvec roles whose kernels let the next one launch once each warp's last unit is stored
+    (HIPENGINE_PDL_END; port.h HE_PDL_LATE=3)."""
+    return _pdl_matvec_roles("HIPENGINE_PDL_END")
+
+
+def _pdl_matvec_roles(var: str) -> frozenset:
+    roles = _pdl_role_list(var, os.environ.get(var, ""))
+    bad = sorted(roles - set(PDL_MATVEC_ROLES))
+    if bad:
+        raise UnsupportedError(f"{var}: {', '.join(bad)} is not a matvec role (roles: {', '.join(PDL_MATVEC_ROLES)})")
+    return roles
+
+
+def pdl_trigger_levels() -> dict:
+    """Role -> where its kernel triggers the next launch (port.h HE_PDL_LATE: 1 after its wait, 2 once staged,
+    3 at its end; roles not named trigger at their top). HIPENGINE_PDL_END wins over HIPENGINE_PDL_STAGED, which
+    wins over pdl_late_roles()."""
+    levels = {r: 1 for r in pdl_late_roles()}
+    levels.update({r: 2 for r in pdl_staged_roles()})
+    levels.update({r: 3 for r in pdl_end_roles()})
+    return levels
 
 
 def pdl_late_roles() -> frozenset:
@@ -533,15 +566,17 @@ class Ops:
         # touches data of the kernels before it, so this is safe for any sequence; pdl_enabled() decides.
         self.pdl = pdl_enabled(rt)
         self.pdl_off = pdl_off_roles()
-        self.pdl_late = pdl_late_roles()
+        self.pdl_late = pdl_trigger_levels()
 
     def _pdl(self, role: str) -> bool:
         """Whether a kernel of this decode-step role launches with programmatic dependent launch."""
         return self.pdl and role not in self.pdl_off
 
     def _late(self, role: str) -> dict:
-        """The defines that make a kernel of this role trigger the next launch after its wait (pdl_late_roles)."""
-        return {"HE_PDL_LATE": 1} if self.pdl and role in self.pdl_late else {}
+        """The defines that make a kernel of this role trigger the next launch later than at its top
+        (pdl_trigger_levels: after its wait, once staged, or at its end)."""
+        level = self.pdl_late.get(role, 0) if self.pdl else 0
+        return {"HE_PDL_LATE": level} if level else {}
 
     def fn(self, source: str, name: str, defines: dict | None = None):
         """Kernel `name` of ops/<source>.hip, compiled once per (source, extra defines)."""

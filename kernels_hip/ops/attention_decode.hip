@@ -36,6 +36,7 @@
 #define HE_ATTN_MARK(k) ((void)0)
 #endif
 
+static_assert(HE_PDL_LATE <= 1, "the attention kernels trigger at their top or after their wait (port.h)");
 constexpr int kAttnMaxGroup = 8;
 constexpr int kAttnUnroll = 4;  // rows of K and of V loaded per lane group before use
 // q slices in registers instead of shared memory (the monokernel's long-context build; see the split body).
@@ -150,7 +151,7 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   constexpr int G = kG, kL = kAttnLpr, kR = kWarpSize / kAttnLpr;  // lanes per row, rows per warp at once
   constexpr int U = kAttnUnroll;
   // kTrigger's place: before the wait, or (an early kernel in a HE_PDL_LATE build, port.h) right after it
-  constexpr bool kTriggerBefore = kTrigger && !(kEarly && HE_PDL_LATE), kTriggerAfter = kTrigger && !kTriggerBefore;
+  constexpr bool kTriggerBefore = kTrigger && !(kEarly && HE_PDL_LATE == 1), kTriggerAfter = kTrigger && !kTriggerBefore;
   (void)nkv;
   hd = he_attn_hd(hd);
   // the block is kAttnThreads wide in both paths (ops.ATTN_THREADS; decode.hip asserts kMkThreads): constants

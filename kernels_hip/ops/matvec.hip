@@ -228,6 +228,7 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   float pv[kRows];  // the current unit's epilogue operands (op.pre)
   if (!s.p.nx) op.pre(s.p.u, pv);
   he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
+  he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
   float acc[kRows][2];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
@@ -328,7 +329,9 @@ struct HeMvPlain1 {
 
 // The per-op kernels' common body: this warp's first two batches of weights are requested, THEN the kernel
 // waits for the step data (he_pdl_wait, port.h): launched with the host's `pdl` flag, those loads overlap
-// the end of the kernel before it. The monokernel runs the same stream through its stages instead.
+// the end of the kernel before it. The monokernel runs the same stream through its stages instead. The next
+// kernel may launch at the top, after the wait, after the staging (in he_mv_finish) or at the end, by the
+// module's HE_PDL_LATE (port.h).
 template <bool kF16, int kRows = 2, class Op>
 HE_INLINE void he_matvec_run(const Op& op, float* xs, float* scratch) {
   he_pdl_trigger_top();
@@ -338,6 +341,7 @@ HE_INLINE void he_matvec_run(const Op& op, float* xs, float* scratch) {
   he_pdl_wait();
   he_pdl_trigger_late();
   he_mv_finish<kF16>(op, s, xs, scratch, none);
+  he_pdl_trigger_end();
 }
 
 HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
