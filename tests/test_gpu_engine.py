@@ -314,10 +314,13 @@ def test_pdl_late_roles(monkeypatch):
     assert ops.pdl_trigger_levels() == {"o": 2, "attn": 1, "down": 3}
     o.pdl, o.pdl_late = True, ops.pdl_trigger_levels()
     assert o._late("o") == {"HE_PDL_LATE": 2} and o._late("down") == {"HE_PDL_LATE": 3}
-    for var in ("HIPENGINE_PDL_STAGED", "HIPENGINE_PDL_END"):
+    monkeypatch.setenv("HIPENGINE_MV_EARLY_HALF", "gate_up")
+    assert o._late("gate_up") == {"HE_MV_EARLY_HALF": 1} and o._late("o") == {"HE_PDL_LATE": 2}
+    monkeypatch.delenv("HIPENGINE_MV_EARLY_HALF")
+    for var in ("HIPENGINE_PDL_STAGED", "HIPENGINE_PDL_END", "HIPENGINE_MV_EARLY_HALF"):
         monkeypatch.setenv(var, "attn")
         with pytest.raises(UnsupportedError, match=f"{var}: attn is not a matvec role"):
-            ops.pdl_trigger_levels()
+            ops.pdl_trigger_levels() if var != "HIPENGINE_MV_EARLY_HALF" else ops.mv_early_half_roles()
         monkeypatch.delenv(var)
 
 

@@ -514,6 +514,12 @@ def _pdl_matvec_roles(var: str) -> frozenset:
     return roles
 
 
+def mv_early_half_roles() -> frozenset:
+    """Matvec roles whose kernels request only the first batch of each warp's first pair before their wait
+    (HIPENGINE_MV_EARLY_HALF; matvec.hip HE_MV_EARLY_HALF)."""
+    return _pdl_matvec_roles("HIPENGINE_MV_EARLY_HALF")
+
+
 def pdl_trigger_levels() -> dict:
     """Role -> where its kernel triggers the next launch (port.h HE_PDL_LATE: 1 after its wait, 2 once staged,
     3 at its end; roles not named trigger at their top). HIPENGINE_PDL_END wins over HIPENGINE_PDL_STAGED, which
@@ -576,7 +582,8 @@ class Ops:
         """The defines that make a kernel of this role trigger the next launch later than at its top
         (pdl_trigger_levels: after its wait, once staged, or at its end)."""
         level = self.pdl_late.get(role, 0) if self.pdl else 0
-        return {"HE_PDL_LATE": level} if level else {}
+        half = {"HE_MV_EARLY_HALF": 1} if self.pdl and role in mv_early_half_roles() else {}
+        return {**({"HE_PDL_LATE": level} if level else {}), **half}
 
     def fn(self, source: str, name: str, defines: dict | None = None):
         """Kernel `name` of ops/<source>.hip, compiled once per (source, extra defines)."""
