@@ -802,14 +802,12 @@ HE_INLINE void he_pdl_wait() {}
 //   HE_PDL_LATE=1  right after its own he_pdl_wait(), so the next kernel launches only once the kernel before
 //                  this one has completed: the chain of resident kernels runs one kernel deep instead of
 //                  several (docs/perf-log.md v48);
-//   HE_PDL_LATE=2  (matvec.hip only) once the block has staged its activation (the prologue's barrier), so the
-//                  next kernel's weight requests do not share the memory system with that staging's loads;
-//   HE_PDL_LATE=3  (matvec.hip only) once the warp's last unit is stored: the next kernel launches as this
-//                  one's blocks finish their work.
+//   HE_PDL_LATE=2  (matvec.hip only) once the block has staged its activation (the prologue's barrier): the
+//                  down-projection's, so the next QKV launches a little later (docs/perf-log.md v50–v52).
 #ifndef HE_PDL_LATE
 #define HE_PDL_LATE 0
 #endif
-static_assert(HE_PDL_LATE >= 0 && HE_PDL_LATE <= 3, "HE_PDL_LATE: 0 (top), 1 (after the wait), 2 (staged), 3 (end)");
+static_assert(HE_PDL_LATE >= 0 && HE_PDL_LATE <= 2, "HE_PDL_LATE: 0 (top), 1 (after the wait), 2 (staged)");
 HE_INLINE void he_pdl_trigger_top() {
   if (HE_PDL_LATE == 0) he_pdl_trigger();
 }
@@ -818,9 +816,6 @@ HE_INLINE void he_pdl_trigger_late() {
 }
 HE_INLINE void he_pdl_trigger_staged() {
   if (HE_PDL_LATE == 2) he_pdl_trigger();
-}
-HE_INLINE void he_pdl_trigger_end() {
-  if (HE_PDL_LATE == 3) he_pdl_trigger();
 }
 #if HE_AMD
 HE_INLINE int he_ld_step(const int* p) { return *p; }

@@ -286,9 +286,10 @@ def test_attention_plan_two_rounds_where_one_spills(monkeypatch):
 
 
 def test_pdl_late_roles(monkeypatch):
-    """v48: the O-proj and the attention split trigger the next launch after their wait by default;
-    HIPENGINE_PDL_LATE names other roles (commas or "+"), "none" none; unknown roles are one clear error; the
-    late roles' modules are built with HE_PDL_LATE=1, the others without it."""
+    """v48: the O-proj and the attention split trigger the next launch after their wait by default, v52: the
+    down-projection once its input is staged; HIPENGINE_PDL_LATE / _STAGED name other roles (commas or "+"),
+    "none" none; unknown roles are one clear error; the modules are built with HE_PDL_LATE=1 / 2, the others
+    without it."""
     from hipengine.errors import UnsupportedError
     from hipengine.gpu import ops
 
@@ -305,23 +306,23 @@ def test_pdl_late_roles(monkeypatch):
     o = ops.Ops.__new__(ops.Ops)
     o.pdl, o.pdl_late = True, ops.pdl_trigger_levels()
     assert o._late("o") == {"HE_PDL_LATE": 1} and o._late("attn") == {"HE_PDL_LATE": 1}
-    assert o._late("down") == {} and o._late("") == {}
+    assert o._late("qkv") == {} and o._late("") == {}
+    # v52: the down-projection triggers once its input is staged by default (HE_PDL_LATE=2)
+    assert o._late("down") == {"HE_PDL_LATE": 2}
     o.pdl = False  # no programmatic launch (AMD, HIPENGINE_PDL=0): one build for every role
-    assert o._late("o") == {}
-    # v50: matvec roles may trigger once staged (2) or at their end (3); END wins over STAGED over LATE
-    monkeypatch.setenv("HIPENGINE_PDL_STAGED", "o+down")
-    monkeypatch.setenv("HIPENGINE_PDL_END", "down")
-    assert ops.pdl_trigger_levels() == {"o": 2, "attn": 1, "down": 3}
-    o.pdl, o.pdl_late = True, ops.pdl_trigger_levels()
-    assert o._late("o") == {"HE_PDL_LATE": 2} and o._late("down") == {"HE_PDL_LATE": 3}
-    monkeypatch.setenv("HIPENGINE_MV_EARLY_HALF", "gate_up")
-    assert o._late("gate_up") == {"HE_MV_EARLY_HALF": 1} and o._late("o") == {"HE_PDL_LATE": 2}
-    monkeypatch.delenv("HIPENGINE_MV_EARLY_HALF")
-    for var in ("HIPENGINE_PDL_STAGED", "HIPENGINE_PDL_END", "HIPENGINE_MV_EARLY_HALF"):
-        monkeypatch.setenv(var, "attn")
-        with pytest.raises(UnsupportedError, match=f"{var}: attn is not a matvec role"):
-            ops.pdl_trigger_levels() if var != "HIPENGINE_MV_EARLY_HALF" else ops.mv_early_half_roles()
-        monkeypatch.delenv(var)
+    assert o._late("o") == {} and o._late("down") == {}
+    # HIPENGINE_PDL_STAGED names matvec roles (staged wins over late), "none" none; a role that is not a
+    # matvec is one clear error
+    o.pdl = True
+    monkeypatch.setenv("HIPENGINE_PDL_STAGED", "o+gate_up")
+    assert ops.pdl_trigger_levels() == {"o": 2, "attn": 1, "gate_up": 2}
+    o.pdl_late = ops.pdl_trigger_levels()
+    assert o._late("o") == {"HE_PDL_LATE": 2} and o._late("down") == {}
+    monkeypatch.setenv("HIPENGINE_PDL_STAGED", "none")
+    assert ops.pdl_trigger_levels() == {"o": 1, "attn": 1}
+    monkeypatch.setenv("HIPENGINE_PDL_STAGED", "attn")
+    with pytest.raises(UnsupportedError, match="HIPENGINE_PDL_STAGED: attn is not a matvec role"):
+        ops.pdl_trigger_levels()
 
 
 def test_attention_one_kernel_rule(monkeypatch):

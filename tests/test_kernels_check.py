@@ -152,10 +152,10 @@ def test_attention_prefill_qtiles_build_compiles(tmp_path, monkeypatch):
 
 def test_pdl_late_builds_compile(tmp_path, monkeypatch):
     """The HE_PDL_LATE builds of the decode-step modules (Ops._late: ops.pdl_trigger_levels — after the wait;
-    the matvecs also once staged and at their end) compile warnings-as-errors for both targets."""
+    the matvecs also once staged) compile warnings-as-errors for both targets."""
     monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
     units = []
-    for name, level in (("matvec", 1), ("attention_decode", 1), ("matvec", 2), ("matvec", 3)):
+    for name, level in (("matvec", 1), ("attention_decode", 1), ("matvec", 2)):
         unit = tmp_path / f"{name}_late{level}.hip"
         unit.write_text(f'#define HE_PDL_LATE {level}\n#include "ops/{name}.hip"\n')
         units.append(unit)

@@ -373,9 +373,6 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     jobs += [(src, {**kw, "defines": {**(kw.get("defines") or {}), "HE_PDL_LATE": lv}}) for src, kw in jobs
              for lv in sorted(set(levels.values()))
              if src == "ops/matvec.hip" or (src == "ops/attention_decode.hip" and lv == 1)]
-    if O.mv_early_half_roles():  # every trigger place of the matvec module, with the half burst
-        jobs += [(src, {**kw, "defines": {**(kw.get("defines") or {}), "HE_MV_EARLY_HALF": 1}}) for src, kw in jobs
-                 if src == "ops/matvec.hip"]
     unique = {}
     for src, kw in jobs:
         unique.setdefault((src, repr(sorted((kw.get("defines") or {}).items())), repr(kw.get("options"))), (src, kw))

@@ -489,44 +489,33 @@ def _pdl_role_list(var: str, raw: str) -> frozenset:
 # at 1K / 8K: every kernel at its top 1,163 / 955; o late 1,192 / 964; o and attn late 1,197 / 972; one role
 # late alone otherwise −0.7% (combine) to +0.3% (down).
 PDL_LATE_DEFAULT = frozenset({"attn", "o"})
-# The matvec roles, whose kernels can also trigger once their activation is staged or at their end (port.h
-# HE_PDL_LATE = 2 / 3; pdl_trigger_level).
+# The matvec roles, whose kernels can also trigger once their activation is staged (port.h HE_PDL_LATE=2).
 PDL_MATVEC_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+# The roles staged by default: the down-projection (the next QKV launches once down's blocks have staged their
+# input). Measured per-op on H200 (docs/perf-log.md v50–v52).
+PDL_STAGED_DEFAULT = frozenset({"down"})
 
 
 def pdl_staged_roles() -> frozenset:
-    """Matvec roles whose kernels let the next one launch once the block has staged its activation
-    (HIPENGINE_PDL_STAGED: roles as in pdl_late_roles; port.h HE_PDL_LATE=2)."""
-    return _pdl_matvec_roles("HIPENGINE_PDL_STAGED")
-
-
-def pdl_end_roles() -> frozenset:
-    """Matvec roles whose kernels let the next one launch once each warp's last unit is stored
-    (HIPENGINE_PDL_END; port.h HE_PDL_LATE=3)."""
-    return _pdl_matvec_roles("HIPENGINE_PDL_END")
-
-
-def _pdl_matvec_roles(var: str) -> frozenset:
-    roles = _pdl_role_list(var, os.environ.get(var, ""))
+    """Matvec roles whose kernels let the next one launch once the block has staged its activation (port.h
+    HE_PDL_LATE=2): PDL_STAGED_DEFAULT, or HIPENGINE_PDL_STAGED — roles as in pdl_late_roles, matvec roles only,
+    or "none"."""
+    raw = os.environ.get("HIPENGINE_PDL_STAGED")
+    if raw is None:
+        return PDL_STAGED_DEFAULT
+    roles = _pdl_role_list("HIPENGINE_PDL_STAGED", raw)
     bad = sorted(roles - set(PDL_MATVEC_ROLES))
     if bad:
-        raise UnsupportedError(f"{var}: {', '.join(bad)} is not a matvec role (roles: {', '.join(PDL_MATVEC_ROLES)})")
+        raise UnsupportedError(f"HIPENGINE_PDL_STAGED: {', '.join(bad)} is not a matvec role "
+                               f"(roles: {', '.join(PDL_MATVEC_ROLES)})")
     return roles
 
 
-def mv_early_half_roles() -> frozenset:
-    """Matvec roles whose kernels request only the first batch of each warp's first pair before their wait
-    (HIPENGINE_MV_EARLY_HALF; matvec.hip HE_MV_EARLY_HALF)."""
-    return _pdl_matvec_roles("HIPENGINE_MV_EARLY_HALF")
-
-
 def pdl_trigger_levels() -> dict:
-    """Role -> where its kernel triggers the next launch (port.h HE_PDL_LATE: 1 after its wait, 2 once staged,
-    3 at its end; roles not named trigger at their top). HIPENGINE_PDL_END wins over HIPENGINE_PDL_STAGED, which
-    wins over pdl_late_roles()."""
+    """Role -> where its kernel triggers the next launch (port.h HE_PDL_LATE: 1 after its wait, 2 once its
+    activation is staged; roles not named trigger at their top). A role both late and staged is staged."""
     levels = {r: 1 for r in pdl_late_roles()}
     levels.update({r: 2 for r in pdl_staged_roles()})
-    levels.update({r: 3 for r in pdl_end_roles()})
     return levels
 
 
@@ -580,10 +569,9 @@ class Ops:
 
     def _late(self, role: str) -> dict:
         """The defines that make a kernel of this role trigger the next launch later than at its top
-        (pdl_trigger_levels: after its wait, once staged, or at its end)."""
+        (pdl_trigger_levels: after its wait or once its activation is staged)."""
         level = self.pdl_late.get(role, 0) if self.pdl else 0
-        half = {"HE_MV_EARLY_HALF": 1} if self.pdl and role in mv_early_half_roles() else {}
-        return {**({"HE_PDL_LATE": level} if level else {}), **half}
+        return {"HE_PDL_LATE": level} if level else {}
 
     def fn(self, source: str, name: str, defines: dict | None = None):
         """Kernel `name` of ops/<source>.hip, compiled once per (source, extra defines)."""

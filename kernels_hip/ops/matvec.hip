@@ -330,30 +330,17 @@ struct HeMvPlain1 {
 // The per-op kernels' common body: this warp's first two batches of weights are requested, THEN the kernel
 // waits for the step data (he_pdl_wait, port.h): launched with the host's `pdl` flag, those loads overlap
 // the end of the kernel before it. The monokernel runs the same stream through its stages instead. The next
-// kernel may launch at the top, after the wait, after the staging (in he_mv_finish) or at the end, by the
-// module's HE_PDL_LATE (port.h).
-// HE_MV_EARLY_HALF=1 (per-op modules of the roles in HIPENGINE_MV_EARLY_HALF): only the first batch of the
-// warp's first pair is requested before the wait, halving the burst that lands on the kernel before.
-#ifndef HE_MV_EARLY_HALF
-#define HE_MV_EARLY_HALF 0
-#endif
+// kernel may launch at the top, after the wait or after the staging (in he_mv_finish), by the module's
+// HE_PDL_LATE (port.h).
 template <bool kF16, int kRows = 2, class Op>
 HE_INLINE void he_matvec_run(const Op& op, float* xs, float* scratch) {
   he_pdl_trigger_top();
   HeMvStream<kRows> s;
   const HeMvNone none{0};
-  if (HE_MV_EARLY_HALF) {  // batch a only before the wait, b after it
-    s.p = HeMvPos{he_mv_first(), 0, false};
-    he_mv_norm(s.p, op);
-    he_mv_fill_a(op, none, s.p, s);
-  } else {
-    he_mv_begin(op, s, none);  // weights only: no kernel writes them
-  }
+  he_mv_begin(op, s, none);  // weights only: no kernel writes them
   he_pdl_wait();
-  if (HE_MV_EARLY_HALF) he_mv_fill_b(op, none, s.p, s);
   he_pdl_trigger_late();
   he_mv_finish<kF16>(op, s, xs, scratch, none);
-  he_pdl_trigger_end();
 }
 
 HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
