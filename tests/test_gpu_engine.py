@@ -304,7 +304,7 @@ def test_pdl_late_roles(monkeypatch):
         ops.pdl_late_roles()
     monkeypatch.delenv("HIPENGINE_PDL_LATE")
     o = ops.Ops.__new__(ops.Ops)
-    o.pdl, o.pdl_late = True, ops.pdl_trigger_levels()
+    o.pdl, o.pdl_levels = True, ops.pdl_trigger_levels()
     assert o._late("o") == {"HE_PDL_LATE": 1} and o._late("attn") == {"HE_PDL_LATE": 1}
     assert o._late("qkv") == {} and o._late("") == {}
     # v52: the down-projection triggers once its input is staged by default (HE_PDL_LATE=2)
@@ -316,7 +316,7 @@ def test_pdl_late_roles(monkeypatch):
     o.pdl = True
     monkeypatch.setenv("HIPENGINE_PDL_STAGED", "o+gate_up")
     assert ops.pdl_trigger_levels() == {"o": 2, "attn": 1, "gate_up": 2}
-    o.pdl_late = ops.pdl_trigger_levels()
+    o.pdl_levels = ops.pdl_trigger_levels()
     assert o._late("o") == {"HE_PDL_LATE": 2} and o._late("down") == {}
     monkeypatch.setenv("HIPENGINE_PDL_STAGED", "none")
     assert ops.pdl_trigger_levels() == {"o": 1, "attn": 1}
