@@ -305,6 +305,18 @@ HE_INLINE void he_sync_block() {
 #else
 HE_INLINE void he_sync_block() { __syncthreads(); }
 #endif
+// Warp (wave) barrier: every lane of the warp arrives, and shared memory written by one lane before it is
+// visible to the warp's other lanes after it (NVIDIA __syncwarp; AMD: a wave barrier between wave-scope fences,
+// which keep the compiler from moving LDS accesses across it).
+#if HE_AMD
+HE_INLINE void he_sync_warp() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+}
+#else
+HE_INLINE void he_sync_warp() { __syncwarp(); }
+#endif
 
 // Block-wide sum / max: every thread gets the result. `scratch` is __shared__ float[kMaxWarpsPerBlock];
 // the trailing barrier makes it safe to call again with the same scratch immediately.
@@ -339,6 +351,7 @@ HE_INLINE float he_block_max(float v, float* scratch) {
 //   AMD CDNA (gfx90a / gfx942, wave64): one v_mfma_f32_16x16x16{bf16_1k,f16} (AMD matrix instruction
 //     calculator): lane l holds A[l%16][4·(l/16) .. +3] and B[l%16][4·(l/16) .. +3] (B[n][k] = the
 //     instruction's B[k][n]), accumulator slot r at (4·(l/16) + r, l%16).
+// he_mma_load_a_rows(t, ld, rows): he_mma_load_a with rows ≥ `rows` read as zeros (their memory is not touched).
 // he_mma_load_a_split<kF16>: an A fragment from an fp32 tile, as two 16-bit fragments hi = round(a) and
 //   lo = round(a − hi) (hi + lo keeps ~16 bits of mantissa in bf16, ~22 in fp16); rows ≥ `rows` read as
 //   zeros (their memory is not touched). The tile may be in shared or global memory (8-byte aligned rows).
@@ -396,6 +409,10 @@ HE_INLINE HeMmaFrag he_mma_load(const he_u16* t, int ld) {  // A and B: the same
 }
 HE_INLINE HeMmaFrag he_mma_load_a(const he_u16* t, int ld) { return he_mma_load(t, ld); }
 HE_INLINE HeMmaFrag he_mma_load_b(const he_u16* t, int ld) { return he_mma_load(t, ld); }
+HE_INLINE HeMmaFrag he_mma_load_a_rows(const he_u16* t, int ld, int rows) {
+  if ((he_lane_id() & 15) < rows) return he_mma_load(t, ld);
+  return HeMmaFrag{{0u, 0u}};
+}
 template <bool kF16>
 HE_INLINE void he_mma(HeMmaAcc& c, const HeMmaFrag& a, const HeMmaFrag& b) {
 #if HE_HAS_MMA
@@ -429,6 +446,15 @@ HE_INLINE HeMmaFrag he_mma_load_a(const he_u16* t, int ld) {
   f.w[1] = *(const he_u32*)(t + (g + 8) * ld + c);
   f.w[2] = *(const he_u32*)(t + g * ld + c + 8);
   f.w[3] = *(const he_u32*)(t + (g + 8) * ld + c + 8);
+  return f;
+}
+HE_INLINE HeMmaFrag he_mma_load_a_rows(const he_u16* t, int ld, int rows) {
+  const int l = he_lane_id(), g = l >> 2, c = 2 * (l & 3);
+  HeMmaFrag f;
+  f.w[0] = g < rows ? *(const he_u32*)(t + g * ld + c) : 0u;
+  f.w[1] = g + 8 < rows ? *(const he_u32*)(t + (g + 8) * ld + c) : 0u;
+  f.w[2] = g < rows ? *(const he_u32*)(t + g * ld + c + 8) : 0u;
+  f.w[3] = g + 8 < rows ? *(const he_u32*)(t + (g + 8) * ld + c + 8) : 0u;
   return f;
 }
 HE_INLINE HeMmaFrag he_mma_load_b(const he_u16* t, int ld) {

@@ -103,6 +103,32 @@ def test_attention_builds_for_every_head_dim_class(tmp_path, monkeypatch, lanes)
         assert r.ok, f"{r.target}: {r.message}"
 
 
+@pytest.mark.skipif(not _targets(), reason="neither clang-19 nor NVRTC installed")
+@pytest.mark.parametrize("hd,kv_f16", [(16, 0), (64, 0), (64, 1), (128, 0)])
+def test_attention_mma_build_compiles(tmp_path, monkeypatch, hd, kv_f16):
+    """The decode split on the matrix cores (HE_ATTN_MMA=1: ops.attn_mma, head_dim a multiple of 16) is a build
+    of its own: it compiles warnings-as-errors for gfx942 (wave64, MFMA) and sm_90 (mma.sync), bf16 and fp16
+    KV caches, the head sizes whose tiles a warp's lanes do not divide evenly (hd 16) included."""
+    from hipengine.gpu.ops import attn_lanes
+
+    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
+    unit = tmp_path / f"attention_mma_hd{hd}_f{kv_f16}.hip"
+    unit.write_text(f'#define HE_ATTN_LPR {attn_lanes(hd)}\n#define HE_ATTN_HD {hd}\n#define HE_ATTN_MMA 1\n'
+                    f'#define HE_KV_F16 {kv_f16}\n#include "ops/attention_decode.hip"\n')
+    for r in check.check_all(_targets(), [unit]):
+        assert r.ok, f"{r.target}: {r.message}"
+
+
+def test_monokernel_attention_mma_build_compiles(tmp_path, monkeypatch):
+    """The monokernel with the matrix-core split (HE_ATTN_MMA=1 at hd 64, as ops.attention_defines gives it)
+    compiles warnings-as-errors for gfx942 and sm_90."""
+    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
+    unit = tmp_path / "decode_attn_mma.hip"
+    unit.write_text('#define HE_ATTN_HD 64\n#define HE_ATTN_MMA 1\n#include "monokernel/decode.hip"\n')
+    for r in check.check_all(_targets(), [unit]):
+        assert r.ok, f"{r.target}: {r.message}"
+
+
 def test_monokernel_tensor_parallel_build_compiles(tmp_path, monkeypatch):
     """The tensor-parallel monokernel is a build of its own (MK_TP=1: the LL exchange of
     monokernel/tp_exchange.h); `kernels check` builds the default, so this one must compile too, warnings as

@@ -240,6 +240,32 @@ def test_attention_build_follows_the_cache_size(monkeypatch):
         ops.attn_warp_max(1024)
 
 
+def test_attention_mma_build_follows_the_target(monkeypatch):
+    """The matrix-core split (HE_ATTN_MMA) is built only for a target with port.h's matrix-core tiles and a
+    head_dim that is a multiple of 16, by ops.ATTN_MMA_DEFAULT or HIPENGINE_ATTN_MMA=0|1; the monokernel takes
+    the per-op module's choice (same defines: bit-identical paths) and sizes its shared memory for that body."""
+    from hipengine.errors import UnsupportedError
+    from hipengine.gpu import ops
+
+    for raw in ("1", "0"):
+        monkeypatch.setenv("HIPENGINE_ATTN_MMA", raw)
+        on = raw == "1"
+        for arch, hd, want in (("sm_90", 64, on), ("sm_80", 128, on), ("gfx942", 64, on), ("sm_75", 64, False),
+                               ("gfx1100", 64, False), ("sm_90", 24, False), (None, 64, False)):
+            assert ops.attn_mma(arch, hd) is want, (arch, hd)
+            assert ("HE_ATTN_MMA" in ops.attention_defines(hd, 1024, arch)) is want
+        d = mk.compile_args("nvidia", False, 4, head_dim=64, max_context=1024, arch="sm_90")["defines"]
+        assert d.get("HE_ATTN_MMA", 0) == int(on)
+        assert {k: d[k] for k in ops.attention_defines(64, 1024, "sm_90")} == ops.attention_defines(64, 1024, "sm_90")
+    # shared memory: q hi/lo tiles, then per warp a 16-key K tile and a Vᵀ tile (attention_decode.hip)
+    assert ops.attention_shared_bytes(4, 64, 32, True) == 2 * 4 * 72 * 2 + 8 * (16 * 72 + 64 * 24) * 2
+    assert ops.attention_shared_bytes(4, 64, 32, False) == (4 * 64 + 8 * 4 * 66) * 4
+    assert ops.attention_shared_bytes(8, 128, 64, True) < 227 * 1024
+    monkeypatch.setenv("HIPENGINE_ATTN_MMA", "yes")
+    with pytest.raises(UnsupportedError, match="HIPENGINE_ATTN_MMA"):
+        ops.attn_mma("sm_90", 64)
+
+
 def test_precompile_covers_every_cache_class(monkeypatch):
     """precompile fills the cache with the per-op attention module and the monokernel of each cache-size class
     (either side of LONG_CONTEXT and of ops.ATTN_WARP_MAX_CTX), each build once: NVRTC is not called here."""

@@ -247,13 +247,19 @@ def _run_attention(gpu, nh, nkv, hd, seq, max_ctx, T):
 
 
 @pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", ATTN_CASES)
-def test_attention(gpu, nh, nkv, hd, seq, max_ctx, T):
-    """Query t sees positions [0, pos0 + t]; pos0 = seq - T. Splits past the end must be skipped."""
+@pytest.mark.parametrize("split_mma", ["0", "1"])
+def test_attention(gpu, nh, nkv, hd, seq, max_ctx, T, split_mma, monkeypatch):
+    """Query t sees positions [0, pos0 + t]; pos0 = seq - T. Splits past the end must be skipped. Decode (T = 1)
+    with either split body: FMA (HIPENGINE_ATTN_MMA=0) or the matrix cores where ops.attn_mma allows them."""
     rt, ops, O = gpu
+    if T > 1 and split_mma == "1":
+        pytest.skip("the split body is a decode choice (T = 1)")
+    monkeypatch.setenv("HIPENGINE_ATTN_MMA", split_mma)
     got, q, kf, vf, pos0 = _run_attention(gpu, nh, nkv, hd, seq, max_ctx, T)
-    # the matrix-core prefill takes q and the probabilities as hi/lo 16-bit pairs (~16 bits): its scores,
-    # in the tens here, carry ~1e-4 of absolute error
-    mma = T > 1 and O.attention_prefill_mma(rt.arch, nh // nkv, hd, rt.max_shared_per_block)
+    # the matrix-core prefill and split take q and the probabilities as hi/lo 16-bit pairs (~16 bits): their
+    # scores, in the tens here, carry ~1e-4 of absolute error
+    mma = (T > 1 and O.attention_prefill_mma(rt.arch, nh // nkv, hd, rt.max_shared_per_block)) or (
+        T == 1 and O.attn_mma(rt.arch, hd))
     for t in range(T):
         ref = O.ref_attention(q[t].reshape(nh, hd).astype(np.float64), kf, vf, pos0 + t + 1)
         close(got[t], ref, 1e-3 if mma else 1e-4, 1e-4 if mma else 1e-5)
@@ -298,13 +304,16 @@ def test_attention_prefill_qtiles_same_bits(gpu, nh, nkv, hd, seq, max_ctx, T, m
 
 
 @pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", [c for c in ATTN_CASES if c[5] == 1])
-def test_attention_decode_fused(gpu, nh, nkv, hd, seq, max_ctx, T):
+@pytest.mark.parametrize("split_mma", ["0", "1"])
+def test_attention_decode_fused(gpu, nh, nkv, hd, seq, max_ctx, T, split_mma, monkeypatch):
     """The one-kernel decode form (attention_decode_g*: splits, the last split block of a KV head combines it)
     gives the bits of attention_split + attention_combine, with and without the early K/V loads (launched
     here after a synchronisation, so the previous kernel is long done: this checks the held-back newest row
     and the indexing, not the overlap), and leaves its arrival counters at zero for the next launch; so do
-    the two kernels when they read the position before their wait (early_pos)."""
+    the two kernels when they read the position before their wait (early_pos). Either split body
+    (HIPENGINE_ATTN_MMA)."""
     rt, ops, O = gpu
+    monkeypatch.setenv("HIPENGINE_ATTN_MMA", split_mma)
     nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd)
     k = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32) * 2)
     v = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32))

@@ -153,6 +153,7 @@ def measure(be, contexts, paths, runs: int = RUNS, gen: int = GEN, log=print,
                          # monokernel's long-context build (q_regs_build): the JSON's "monokernel" block is
                          # the last context's
                          "attn_warp_max": O.attn_warp_max(be.max_context),
+                         "attn_mma": O.attn_mma(be.rt.arch, cfg.head_dim),
                          "q_regs": bool(getattr(be, "q_regs", False)),
                          "prompt": "real" if real else "synthetic-kv",
                          "ttft_ms": statistics.median(ttfts) * 1e3 if real else None,

@@ -240,12 +240,12 @@ def write_layout(path=None) -> None:
 
 
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
-                 tp: bool = False, q_regs: bool = False, max_context: int = 4096) -> dict:
+                 tp: bool = False, q_regs: bool = False, max_context: int = 4096, arch: str | None = None) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row and
     head_dim itself, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
     parallelism — ``tp`` or HIPENGINE_MK_LL=1 — the long-context build ``q_regs``: q_regs_build — and the
-    attention split's build for a KV cache of ``max_context`` tokens: ops.attention_defines, as the per-op
-    path's).
+    attention split's build for a KV cache of ``max_context`` tokens on ``arch``: ops.attention_defines, as the
+    per-op path's).
     HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments only: the launch bound from MK_MIN_BLOCKS
     already sets 255 at one block per SM)."""
     opts = []
@@ -254,7 +254,7 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         opts.append(f"--maxrregcount={int(cap)}")
     from .ops import attention_defines
 
-    defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), **attention_defines(head_dim, max_context),
+    defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), **attention_defines(head_dim, max_context, arch),
                "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll()}
     if profiling():
         defines["MK_PROFILE"] = 1
@@ -363,10 +363,11 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     # every cache-size class: either side of LONG_CONTEXT (q_regs_build) and of ops.ATTN_WARP_MAX_CTX
     # (attn_warp_max), the per-op attention module and the monokernel of each; builds that coincide once
     sizes = sorted({LONG_CONTEXT - 1, LONG_CONTEXT, O.ATTN_WARP_MAX_CTX - 1, O.ATTN_WARP_MAX_CTX})
-    jobs += [("ops/attention_decode.hip", {"defines": {**(kv_defines(f16) or {}), **attention_defines(head_dim, n)}})
+    jobs += [("ops/attention_decode.hip",
+              {"defines": {**(kv_defines(f16) or {}), **attention_defines(head_dim, n, arch)}})
              for f16 in sorted(set(f16_variants)) for n in sizes]
     jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q_regs_build(n),
-                                   max_context=n))
+                                   max_context=n, arch=arch))
              for f16 in f16_variants for g in groups for n in sizes]
     # the decode-step modules' HE_PDL_LATE builds (Ops._late: the default trigger places or the env's)
     levels = O.pdl_trigger_levels()
@@ -437,10 +438,10 @@ class MonokernelBackend(GpuBackend):
         with the attention split count)."""
         rt, cfg = self.rt, self.config
         G = cfg.num_heads // cfg.num_kv_heads
-        nw = THREADS // rt.warp_size
-        self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),  # matvec x staging
-                        (G * cfg.head_dim + nw * G * (cfg.head_dim + 2)) * 4,       # attention (ops.attention)
-                        4 * ((cfg.vocab_size + 31) // 32))                           # sampling history bitmap
+        mma = O.attn_mma(rt.arch, cfg.head_dim)
+        self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),      # matvec x staging
+                        O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma),   # attention (ops.attention)
+                        4 * ((cfg.vocab_size + 31) // 32))                               # sampling history bitmap
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
@@ -465,7 +466,7 @@ class MonokernelBackend(GpuBackend):
         self.q_regs, self.warp_max = self._build_class()
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
-                                                        max_context=self.max_context))
+                                                        max_context=self.max_context, arch=rt.arch))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 

@@ -543,11 +543,41 @@ def attn_warp_max(max_ctx: int) -> bool:
     return forced if forced is not None else max_ctx < ATTN_WARP_MAX_CTX
 
 
-def attention_defines(hd: int, max_ctx: int) -> dict:
+ATTN_MMA_DEFAULT = False  # the decode split on the matrix cores where attn_mma allows it (HIPENGINE_ATTN_MMA)
+
+
+def attn_mma(arch: str | None, hd: int) -> bool:
+    """Whether the decode attention split runs on the matrix cores (attention_decode.hip HE_ATTN_MMA: G query
+    heads as the rows of port.h's attention tiles, 16-key tiles per warp): where the target has them
+    (mma_supported) and head_dim is a multiple of 16, by ATTN_MMA_DEFAULT or HIPENGINE_ATTN_MMA=0|1. Both paths
+    take the same build for one cache (the monokernel's compile_args), so they stay bit-identical; q and the
+    probabilities enter as hi/lo 16-bit pairs (~16 bits kept: the op tests hold it to 1e-3 of float64, the FMA
+    body to 1e-4)."""
+    if arch is None or hd % 16 or not mma_supported(arch):
+        return False
+    forced = _env_switch("HIPENGINE_ATTN_MMA")
+    return ATTN_MMA_DEFAULT if forced is None else forced
+
+
+def attention_defines(hd: int, max_ctx: int, arch: str | None = None) -> dict:
     """Compile-time defines of the attention module (attention_decode.hip) for head_dim hd and a KV cache of
-    max_ctx tokens: lanes per K/V row, hd itself (HE_ATTN_HD: its index arithmetic folds) and whose running
-    max the softmax keeps (attn_warp_max)."""
-    return {"HE_ATTN_LPR": attn_lanes(hd), "HE_ATTN_HD": int(hd), "HE_ATTN_WARP_MAX": int(attn_warp_max(max_ctx))}
+    max_ctx tokens on `arch`: lanes per K/V row, hd itself (HE_ATTN_HD: its index arithmetic folds), whose
+    running max the softmax keeps (attn_warp_max) and, where attn_mma says so, the matrix-core split
+    (HE_ATTN_MMA; without an arch, the FMA body)."""
+    d = {"HE_ATTN_LPR": attn_lanes(hd), "HE_ATTN_HD": int(hd), "HE_ATTN_WARP_MAX": int(attn_warp_max(max_ctx))}
+    if attn_mma(arch, hd):
+        d["HE_ATTN_MMA"] = 1
+    return d
+
+
+def attention_shared_bytes(G: int, hd: int, warp_size: int, mma: bool) -> int:
+    """Dynamic shared memory of the decode attention split (both paths): the FMA body's q and per-warp states
+    ((G·hd + warps·G·(hd + 2))·4 bytes), or the matrix-core body's q hi/lo tiles and per-warp K / Vᵀ tiles
+    (attention_decode.hip he_attn_mma_smem)."""
+    warps = ATTN_THREADS // warp_size
+    if not mma:
+        return (G * hd + warps * G * (hd + 2)) * 4
+    return 2 * G * (hd + 8) * 2 + warps * (16 * (hd + 8) + hd * 24) * 2
 
 
 class Ops:
@@ -712,8 +742,8 @@ class Ops:
         G = nh // nkv
         if not 1 <= G <= ATTN_MAX_GROUP or nh % nkv or hd % 8 or hd > 8 * self.rt.warp_size:
             raise UnsupportedError(f"attention: group {G} (max {ATTN_MAX_GROUP}) / head_dim {hd} not supported")
-        shared = (G * hd + (ATTN_THREADS // self.rt.warp_size) * G * (hd + 2)) * 4
-        lanes = attention_defines(hd, max_ctx)
+        lanes = attention_defines(hd, max_ctx, self.rt.arch)
+        shared = attention_shared_bytes(G, hd, self.rt.warp_size, "HE_ATTN_MMA" in lanes)
         if T == 1 and count is not None and (one_kernel if one_kernel is not None
                                              else attention_one_kernel(nkv * nsplit, self.rt.num_sms)):
             self.rt.launch(self.fn("attention_decode", f"attention_decode_g{G}", {**lanes, **self._late("attn")}),

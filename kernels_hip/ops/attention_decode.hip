@@ -74,7 +74,7 @@ HE_INLINE int he_attn_hd(int hd) { return HE_ATTN_HD ? HE_ATTN_HD : hd; }
 #ifndef HE_ATTN_WARP_MAX
 #define HE_ATTN_WARP_MAX 1
 #endif
-constexpr bool kAttnWarpMax = HE_ATTN_WARP_MAX != 0;
+[[maybe_unused]] constexpr bool kAttnWarpMax = HE_ATTN_WARP_MAX != 0;
 
 // Online-softmax state (m, l, o[8]) of a lane group for one head: merge (m2, l2, o2) into it.
 HE_INLINE void he_softmax_merge(float& m, float& l, float (&o)[8], float m2, float l2, const float (&o2)[8]) {
@@ -119,6 +119,29 @@ HE_INLINE int he_attn_len(int seq, int nsplit, int chunk) {
   return ns < nsplit ? he_attn_chunk(seq, ns, kAttnBatchRows) : he_attn_chunk(seq, nsplit, chunk);
 }
 
+// The block's warps' states (o[hd], m, l per head; warp w's head g at ws + w·wstride + g·(hd + 2)) merged in
+// warp order (deterministic) into the split's partial; one thread per (head, dim). Both split bodies end here.
+template <int kG>
+HE_INLINE void he_attn_merge_warps(const float* ws, int wstride, float* partial, int kvh, int split, int nsplit,
+                                   int hd) {
+  constexpr int G = kG, nt = kAttnThreads, nw = kAttnWarps;
+  for (int i = he_thread_idx(); i < G * hd; i += nt) {
+    const int g = i / hd, d = i % hd;
+    float M = he_neg_inf();
+    for (int w = 0; w < nw; ++w) M = he_fmax(M, ws[w * wstride + g * (hd + 2) + hd]);
+    float acc = 0.f, L = 0.f;
+    for (int w = 0; w < nw; ++w) {
+      const float* st = ws + w * wstride + g * (hd + 2);
+      const float sc = (st[hd] == he_neg_inf()) ? 0.f : he_exp2(st[hd] - M);
+      acc += st[d] * sc;
+      L += st[hd + 1] * sc;
+    }
+    float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
+    pr[d] = acc;
+    if (d == 0) { pr[hd] = M; pr[hd + 1] = L; }
+  }
+}
+
 // kG = num_heads / num_kv_heads as a template parameter: the per-lane state is kG·10 registers, and a
 // runtime bound of kAttnMaxGroup cost 155 registers (one block per SM) even for G = 4.
 //
@@ -140,10 +163,10 @@ HE_INLINE int he_attn_len(int seq, int nsplit, int chunk) {
 // (the O-proj) launches — and requests its weights — only behind this block's K/V loads. Triggering at the
 // kernel's top let the O-proj's 8.4 MB of weight requests queue in front of them: −1.3% at 1K (v36). In a
 // HE_PDL_LATE build (port.h) the early kernel triggers after its wait instead.
-template <int kG, bool kEarly = false, bool kTrigger = false>
+template <int kG, bool kEarly, bool kTrigger>
 // q, the caches and partial are rewritten inside the monokernel, so none is `const __restrict__` here (that
 // lets the compiler use the non-coherent read-only path) and cache rows use the coherent streaming load.
-HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
+HE_INLINE void he_attention_split_fma(const float* q, const he_kv* k_cache,
                                         const he_kv* v_cache, float* partial, int seq,
                                         int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
                                         int max_ctx, float* smem) {
@@ -337,21 +360,242 @@ HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache,
   }
   he_sync_block();
   HE_ATTN_MARK(2);  // warps' states in shared memory
-  for (int i = t; i < G * hd; i += nt) {
-    const int g = i / hd, d = i % hd;
-    float M = he_neg_inf();
-    for (int w = 0; w < nw; ++w) M = he_fmax(M, ws[(w * G + g) * (hd + 2) + hd]);
-    float acc = 0.f, L = 0.f;
-    for (int w = 0; w < nw; ++w) {
-      const float* st = ws + (w * G + g) * (hd + 2);
-      const float sc = (st[hd] == he_neg_inf()) ? 0.f : he_exp2(st[hd] - M);
-      acc += st[d] * sc;
-      L += st[hd + 1] * sc;
+  he_attn_merge_warps<kG>(ws, G * (hd + 2), partial, kvh, split, nsplit, hd);
+}
+
+// ---- the split on the matrix cores (HE_ATTN_MMA) ---------------------------------------------------------
+// HE_ATTN_MMA=1 (ops.attention_defines: where the target has port.h's matrix-core tiles and hd is a multiple of
+// 16; both paths take the same build, so they stay bit-identical to each other): the split's scores and
+// weighted sums on the matrix cores, the KV group's G query heads as the rows of port.h's attention tiles
+// (he_att_*: its "queries" are heads here). Each warp takes 16-key tiles of the split (tiles w, w + warps, ...):
+// a tile's K rows and Vᵀ are staged in the warp's own shared memory (16-byte loads into registers one tile
+// ahead, so the next tile's rows are in flight while this one is multiplied; a warp barrier, not a block
+// barrier, between the stores and the fragment loads), then S = Q·Kᵀ (G heads × 16 keys), the online softmax
+// on the score registers, O += P·V with P straight from them. q (pre-scaled into log2 units) and P enter as
+// hi/lo 16-bit pairs, K and V exactly — ~16 bits of mantissa kept, attention_prefill.hip's form. Per 16 keys
+// a warp issues 2·hd/16 fragment products each way where the FMA body spends ~500 instructions on dot
+// products, shuffle reductions and the lane groups' merge (docs/perf-log.md v53). The warps' states merge
+// as the FMA body's do (he_attn_merge_warps).
+#ifndef HE_ATTN_MMA
+#define HE_ATTN_MMA 0
+#endif
+constexpr bool kAttnMma = HE_ATTN_MMA != 0;
+static_assert(!kAttnMma || (HE_ATTN_HD > 0 && HE_ATTN_HD % 16 == 0), "HE_ATTN_MMA: HE_ATTN_HD, a multiple of 16");
+constexpr int kAmHd = HE_ATTN_HD > 0 ? HE_ATTN_HD : 16;
+constexpr int kAmKeys = 16;                               // keys per warp tile
+constexpr int kAmKld = kAmHd + 8;                         // staged K row (16-bit elements): conflict-free fragments
+constexpr int kAmVld = kAmKeys + 8;                       // staged Vᵀ row
+constexpr int kAmQld = kAmHd + 8;                         // the q hi / lo tiles' rows
+constexpr int kAmWarpBytes = (kAmKeys * kAmKld + kAmHd * kAmVld) * 2;
+constexpr int kAmKVec = kAmKeys * kAmHd / 8;              // 16-byte K vectors per tile
+constexpr int kAmVItems = kAmKeys / 2 * kAmHd / 8;        // (key pair, 8 dims) V items per tile
+[[maybe_unused]] constexpr int kAmKPer = (kAmKVec + kWarpSize - 1) / kWarpSize;  // per lane
+[[maybe_unused]] constexpr int kAmVPer = (kAmVItems + kWarpSize - 1) / kWarpSize;
+static_assert(kAmWarpBytes >= kAttnMaxGroup * (kAmHd + 2) * 4, "a warp's merge state fits over its tiles");
+// Dynamic shared memory of the matrix-core split, bytes (ops.attention_shared_bytes mirrors it): the q hi and
+// lo tiles [G][kAmQld], then each warp's K tile [16][kAmKld] and Vᵀ tile [hd][kAmVld] — over which the warp
+// writes its state (o, m, l per head) for the merge once its last tile is done.
+HE_INLINE constexpr int he_attn_mma_smem(int G) { return 2 * G * kAmQld * 2 + kAttnWarps * kAmWarpBytes; }
+
+template <int kG, bool kEarly, bool kTrigger>
+HE_INLINE void he_attention_split_mma(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,
+                                      int seq, int kvh, int split, int nsplit, int chunk, int max_ctx, float* smem) {
+  static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
+  constexpr int G = kG, HD = kAmHd, nt = kAttnThreads, nw = kAttnWarps, kDt = HD / 16;
+  constexpr bool kF16 = HE_KV_F16 != 0;
+  constexpr bool kTriggerBefore = kTrigger && !(kEarly && HE_PDL_LATE == 1), kTriggerAfter = kTrigger && !kTriggerBefore;
+  const int t = he_thread_idx(), lane = he_lane_id(), wid = he_warp_id();
+  chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
+  const int start = split * chunk;
+  const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
+  if (n == 0) {  // nothing to attend in this split: mark it empty for the combine
+    if (kTriggerBefore) he_pdl_trigger();
+    if (kEarly) he_pdl_wait();  // partial is step data
+    if (kTriggerAfter) he_pdl_trigger();
+    for (int g = t; g < G; g += nt) {
+      float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (HD + 2);
+      pr[HD] = he_neg_inf();
+      pr[HD + 1] = 0.f;
     }
-    float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
-    pr[d] = acc;
-    if (d == 0) { pr[hd] = M; pr[hd + 1] = L; }
+    return;
   }
+  he_u16* qh = (he_u16*)smem;  // q · log2(e)/sqrt(hd) as hi / lo 16-bit tiles [G][kAmQld]
+  he_u16* ql = qh + G * kAmQld;
+  char* wbase = (char*)smem + 2 * G * kAmQld * 2;
+  he_u16* Ks = (he_u16*)(wbase + wid * kAmWarpBytes);  // this warp's K tile [16 keys][kAmKld]
+  he_u16* Vt = Ks + kAmKeys * kAmKld;                   // and Vᵀ tile [hd][kAmVld]
+  const he_kv* kbase = k_cache + ((he_i64)kvh * max_ctx + start) * HD;
+  const he_kv* vbase = v_cache + ((he_i64)kvh * max_ctx + start) * HD;
+  const int ntile = (n + kAmKeys - 1) / kAmKeys;
+  const int fresh = kEarly ? seq - 1 - start : -1;  // kEarly: the newest row, loaded after the wait
+  const he_vec16 zero{0u, 0u, 0u, 0u};
+
+  // This lane's share of a tile in registers: K vectors (key, 8 dims) and V items (two keys, 8 dims). Keys past
+  // the split's end load as zeros (their scores are masked below). kEarly: `only_fresh` loads the newest row's
+  // vectors alone, the other call all but them.
+  he_vec16 kr[kAmKPer], va[kAmVPer], vb[kAmVPer];
+  auto load = [&](int tile, bool only_fresh) {
+    const int k0 = tile * kAmKeys;
+#pragma unroll
+    for (int r = 0; r < kAmKPer; ++r) {
+      const int i = lane + r * kWarpSize, key = k0 + i / (HD / 8), c = (i % (HD / 8)) * 8;
+      const bool ok = (kAmKVec % kWarpSize == 0 || i < kAmKVec) && key < n;
+      if (!kEarly) kr[r] = ok ? he_load16_stream_rw(kbase + (he_i64)key * HD + c) : zero;
+      else if (!only_fresh) kr[r] = ok && key != fresh ? he_load16_stream_rw(kbase + (he_i64)key * HD + c) : zero;
+      else if (ok && key == fresh) kr[r] = he_load16_stream_rw(kbase + (he_i64)key * HD + c);
+    }
+#pragma unroll
+    for (int r = 0; r < kAmVPer; ++r) {
+      const int i = lane + r * kWarpSize, kp = i % (kAmKeys / 2), c = (i / (kAmKeys / 2)) * 8, key = k0 + 2 * kp;
+      const bool in = kAmVItems % kWarpSize == 0 || i < kAmVItems;
+      const bool oka = in && key < n, okb = in && key + 1 < n;
+      if (!kEarly) {
+        va[r] = oka ? he_load16_stream_rw(vbase + (he_i64)key * HD + c) : zero;
+        vb[r] = okb ? he_load16_stream_rw(vbase + (he_i64)(key + 1) * HD + c) : zero;
+      } else if (!only_fresh) {
+        va[r] = oka && key != fresh ? he_load16_stream_rw(vbase + (he_i64)key * HD + c) : zero;
+        vb[r] = okb && key + 1 != fresh ? he_load16_stream_rw(vbase + (he_i64)(key + 1) * HD + c) : zero;
+      } else {
+        if (oka && key == fresh) va[r] = he_load16_stream_rw(vbase + (he_i64)key * HD + c);
+        if (okb && key + 1 == fresh) vb[r] = he_load16_stream_rw(vbase + (he_i64)(key + 1) * HD + c);
+      }
+    }
+  };
+  // Registers -> the warp's tiles. Vᵀ as attention_prefill.hip stages it: 32-bit words of a key pair per dim.
+  auto stage = [&]() {
+#pragma unroll
+    for (int r = 0; r < kAmKPer; ++r) {
+      const int i = lane + r * kWarpSize;
+      if (kAmKVec % kWarpSize == 0 || i < kAmKVec) *(he_vec16*)(Ks + (i / (HD / 8)) * kAmKld + (i % (HD / 8)) * 8) = kr[r];
+    }
+#pragma unroll
+    for (int r = 0; r < kAmVPer; ++r) {
+      const int i = lane + r * kWarpSize, kp = i % (kAmKeys / 2), c = (i / (kAmKeys / 2)) * 8;
+      if (kAmVItems % kWarpSize == 0 || i < kAmVItems) {
+        const he_u32 wa[4] = {va[r].x, va[r].y, va[r].z, va[r].w}, wb[4] = {vb[r].x, vb[r].y, vb[r].z, vb[r].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // dims c + 2j (the words' low halves) and c + 2j + 1 (high halves)
+          *(he_u32*)(Vt + (c + 2 * j) * kAmVld + 2 * kp) = (wa[j] & 0xffffu) | (wb[j] << 16);
+          *(he_u32*)(Vt + (c + 2 * j + 1) * kAmVld + 2 * kp) = (wa[j] >> 16) | (wb[j] & 0xffff0000u);
+        }
+      }
+    }
+  };
+
+  // The warp's first tile is requested before q is staged (cache rows do not depend on it) and, kEarly, before
+  // the wait — all but the newest row, which the kernel before this one appends.
+  if (wid < ntile) load(wid, false);
+  if (kTriggerBefore) he_pdl_trigger();
+  if (kEarly) {
+    he_pdl_wait();  // port.h: the previous kernel (QKV) has completed; its writes are visible
+    if (kTriggerAfter) he_pdl_trigger();
+    if (wid < ntile) load(wid, true);
+  }
+  const float qscale = he_rsqrt((float)HD) * kLog2e;
+  for (int i = t; i < G * HD / 2; i += nt) {
+    const int g = i / (HD / 2), d = (i % (HD / 2)) * 2;
+    const float* qp = q + (he_i64)(kvh * G + g) * HD + d;
+    he_u32 hi, lo;
+    he_split2<kF16>(qp[0] * qscale, qp[1] * qscale, hi, lo);
+    *(he_u32*)(qh + g * kAmQld + d) = hi;
+    *(he_u32*)(ql + g * kAmQld + d) = lo;
+  }
+  he_sync_block();
+  HE_ATTN_MARK(0);  // q staged
+  HeMmaAcc o[kDt];
+#pragma unroll
+  for (int d = 0; d < kDt; ++d) he_mma_zero(o[d]);
+  float m[kAttQ], l[kAttQ];  // the running max (log2 units) and sum of this lane's heads
+#pragma unroll
+  for (int j = 0; j < kAttQ; ++j) m[j] = he_neg_inf(), l[j] = 0.f;
+  for (int tile = wid; tile < ntile; tile += nw) {
+    stage();
+    he_sync_warp();
+    if (tile + nw < ntile) load(tile + nw, false);  // the next tile's rows fly under this one's products
+    HeMmaAcc sc;
+    he_mma_zero(sc);
+#pragma unroll
+    for (int d = 0; d < kDt; ++d) {
+      const HeMmaFrag b = he_mma_load_b(Ks + 16 * d, kAmKld);  // q's fragments re-read per tile: registers
+      he_att_qk<kF16>(sc, he_mma_load_a_rows(qh + 16 * d, kAmQld, G), b);
+      he_att_qk<kF16>(sc, he_mma_load_a_rows(ql + 16 * d, kAmQld, G), b);
+    }
+    float mx[kAttQ];
+#pragma unroll
+    for (int j = 0; j < kAttQ; ++j) mx[j] = he_neg_inf();
+#pragma unroll
+    for (int i = 0; i < kMmaAcc; ++i) {
+      const bool ok = he_att_q(i) < G && tile * kAmKeys + he_att_c(i) < n;
+      sc.v[i] = ok ? sc.v[i] : he_neg_inf();
+      mx[he_att_qi(i)] = he_fmax(mx[he_att_qi(i)], sc.v[i]);
+    }
+    // Online softmax over the tile: its max over the lanes of each head, probabilities in place, their sum.
+    float alpha[kAttQ], sum[kAttQ];
+#pragma unroll
+    for (int j = 0; j < kAttQ; ++j) {
+      const float mnew = he_fmax(m[j], he_att_row_max(mx[j]));
+      alpha[j] = (m[j] == he_neg_inf()) ? 0.f : he_exp2(m[j] - mnew);
+      m[j] = mnew;
+      sum[j] = 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < kMmaAcc; ++i) {
+      const float x = sc.v[i];
+      const float p = (x == he_neg_inf()) ? 0.f : he_exp2(x - m[he_att_qi(i)]);
+      sc.v[i] = p;
+      sum[he_att_qi(i)] += p;
+    }
+#pragma unroll
+    for (int j = 0; j < kAttQ; ++j) l[j] = l[j] * alpha[j] + he_att_row_sum(sum[j]);
+#pragma unroll
+    for (int d = 0; d < kDt; ++d)
+#pragma unroll
+      for (int i = 0; i < kMmaAcc; ++i) o[d].v[i] *= alpha[he_att_qi(i)];
+    HeMmaFrag ph, pl;
+    he_att_p_frag<kF16>(sc, ph, pl);
+#pragma unroll
+    for (int d = 0; d < kDt; ++d) {
+      const HeMmaFrag b = he_mma_load_b(Vt + 16 * d * kAmVld, kAmVld);
+      he_att_pv<kF16>(o[d], ph, b);
+      he_att_pv<kF16>(o[d], pl, b);
+    }
+    he_sync_warp();  // the next stage() rewrites the tiles
+  }
+  HE_ATTN_MARK(1);  // this warp's tiles scored and accumulated
+  // The warp's state over its own tiles, in the merge's layout [G][hd + 2]: o, then m and l.
+  float* st = (float*)(wbase + wid * kAmWarpBytes);
+#pragma unroll
+  for (int d = 0; d < kDt; ++d)
+#pragma unroll
+    for (int i = 0; i < kMmaAcc; ++i)
+      if (he_att_q(i) < G) st[he_att_q(i) * (HD + 2) + 16 * d + he_att_c(i)] = o[d].v[i];
+  if (he_att_leader()) {
+#pragma unroll
+    for (int j = 0; j < kAttQ; ++j) {
+      const int r = he_att_qrow(j);
+      if (r < G) {
+        st[r * (HD + 2) + HD] = m[j];
+        st[r * (HD + 2) + HD + 1] = l[j];
+      }
+    }
+  }
+  he_sync_block();
+  HE_ATTN_MARK(2);  // warps' states in shared memory
+  he_attn_merge_warps<kG>((const float*)wbase, kAmWarpBytes / 4, partial, kvh, split, nsplit, HD);
+}
+
+// The split body of both paths: on the matrix cores where the module is built for them (HE_ATTN_MMA), else the
+// FMA body above.
+template <int kG, bool kEarly = false, bool kTrigger = false>
+HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,
+                                        int seq, int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
+                                        int max_ctx, float* smem) {
+  if constexpr (kAttnMma)
+    he_attention_split_mma<kG, kEarly, kTrigger>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk,
+                                                 max_ctx, smem);
+  else
+    he_attention_split_fma<kG, kEarly, kTrigger>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk, nh,
+                                                 nkv, hd, max_ctx, smem);
 }
 
 // early_pos (the per-op split and combine kernels inside a captured decode graph, Ops.attention): the
