@@ -219,6 +219,7 @@ def test_qk_norm_rope(gpu, nh, nkv, hd, T, norm):
 
 ATTN_CASES = [  # nh, nkv, hd, seq, max_ctx, T
     (4, 2, 24, 37, 64, 1), (32, 8, 64, 1000, 1024, 1), (12, 2, 128, 5, 4096, 1), (6, 6, 16, 300, 512, 3),
+    (6, 2, 16, 300, 512, 1),  # hd 16: a matrix-core split tile is fewer 16-byte vectors than a warp has lanes
     (32, 8, 128, 3000, 4096, 1), (16, 2, 64, 77, 100, 8), (9, 3, 64, 1, 32, 1),
     # a 64-split plan: 900 rows take 16 splits of 64 (one combine batch), 3000 rows keep 47 of 64
     (8, 2, 64, 900, 8192, 2), (8, 2, 64, 3000, 8192, 1),
