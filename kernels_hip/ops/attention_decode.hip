@@ -397,8 +397,16 @@ static_assert(kAmWarpBytes >= kAttnMaxGroup * (kAmHd + 2) * 4, "a warp's merge s
 // writes its state (o, m, l per head) for the merge once its last tile is done.
 HE_INLINE constexpr int he_attn_mma_smem(int G) { return 2 * G * kAmQld * 2 + kAttnWarps * kAmWarpBytes; }
 
+// Inside the monokernel the body is a call of its own (__noinline__): inlined, its tiles' registers raised the
+// whole kernel's allocation past 255 and spilled the matvec stages' stream state (66 spill instructions in
+// matvec.hip's code, against none with the FMA body; ptxas / nvdisasm -g); its own frame is paid once per split.
+#if defined(HE_IN_MONOKERNEL) && defined(HE_ATTN_MMA_CALL)
+#define HE_ATTN_MMA_FN __device__ __noinline__
+#else
+#define HE_ATTN_MMA_FN HE_INLINE
+#endif
 template <int kG, bool kEarly, bool kTrigger>
-HE_INLINE void he_attention_split_mma(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,
+HE_ATTN_MMA_FN void he_attention_split_mma(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,
                                       int seq, int kvh, int split, int nsplit, int chunk, int max_ctx, float* smem) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
   constexpr int G = kG, HD = kAmHd, nt = kAttnThreads, nw = kAttnWarps, kDt = HD / 16;
@@ -431,34 +439,26 @@ HE_INLINE void he_attention_split_mma(const float* q, const he_kv* k_cache, cons
   const he_vec16 zero{0u, 0u, 0u, 0u};
 
   // This lane's share of a tile in registers: K vectors (key, 8 dims) and V items (two keys, 8 dims). Keys past
-  // the split's end load as zeros (their scores are masked below). kEarly: `only_fresh` loads the newest row's
-  // vectors alone, the other call all but them.
+  // the split's end load as zeros (their scores are masked below). `part` (kEarly's first tile, split around
+  // the wait): kAll loads every row, kButFresh all but the newest, kFresh that one alone into what the first
+  // call left.
+  enum { kAll, kButFresh, kFresh };
   he_vec16 kr[kAmKPer], va[kAmVPer], vb[kAmVPer];
-  auto load = [&](int tile, bool only_fresh) {
+  auto load = [&](int tile, int part) {
     const int k0 = tile * kAmKeys;
+    auto want = [&](int key) { return part == kAll || (part == kButFresh) == (key != fresh); };
 #pragma unroll
     for (int r = 0; r < kAmKPer; ++r) {
       const int i = lane + r * kWarpSize, key = k0 + i / (HD / 8), c = (i % (HD / 8)) * 8;
       const bool ok = (kAmKVec % kWarpSize == 0 || i < kAmKVec) && key < n;
-      if (!kEarly) kr[r] = ok ? he_load16_stream_rw(kbase + (he_i64)key * HD + c) : zero;
-      else if (!only_fresh) kr[r] = ok && key != fresh ? he_load16_stream_rw(kbase + (he_i64)key * HD + c) : zero;
-      else if (ok && key == fresh) kr[r] = he_load16_stream_rw(kbase + (he_i64)key * HD + c);
+      if (want(key)) kr[r] = ok ? he_load16_stream_rw(kbase + (he_i64)key * HD + c) : zero;
     }
 #pragma unroll
     for (int r = 0; r < kAmVPer; ++r) {
       const int i = lane + r * kWarpSize, kp = i % (kAmKeys / 2), c = (i / (kAmKeys / 2)) * 8, key = k0 + 2 * kp;
       const bool in = kAmVItems % kWarpSize == 0 || i < kAmVItems;
-      const bool oka = in && key < n, okb = in && key + 1 < n;
-      if (!kEarly) {
-        va[r] = oka ? he_load16_stream_rw(vbase + (he_i64)key * HD + c) : zero;
-        vb[r] = okb ? he_load16_stream_rw(vbase + (he_i64)(key + 1) * HD + c) : zero;
-      } else if (!only_fresh) {
-        va[r] = oka && key != fresh ? he_load16_stream_rw(vbase + (he_i64)key * HD + c) : zero;
-        vb[r] = okb && key + 1 != fresh ? he_load16_stream_rw(vbase + (he_i64)(key + 1) * HD + c) : zero;
-      } else {
-        if (oka && key == fresh) va[r] = he_load16_stream_rw(vbase + (he_i64)key * HD + c);
-        if (okb && key + 1 == fresh) vb[r] = he_load16_stream_rw(vbase + (he_i64)(key + 1) * HD + c);
-      }
+      if (want(key)) va[r] = in && key < n ? he_load16_stream_rw(vbase + (he_i64)key * HD + c) : zero;
+      if (want(key + 1)) vb[r] = in && key + 1 < n ? he_load16_stream_rw(vbase + (he_i64)(key + 1) * HD + c) : zero;
     }
   };
   // Registers -> the warp's tiles. Vᵀ as attention_prefill.hip stages it: 32-bit words of a key pair per dim.
@@ -484,12 +484,12 @@ HE_INLINE void he_attention_split_mma(const float* q, const he_kv* k_cache, cons
 
   // The warp's first tile is requested before q is staged (cache rows do not depend on it) and, kEarly, before
   // the wait — all but the newest row, which the kernel before this one appends.
-  if (wid < ntile) load(wid, false);
+  if (wid < ntile) load(wid, kEarly ? kButFresh : kAll);
   if (kTriggerBefore) he_pdl_trigger();
   if (kEarly) {
     he_pdl_wait();  // port.h: the previous kernel (QKV) has completed; its writes are visible
     if (kTriggerAfter) he_pdl_trigger();
-    if (wid < ntile) load(wid, true);
+    if (wid < ntile) load(wid, kFresh);
   }
   const float qscale = he_rsqrt((float)HD) * kLog2e;
   for (int i = t; i < G * HD / 2; i += nt) {
@@ -509,9 +509,13 @@ HE_INLINE void he_attention_split_mma(const float* q, const he_kv* k_cache, cons
 #pragma unroll
   for (int j = 0; j < kAttQ; ++j) m[j] = he_neg_inf(), l[j] = 0.f;
   for (int tile = wid; tile < ntile; tile += nw) {
+    if (!HE_ATTN_MMA_PF && tile != wid) load(tile, kAll);
     stage();
     he_sync_warp();
-    if (tile + nw < ntile) load(tile + nw, false);  // the next tile's rows fly under this one's products
+#ifndef HE_ATTN_MMA_PF
+#define HE_ATTN_MMA_PF 1
+#endif
+    if (HE_ATTN_MMA_PF && tile + nw < ntile) load(tile + nw, kAll);  // the next tile's rows fly under this one's products
     HeMmaAcc sc;
     he_mma_zero(sc);
 #pragma unroll
