@@ -16,6 +16,7 @@
 #   abperop: per-op trees $AB_PEROP_TREES (commits $AB_PEROP_COMMITS) alternated, 1K/8K/32K; op tests, bench_ops
 #   abenv : per-op A/B of environment settings $AB_ENVS on this tree, 1K/8K/32K; kernel timelines ($AB_PROFILE_ENVS)
 #   abboth: A/B of environment settings $AB_ENVS on both paths (decode bench, tokens compared), timelines, tests
+#   abmk  : monokernel variants (mk_sweep $ONLY) at $AB_CONTEXTS, stage profiles at 1K per word of $AB_PROFILE_ENVS
 #   recordenv: after a change of per-op defaults: op tests, engine + monokernel tests, the decode bench of record,
 #              the per-op timeline, then per-op A/B runs of $AB_ENVS while the call has time
 #   recordperop: op + engine tests, the decode bench (both paths), bench_ops, the per-op timeline (per-op changes)
@@ -157,6 +158,14 @@ case "$MODE" in
     env_runs prof 60 "${AB_PROFILE_ENVS:-}" $PY scripts/profile_perop.py --context 1024
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run engine_tests $left env ${AB_TEST_ENV:-} $PY -m pytest \
       tests/test_gpu_engine.py -q -rs -k "not 1b_preset" ;;
+  abmk)  # monokernel variants: op tests ($AB_TESTS: a -k expression), mk_sweep's variants $ONLY at $AB_CONTEXTS (one
+         # process, tokens compared with the first), then the monokernel's stage profile at 1K per word of
+         # $AB_PROFILE_ENVS (VAR=V[,VAR=V] or -)
+    run ops_tests_k 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs ${AB_TESTS:+-k "$AB_TESTS"}
+    run mk_sweep 330 $PY scripts/mk_sweep.py --contexts "$(echo ${AB_CONTEXTS:-1024 8192 32768} | tr ' ' ,)" \
+      --only "$ONLY" --json "$OUT/mk_sweep.json"
+    env_runs mkprof 80 "${AB_PROFILE_ENVS:-}" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
+      --profile ;;
   recordenv)  # after a change of per-op defaults: op tests ($AB_TESTS: a -k expression), engine + monokernel tests,
               # the decode bench of record at $BENCH_CONTEXTS (both paths, tokens compared), the per-op timeline
               # at 1K, then per-op A/B runs of $AB_ENVS at $AB_CONTEXTS while the call has time (under 575 s)
@@ -232,7 +241,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|recordenv|recordperop|recordall|ncu|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|abmk|recordenv|recordperop|recordall|ncu|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

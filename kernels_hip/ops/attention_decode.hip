@@ -380,6 +380,10 @@ HE_INLINE void he_attention_split_fma(const float* q, const he_kv* k_cache,
 #define HE_ATTN_MMA 0
 #endif
 constexpr bool kAttnMma = HE_ATTN_MMA != 0;
+// HE_ATTN_MMA_PF (experiment): 1 loads a warp's next tile while it multiplies this one, 0 when it starts it.
+#ifndef HE_ATTN_MMA_PF
+#define HE_ATTN_MMA_PF 1
+#endif
 static_assert(!kAttnMma || (HE_ATTN_HD > 0 && HE_ATTN_HD % 16 == 0), "HE_ATTN_MMA: HE_ATTN_HD, a multiple of 16");
 constexpr int kAmHd = HE_ATTN_HD > 0 ? HE_ATTN_HD : 16;
 constexpr int kAmKeys = 16;                               // keys per warp tile
@@ -512,9 +516,6 @@ HE_ATTN_MMA_FN void he_attention_split_mma(const float* q, const he_kv* k_cache,
     if (!HE_ATTN_MMA_PF && tile != wid) load(tile, kAll);
     stage();
     he_sync_warp();
-#ifndef HE_ATTN_MMA_PF
-#define HE_ATTN_MMA_PF 1
-#endif
     if (HE_ATTN_MMA_PF && tile + nw < ntile) load(tile + nw, kAll);  // the next tile's rows fly under this one's products
     HeMmaAcc sc;
     he_mma_zero(sc);
