@@ -305,6 +305,9 @@ HE_INLINE void he_sync_block() {
 #else
 HE_INLINE void he_sync_block() { __syncthreads(); }
 #endif
+// Compiler-only fence: no instruction; values loaded from memory before it are not reused after it (the
+// compiler reloads them), so it bounds how long such values stay live in registers.
+HE_INLINE void he_compiler_fence() { asm volatile("" ::: "memory"); }
 // Warp (wave) barrier: every lane of the warp arrives, and shared memory written by one lane before it is
 // visible to the warp's other lanes after it (NVIDIA __syncwarp; AMD: a wave barrier between wave-scope fences,
 // which keep the compiler from moving LDS accesses across it).

@@ -42,11 +42,10 @@ VARIANTS = [  # name, build env, runtime attrs
     # longer attention splits at long context (fewer items per block: 2 instead of ~4 at 32K)
     ("attention splits up to 1,024 positions", {"HIPENGINE_ATTN_MAX_CHUNK": "1024"}, {}),
     ("attention splits up to 2,048 positions", {"HIPENGINE_ATTN_MAX_CHUNK": "2048"}, {}),
-    # the attention split on the matrix cores (docs/perf-log.md v53): inlined, as a call of its own, without the
-    # next tile's loads in flight (its bits differ from the FMA body's: its tokens may differ from variant 0's)
+    # the attention split's two bodies (docs/perf-log.md v53; their bits differ: tokens may differ from variant
+    # 0's when the default is the other)
+    ("attention split on the FMA units (v52's body)", {"HIPENGINE_ATTN_MMA": "0"}, {}),
     ("attention split on the matrix cores", {"HIPENGINE_ATTN_MMA": "1"}, {}),
-    ("matrix-core split as a call", {"HIPENGINE_ATTN_MMA": "1", "HIPENGINE_MK_DEFINES": "HE_ATTN_MMA_CALL=1"}, {}),
-    ("matrix-core split, no tile prefetch", {"HIPENGINE_ATTN_MMA": "1", "HIPENGINE_MK_DEFINES": "HE_ATTN_MMA_PF=0"}, {}),
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
     # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,
     # the others were slower and are gone from the kernels; docs/perf-log.md v22-v24)

@@ -543,7 +543,11 @@ def attn_warp_max(max_ctx: int) -> bool:
     return forced if forced is not None else max_ctx < ATTN_WARP_MAX_CTX
 
 
-ATTN_MMA_DEFAULT = False  # the decode split on the matrix cores where attn_mma allows it (HIPENGINE_ATTN_MMA)
+# The decode split on the matrix cores where attn_mma allows it (HIPENGINE_ATTN_MMA=0 keeps the FMA body). Measured
+# on H200, llama-3.2-1b, against the FMA body (docs/perf-log.md v53), tok/s at 1K / 8K / 32K: per-op 1,203 / 978 /
+# 786 → 1,234 / 1,040 / 864 (+2.6% / +6.3% / +9.9%), alternated; the monokernel (its split a call) 1,097 / 987 /
+# 706 → see the perf log's v53 record.
+ATTN_MMA_DEFAULT = True
 
 
 def attn_mma(arch: str | None, hd: int) -> bool:

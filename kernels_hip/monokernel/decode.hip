@@ -688,7 +688,11 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
                                p.max_ctx, p.nh, p.nkv, p.hd, head, scratch);
         if (!barrier(kProfQkv)) return;
       }
+      // The matrix-core split is a call (ops/attention_decode.hip HE_ATTN_MMA_FN): compiler fences around the
+      // stage, so the kernel reloads its parameters after it instead of keeping them live (spilled) across it.
+      if (kAttnMma) he_compiler_fence();
       mk_attention(p, L, pos, he_mk_smem, prof);
+      if (kAttnMma) he_compiler_fence();
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
       // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).

@@ -380,10 +380,6 @@ HE_INLINE void he_attention_split_fma(const float* q, const he_kv* k_cache,
 #define HE_ATTN_MMA 0
 #endif
 constexpr bool kAttnMma = HE_ATTN_MMA != 0;
-// HE_ATTN_MMA_PF (experiment): 1 loads a warp's next tile while it multiplies this one, 0 when it starts it.
-#ifndef HE_ATTN_MMA_PF
-#define HE_ATTN_MMA_PF 1
-#endif
 static_assert(!kAttnMma || (HE_ATTN_HD > 0 && HE_ATTN_HD % 16 == 0), "HE_ATTN_MMA: HE_ATTN_HD, a multiple of 16");
 constexpr int kAmHd = HE_ATTN_HD > 0 ? HE_ATTN_HD : 16;
 constexpr int kAmKeys = 16;                               // keys per warp tile
@@ -401,10 +397,13 @@ static_assert(kAmWarpBytes >= kAttnMaxGroup * (kAmHd + 2) * 4, "a warp's merge s
 // writes its state (o, m, l per head) for the merge once its last tile is done.
 HE_INLINE constexpr int he_attn_mma_smem(int G) { return 2 * G * kAmQld * 2 + kAttnWarps * kAmWarpBytes; }
 
-// Inside the monokernel the body is a call of its own (__noinline__): inlined, its tiles' registers raised the
-// whole kernel's allocation past 255 and spilled the matvec stages' stream state (66 spill instructions in
-// matvec.hip's code, against none with the FMA body; ptxas / nvdisasm -g); its own frame is paid once per split.
-#if defined(HE_IN_MONOKERNEL) && defined(HE_ATTN_MMA_CALL)
+// Inside the monokernel the body is a call of its own (__noinline__), between two compiler fences
+// (monokernel/decode.hip): inlined, it changed the whole kernel's register allocation (255 either way) and
+// spilled the matvec stages' descriptors — 66 spill instructions in matvec.hip's code against none with the
+// FMA body (ptxas, nvdisasm -g), QKV and gate/up +0.9 / +1.2 µs per layer at 1K (stage profile): the monokernel
+// lost 2.4% at 1K where the per-op path gained 2.6%. As a call, 47 such spills (values kept live across it);
+// with the fences, which make the kernel reload its parameters after the call instead, 4 (docs/perf-log.md v53).
+#if defined(HE_IN_MONOKERNEL)
 #define HE_ATTN_MMA_FN __device__ __noinline__
 #else
 #define HE_ATTN_MMA_FN HE_INLINE
@@ -513,10 +512,9 @@ HE_ATTN_MMA_FN void he_attention_split_mma(const float* q, const he_kv* k_cache,
 #pragma unroll
   for (int j = 0; j < kAttQ; ++j) m[j] = he_neg_inf(), l[j] = 0.f;
   for (int tile = wid; tile < ntile; tile += nw) {
-    if (!HE_ATTN_MMA_PF && tile != wid) load(tile, kAll);
     stage();
     he_sync_warp();
-    if (HE_ATTN_MMA_PF && tile + nw < ntile) load(tile + nw, kAll);  // the next tile's rows fly under this one's products
+    if (tile + nw < ntile) load(tile + nw, kAll);  // the next tile's rows fly under this one's products
     HeMmaAcc sc;
     he_mma_zero(sc);
 #pragma unroll
