@@ -17,6 +17,7 @@
 #   abenv : per-op A/B of environment settings $AB_ENVS on this tree, 1K/8K/32K; kernel timelines ($AB_PROFILE_ENVS)
 #   abboth: A/B of environment settings $AB_ENVS on both paths (decode bench, tokens compared), timelines, tests
 #   abmk  : monokernel variants (mk_sweep $ONLY) at $AB_CONTEXTS, stage profiles at 1K per word of $AB_PROFILE_ENVS
+#   recordmk: a shared default changed: op, engine, monokernel tests, the bench of record, timeline, mk_sweep $ONLY
 #   recordenv: after a change of per-op defaults: op tests, engine + monokernel tests, the decode bench of record,
 #              the per-op timeline, then per-op A/B runs of $AB_ENVS while the call has time
 #   recordperop: op + engine tests, the decode bench (both paths), bench_ops, the per-op timeline (per-op changes)
@@ -166,6 +167,17 @@ case "$MODE" in
       --only "$ONLY" --json "$OUT/mk_sweep.json"
     env_runs mkprof 80 "${AB_PROFILE_ENVS:-}" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
       --profile ;;
+  recordmk)  # after a change of a default both paths share: op tests ($AB_TESTS: a -k expression), engine and
+             # monokernel tests, the decode bench of record at $BENCH_CONTEXTS (both paths, tokens compared), the
+             # per-op timeline at 1K, mk_sweep's variants $ONLY at $AB_CONTEXTS, the 1B preset's 512-position check
+             # in the time left (the call stays under 575 s)
+    run ops_tests_k 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs ${AB_TESTS:+-k "$AB_TESTS"}
+    engine_tests; mk_tests; bench
+    run profile_perop 60 $PY scripts/profile_perop.py --context 1024 --json "$OUT/profile_perop.json"
+    [ -n "${ONLY:-}" ] && run mk_sweep 200 $PY scripts/mk_sweep.py --contexts \
+      "$(echo ${AB_CONTEXTS:-1024 8192 32768} | tr ' ' ,)" --only "$ONLY" --json "$OUT/mk_sweep.json"
+    left=$((575 - SECONDS)); [ $left -gt 30 ] && run preset1b $left $PY -m pytest tests/test_gpu_engine.py -q -rs -s \
+      -k "1b_preset" ;;
   recordenv)  # after a change of per-op defaults: op tests ($AB_TESTS: a -k expression), engine + monokernel tests,
               # the decode bench of record at $BENCH_CONTEXTS (both paths, tokens compared), the per-op timeline
               # at 1K, then per-op A/B runs of $AB_ENVS at $AB_CONTEXTS while the call has time (under 575 s)
@@ -241,7 +253,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|abmk|recordenv|recordperop|recordall|ncu|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -119,12 +119,14 @@ def test_attention_mma_build_compiles(tmp_path, monkeypatch, hd, kv_f16):
         assert r.ok, f"{r.target}: {r.message}"
 
 
-def test_monokernel_attention_mma_build_compiles(tmp_path, monkeypatch):
-    """The monokernel with the matrix-core split (HE_ATTN_MMA=1 at hd 64, as ops.attention_defines gives it)
-    compiles warnings-as-errors for gfx942 and sm_90."""
+@pytest.mark.parametrize("tp", [0, 1])
+def test_monokernel_attention_mma_build_compiles(tmp_path, monkeypatch, tp):
+    """The monokernel with the matrix-core split (HE_ATTN_MMA=1 at hd 64, as ops.attention_defines gives it: a
+    call between compiler fences), alone and with the LL exchange (MK_TP=1), compiles warnings-as-errors for
+    gfx942 and sm_90."""
     monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
-    unit = tmp_path / "decode_attn_mma.hip"
-    unit.write_text('#define HE_ATTN_HD 64\n#define HE_ATTN_MMA 1\n#include "monokernel/decode.hip"\n')
+    unit = tmp_path / f"decode_attn_mma_tp{tp}.hip"
+    unit.write_text(f'#define HE_ATTN_HD 64\n#define HE_ATTN_MMA 1\n#define MK_TP {tp}\n#include "monokernel/decode.hip"\n')
     for r in check.check_all(_targets(), [unit]):
         assert r.ok, f"{r.target}: {r.message}"
 
