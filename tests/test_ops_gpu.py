@@ -266,6 +266,35 @@ def test_attention(gpu, nh, nkv, hd, seq, max_ctx, T, split_mma, monkeypatch):
         close(got[t], ref, 1e-3 if mma else 1e-4, 1e-4 if mma else 1e-5)
 
 
+@pytest.fixture(scope="module")
+def gpu_kv16(gpu):
+    """Ops built for an fp16 KV cache (HE_KV_F16: what fp16-weight models get, executor.kv_defines)."""
+    rt, _, O = gpu
+    return rt, O.Ops(rt, {"HE_KV_F16": 1}), O
+
+
+@pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx", [(32, 8, 64, 1000, 1024), (9, 3, 64, 1, 32), (12, 2, 128, 5, 4096),
+                                                   (8, 2, 64, 3000, 8192), (32, 8, 64, 32768, 32768)])
+@pytest.mark.parametrize("split_mma", ["0", "1"])
+def test_attention_f16_cache(gpu_kv16, nh, nkv, hd, seq, max_ctx, split_mma, monkeypatch):
+    """Decode attention over an fp16 KV cache, either split body (the matrix cores multiply fp16 tiles there):
+    against float64 attention of the fp16-rounded cache."""
+    rt, ops, O = gpu_kv16
+    monkeypatch.setenv("HIPENGINE_ATTN_MMA", split_mma)
+    nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd)
+    k = (RNG.standard_normal((nkv, max_ctx, hd)) * 2).astype(np.float16)
+    v = RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float16)
+    q = RNG.standard_normal((1, nh * hd)).astype(np.float32)
+    part, out = poisoned(rt, O.Ops.partial_floats(1, nh, hd, nsplit)), poisoned(rt, nh * hd)
+    ops.attention(rt.upload(q), rt.upload(k.view(np.uint16)), rt.upload(v.view(np.uint16)), part, out,
+                  rt.upload(np.array([seq - 1], np.int32)), T=1, nh=nh, nkv=nkv, hd=hd, max_ctx=max_ctx,
+                  nsplit=nsplit, chunk=chunk)
+    got = rt.download(out, (nh * hd,), np.float32)
+    ref = O.ref_attention(q[0].reshape(nh, hd).astype(np.float64), k.astype(np.float64), v.astype(np.float64), seq)
+    mma = O.attn_mma(rt.arch, hd)
+    close(got, ref, 1e-3 if mma else 1e-4, 1e-4 if mma else 1e-5)
+
+
 @pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", [c for c in ATTN_CASES if c[5] > 1])
 def test_attention_prefill_unsplit(gpu, nh, nkv, hd, seq, max_ctx, T, monkeypatch):
     """The matrix-core prefill attention with 16-bit q and probabilities (HIPENGINE_PREFILL_SPLIT=0): against

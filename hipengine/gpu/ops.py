@@ -544,9 +544,9 @@ def attn_warp_max(max_ctx: int) -> bool:
 
 
 # The decode split on the matrix cores where attn_mma allows it (HIPENGINE_ATTN_MMA=0 keeps the FMA body). Measured
-# on H200, llama-3.2-1b, against the FMA body (docs/perf-log.md v53), tok/s at 1K / 8K / 32K: per-op 1,203 / 978 /
-# 786 → 1,234 / 1,040 / 864 (+2.6% / +6.3% / +9.9%), alternated; the monokernel (its split a call) 1,097 / 987 /
-# 706 → see the perf log's v53 record.
+# on H200, llama-3.2-1b, against the FMA body, alternated (docs/perf-log.md v53), tok/s at 1K / 8K / 32K: per-op
+# 1,203 / 978 / 786 → 1,234 / 1,040 / 864 (+2.6% / +6.3% / +9.9%); the monokernel (its split a call between
+# compiler fences) 1,093 / 976 / 706 → 1,123 / 1,016 / 738 (+2.6% / +4.0% / +4.5%).
 ATTN_MMA_DEFAULT = True
 
 
