@@ -126,7 +126,8 @@ def test_monokernel_attention_mma_build_compiles(tmp_path, monkeypatch, tp):
     gfx942 and sm_90."""
     monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
     unit = tmp_path / f"decode_attn_mma_tp{tp}.hip"
-    unit.write_text(f'#define HE_ATTN_HD 64\n#define HE_ATTN_MMA 1\n#define MK_TP {tp}\n#include "monokernel/decode.hip"\n')
+    unit.write_text(f'#define HE_ATTN_HD 64\n#define HE_ATTN_MMA 1\n#define MK_TP {tp}\n'
+                    '#include "monokernel/decode.hip"\n')
     for r in check.check_all(_targets(), [unit]):
         assert r.ok, f"{r.target}: {r.message}"
 

@@ -409,8 +409,9 @@ HE_INLINE constexpr int he_attn_mma_smem(int G) { return 2 * G * kAmQld * 2 + kA
 #define HE_ATTN_MMA_FN HE_INLINE
 #endif
 template <int kG, bool kEarly, bool kTrigger>
-HE_ATTN_MMA_FN void he_attention_split_mma(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,
-                                      int seq, int kvh, int split, int nsplit, int chunk, int max_ctx, float* smem) {
+HE_ATTN_MMA_FN void he_attention_split_mma(const float* q, const he_kv* k_cache, const he_kv* v_cache,
+                                           float* partial, int seq, int kvh, int split, int nsplit, int chunk,
+                                           int max_ctx, float* smem) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
   constexpr int G = kG, HD = kAmHd, nt = kAttnThreads, nw = kAttnWarps, kDt = HD / 16;
   constexpr bool kF16 = HE_KV_F16 != 0;
@@ -469,7 +470,8 @@ HE_ATTN_MMA_FN void he_attention_split_mma(const float* q, const he_kv* k_cache,
 #pragma unroll
     for (int r = 0; r < kAmKPer; ++r) {
       const int i = lane + r * kWarpSize;
-      if (kAmKVec % kWarpSize == 0 || i < kAmKVec) *(he_vec16*)(Ks + (i / (HD / 8)) * kAmKld + (i % (HD / 8)) * 8) = kr[r];
+      if (kAmKVec % kWarpSize == 0 || i < kAmKVec)
+        *(he_vec16*)(Ks + (i / (HD / 8)) * kAmKld + (i % (HD / 8)) * 8) = kr[r];
     }
 #pragma unroll
     for (int r = 0; r < kAmVPer; ++r) {
