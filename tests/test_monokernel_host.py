@@ -251,7 +251,8 @@ def test_attention_mma_build_follows_the_target(monkeypatch):
         monkeypatch.setenv("HIPENGINE_ATTN_MMA", raw)
         on = raw == "1"
         for arch, hd, want in (("sm_90", 64, on), ("sm_80", 128, on), ("gfx942", 64, on), ("sm_75", 64, False),
-                               ("gfx1100", 64, False), ("sm_90", 24, False), (None, 64, False)):
+                               ("gfx1100", 64, False), ("sm_90", 24, False), ("gfx942", 256, False),
+                               (None, 64, False)):
             assert ops.attn_mma(arch, hd) is want, (arch, hd)
             assert ("HE_ATTN_MMA" in ops.attention_defines(hd, 1024, arch)) is want
         d = mk.compile_args("nvidia", False, 4, head_dim=64, max_context=1024, arch="sm_90")["defines"]

@@ -553,11 +553,12 @@ ATTN_MMA_DEFAULT = True
 def attn_mma(arch: str | None, hd: int) -> bool:
     """Whether the decode attention split runs on the matrix cores (attention_decode.hip HE_ATTN_MMA: G query
     heads as the rows of port.h's attention tiles, 16-key tiles per warp): where the target has them
-    (mma_supported) and head_dim is a multiple of 16, by ATTN_MMA_DEFAULT or HIPENGINE_ATTN_MMA=0|1. Both paths
+    (mma_supported) and head_dim is a multiple of 16 up to 128 (the sizes tested; at 256 its per-warp tiles
+    would outgrow a CDNA work-group's 64 KiB of LDS), by ATTN_MMA_DEFAULT or HIPENGINE_ATTN_MMA=0|1. Both paths
     take the same build for one cache (the monokernel's compile_args), so they stay bit-identical; q and the
     probabilities enter as hi/lo 16-bit pairs (~16 bits kept: the op tests hold it to 1e-3 of float64, the FMA
     body to 1e-4)."""
-    if arch is None or hd % 16 or not mma_supported(arch):
+    if arch is None or hd % 16 or hd > 128 or not mma_supported(arch):
         return False
     forced = _env_switch("HIPENGINE_ATTN_MMA")
     return ATTN_MMA_DEFAULT if forced is None else forced
