@@ -442,15 +442,6 @@ HE_INLINE he_u32 he_pack2(float a, float b) {
               : ((he_u32)he_f32_to_bf16(a) | ((he_u32)he_f32_to_bf16(b) << 16));
 }
 #else
-HE_INLINE HeMmaFrag he_mma_load_a(const he_u16* t, int ld) {
-  const int l = he_lane_id(), g = l >> 2, c = 2 * (l & 3);
-  HeMmaFrag f;
-  f.w[0] = *(const he_u32*)(t + g * ld + c);
-  f.w[1] = *(const he_u32*)(t + (g + 8) * ld + c);
-  f.w[2] = *(const he_u32*)(t + g * ld + c + 8);
-  f.w[3] = *(const he_u32*)(t + (g + 8) * ld + c + 8);
-  return f;
-}
 HE_INLINE HeMmaFrag he_mma_load_a_rows(const he_u16* t, int ld, int rows) {
   const int l = he_lane_id(), g = l >> 2, c = 2 * (l & 3);
   HeMmaFrag f;
@@ -460,6 +451,7 @@ HE_INLINE HeMmaFrag he_mma_load_a_rows(const he_u16* t, int ld, int rows) {
   f.w[3] = g + 8 < rows ? *(const he_u32*)(t + (g + 8) * ld + c + 8) : 0u;
   return f;
 }
+HE_INLINE HeMmaFrag he_mma_load_a(const he_u16* t, int ld) { return he_mma_load_a_rows(t, ld, 16); }
 HE_INLINE HeMmaFrag he_mma_load_b(const he_u16* t, int ld) {
   const int l = he_lane_id(), g = l >> 2, c = 2 * (l & 3);
   HeMmaFrag f;

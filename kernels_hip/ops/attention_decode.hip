@@ -119,6 +119,34 @@ HE_INLINE int he_attn_len(int seq, int nsplit, int chunk) {
   return ns < nsplit ? he_attn_chunk(seq, ns, kAttnBatchRows) : he_attn_chunk(seq, nsplit, chunk);
 }
 
+// Where a split body lets the next kernel launch (its kTrigger): before its wait, or — an early kernel in a
+// HE_PDL_LATE build (port.h) — right after it.
+template <bool kEarly, bool kTrigger>
+struct HeAttnTrigger {
+  static constexpr bool before = kTrigger && !(kEarly && HE_PDL_LATE == 1), after = kTrigger && !before;
+};
+
+// The rows [start, start + n) a split takes of a `seq`-row sequence under the plan (nsplit, chunk); false when it
+// has none (it starts past seq): the block then marks the split empty for the combine (m = −inf, l = 0), after
+// the trigger and wait its kernel's place asks for, and the split body returns. Both split bodies start here.
+template <int kG, bool kEarly, bool kTrigger>
+HE_INLINE bool he_attn_split_rows(int seq, int kvh, int split, int nsplit, int chunk, int hd, float* partial,
+                                  int& start, int& n) {
+  chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
+  start = split * chunk;
+  n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
+  if (n != 0) return true;
+  if (HeAttnTrigger<kEarly, kTrigger>::before) he_pdl_trigger();
+  if (kEarly) he_pdl_wait();  // partial is step data
+  if (HeAttnTrigger<kEarly, kTrigger>::after) he_pdl_trigger();
+  for (int g = he_thread_idx(); g < kG; g += kAttnThreads) {
+    float* pr = partial + ((he_i64)(kvh * kG + g) * nsplit + split) * (hd + 2);
+    pr[hd] = he_neg_inf();
+    pr[hd + 1] = 0.f;
+  }
+  return false;
+}
+
 // The block's warps' states (o[hd], m, l per head; warp w's head g at ws + w·wstride + g·(hd + 2)) merged in
 // warp order (deterministic) into the split's partial; one thread per (head, dim). Both split bodies end here.
 template <int kG>
@@ -173,27 +201,15 @@ HE_INLINE void he_attention_split_fma(const float* q, const he_kv* k_cache,
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
   constexpr int G = kG, kL = kAttnLpr, kR = kWarpSize / kAttnLpr;  // lanes per row, rows per warp at once
   constexpr int U = kAttnUnroll;
-  // kTrigger's place: before the wait, or (an early kernel in a HE_PDL_LATE build, port.h) right after it
-  constexpr bool kTriggerBefore = kTrigger && !(kEarly && HE_PDL_LATE == 1), kTriggerAfter = kTrigger && !kTriggerBefore;
+  constexpr bool kTriggerBefore = HeAttnTrigger<kEarly, kTrigger>::before;
+  constexpr bool kTriggerAfter = HeAttnTrigger<kEarly, kTrigger>::after;
   (void)nkv;
   hd = he_attn_hd(hd);
   // the block is kAttnThreads wide in both paths (ops.ATTN_THREADS; decode.hip asserts kMkThreads): constants
   const int t = he_thread_idx();
   constexpr int nt = kAttnThreads, nw = kAttnWarps;
-  chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
-  const int start = split * chunk;
-  const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
-  if (n == 0) {  // nothing to attend in this split: mark it empty for the combine
-    if (kTriggerBefore) he_pdl_trigger();
-    if (kEarly) he_pdl_wait();  // partial is step data
-    if (kTriggerAfter) he_pdl_trigger();
-    for (int g = t; g < G; g += nt) {
-      float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
-      pr[hd] = he_neg_inf();
-      pr[hd + 1] = 0.f;
-    }
-    return;
-  }
+  int start, n;
+  if (!he_attn_split_rows<kG, kEarly, kTrigger>(seq, kvh, split, nsplit, chunk, hd, partial, start, n)) return;
   float* qs = smem;              // [G][hd]   q pre-scaled by log2(e)/sqrt(hd)
   float* ws = qs + G * hd;       // [nw][G][hd + 2]  per-warp states (o, m, l)
   const int lane = he_lane_id(), sub = lane % kL, rw = lane / kL;
@@ -415,22 +431,11 @@ HE_ATTN_MMA_FN void he_attention_split_mma(const float* q, const he_kv* k_cache,
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
   constexpr int G = kG, HD = kAmHd, nt = kAttnThreads, nw = kAttnWarps, kDt = HD / 16;
   constexpr bool kF16 = HE_KV_F16 != 0;
-  constexpr bool kTriggerBefore = kTrigger && !(kEarly && HE_PDL_LATE == 1), kTriggerAfter = kTrigger && !kTriggerBefore;
+  constexpr bool kTriggerBefore = HeAttnTrigger<kEarly, kTrigger>::before;
+  constexpr bool kTriggerAfter = HeAttnTrigger<kEarly, kTrigger>::after;
   const int t = he_thread_idx(), lane = he_lane_id(), wid = he_warp_id();
-  chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
-  const int start = split * chunk;
-  const int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
-  if (n == 0) {  // nothing to attend in this split: mark it empty for the combine
-    if (kTriggerBefore) he_pdl_trigger();
-    if (kEarly) he_pdl_wait();  // partial is step data
-    if (kTriggerAfter) he_pdl_trigger();
-    for (int g = t; g < G; g += nt) {
-      float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (HD + 2);
-      pr[HD] = he_neg_inf();
-      pr[HD + 1] = 0.f;
-    }
-    return;
-  }
+  int start, n;
+  if (!he_attn_split_rows<kG, kEarly, kTrigger>(seq, kvh, split, nsplit, chunk, HD, partial, start, n)) return;
   he_u16* qh = (he_u16*)smem;  // q · log2(e)/sqrt(hd) as hi / lo 16-bit tiles [G][kAmQld]
   he_u16* ql = qh + G * kAmQld;
   char* wbase = (char*)smem + 2 * G * kAmQld * 2;
