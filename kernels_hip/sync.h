@@ -33,8 +33,7 @@ constexpr he_u32 kStatusCounterTimeout = 3;
 constexpr he_u32 kStatusAborted = 4;  // another block reported an error first
 constexpr he_u32 kStatusPeerTimeout = 5;  // tensor parallelism: a peer GPU's words never arrived (monokernel/tp_exchange.h)
 
-// How many polls between clock reads and abort checks (the clock read is slower than an L2 poll on both
-// vendors; the abort word is a second load, see he_wait_geq_device).
+// How many polls between clock reads (the clock read is slower than an L2 poll on both vendors).
 constexpr int kPollsPerClock = 64;
 
 // Shared state of one grid barrier, in device memory, zeroed by the host before the launch.
@@ -76,27 +75,16 @@ HE_INLINE bool he_aborted(const HeWaitCtx& w) { return he_load_relaxed_device(&w
 // Wait (one thread) until *flag >= target, comparing with wrap-around so monotone 32-bit counters may wrap.
 // Acquire at device scope on success (the flag's writer used a device-scope release). Returns false on
 // timeout (after reporting `code`) or when another block aborted.
-// One load per poll: each poll is an L2 round trip the thread waits for (its value decides the branch, and
-// the acquire orders every later load after it), so reading the abort word at every poll too made a poll
-// two dependent round trips and the wait saw the flag ~half a round trip late on average. The abort word
-// and the clock are read every kPollsPerClock polls (a block that gave up is noticed within ~64 polls).
-// HE_WAIT_ABORT_EACH_POLL=1: the abort word at every poll (v53's loop; an A/B knob, docs/perf-log.md v54).
-#ifndef HE_WAIT_ABORT_EACH_POLL
-#define HE_WAIT_ABORT_EACH_POLL 0
-#endif
 HE_INLINE bool he_wait_geq_device(const HeWaitCtx& w, const he_u32* flag, he_u32 target, he_u32 code) {
   if ((int)(he_load_acquire_device(flag) - target) >= 0) return true;
   const he_u64 t0 = he_clock_ns();
-  for (int polls = 1;; ++polls) {
+  for (int polls = 0;; ++polls) {
     if ((int)(he_load_acquire_device(flag) - target) >= 0) return true;
-    if (HE_WAIT_ABORT_EACH_POLL && he_aborted(w)) return false;
+    if (he_aborted(w)) return false;
     if (w.sleep_ns) he_sleep(w.sleep_ns);
-    if (polls % kPollsPerClock == 0) {
-      if (he_aborted(w)) return false;
-      if (he_clock_ns() - t0 > w.timeout_ns) {
-        he_report_error(w, code);
-        return false;
-      }
+    if (polls % kPollsPerClock == 0 && he_clock_ns() - t0 > w.timeout_ns) {
+      he_report_error(w, code);
+      return false;
     }
   }
 }
