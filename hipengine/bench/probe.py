@@ -9,6 +9,9 @@
   per-SM read every SM streams its own slice at once (256 KiB, 512 KiB, 16 MiB each); the slowest SM's time
               over the median's (a matvec split evenly over SMs ends with the slowest) and whether the slow
               SMs are the same ones launch after launch.
+  flag poll   µs for one L2-hit acquire poll by one thread per SM just after its block's warps requested
+              8 KiB each from HBM (the monokernel's barrier wait): idle, beside streaming warps, behind the
+              poller's own warp's loads.
   --peers     for every GPU pair: peer copy bandwidth (kernel push and driver copy) and the one-way latency of
               a flag written through peer-mapped memory (ping-pong of release/acquire stores at system scope).
 
@@ -176,6 +179,49 @@ def per_sm_read(rt, slices=SM_SLICES, reps: int = SM_REPS, block: int = SM_BLOCK
         out.free()
 
 
+POLL_ROUNDS = 200
+POLL_MODES = {0: "idle", 1: "beside 7 streaming warps", 2: "behind its own warp's loads"}
+
+
+def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3) -> dict:
+    """µs for one device-scope acquire poll of a flag (an L2 hit) issued by thread 0 of each block (one per
+    SM/CU) right after the block's warps requested 8 KiB each from HBM — the monokernel's grid-barrier wait,
+    which polls just after its warps requested the next stage's first weights. Modes (probe.hip probe_poll):
+    idle (nothing streams), beside (every warp but the poller's streams), behind (the poller's warp streams
+    too). Also the time until the poller's lane has its own batch ("batch_us"). Median over blocks of the
+    per-round mean, median of ``reps`` launches; ``max`` is the slowest block's."""
+    fn = _module(rt).function("probe_poll")
+    nb, row = rt.num_sms, 5  # probe.hip kProbePollRow
+    warps = BLOCK // rt.warp_size
+    nbytes = rounds * nb * warps * 16 * rt.warp_size * 16  # kProbePollUnroll 16-byte loads per lane per round
+    src, flag, out = rt.malloc(nbytes), rt.malloc(256), rt.malloc(8 * row * nb)
+    s = rt.stream()
+    res = {"rounds": rounds, "blocks": nb, "threads": BLOCK, "bytes_per_round": nbytes // rounds}
+    try:
+        rt.memset(src, 1, nbytes)
+        rt.memset(flag, 0, 256)
+        for mode, name in POLL_MODES.items():
+            polls, batches, maxes = [], [], []
+            for _ in range(reps + 1):
+                rt.launch(fn, nb, BLOCK, [src, flag, ctypes.c_int32(mode), ctypes.c_int32(rounds), out],
+                          shared=rt.max_shared_per_block, stream=s)
+                s.synchronize()
+                v = rt.download(out, (nb, row), np.uint64).astype(np.float64)
+                ns_per_cycle = v[:, 3] / np.maximum(v[:, 2], 1)
+                poll_us = v[:, 0] / rounds * ns_per_cycle / 1e3
+                polls.append(float(np.median(poll_us)))
+                maxes.append(float(poll_us.max()))
+                batches.append(float(np.median(v[:, 1] / rounds * ns_per_cycle / 1e3)) if mode else None)
+            res[name] = {"poll_us": statistics.median(polls[1:]), "poll_us_max": statistics.median(maxes[1:]),
+                         "batch_us": statistics.median(batches[1:]) if mode else None}
+        return res
+    finally:
+        s.synchronize()
+        s.destroy()
+        for b in (src, flag, out):
+            b.free()
+
+
 def _copy_bps(rt, src, dst, nbytes: int, grid: int, reps: int, stream) -> float:
     fn = _module(rt).function("probe_copy")
     args = [src, dst, ctypes.c_uint64(nbytes // 16)]
@@ -309,6 +355,11 @@ def probe(peers: bool = False, log=print) -> dict:
         log(f"per-SM read   {r['bytes_per_sm'] >> 10:6d} KiB each, all at once: slowest {r['max_over_median']:.3f}x, "
             f"p90 {r['p90_over_median']:.3f}x, fastest {r['min_over_median']:.3f}x the median SM's time "
             f"(same SMs slow run to run: corr {r['halves_corr']:.2f}); all SMs {r['all_sms_gbps'] or 0:.0f} GB/s")
+    result["poll"] = poll = poll_latency(rt)
+    for name in POLL_MODES.values():
+        r = poll[name]
+        log(f"flag poll     {r['poll_us']:6.2f} µs (slowest block {r['poll_us_max']:.2f}) {name}"
+            + (f"; its lane's 8 KiB batch {r['batch_us']:.2f} µs" if r["batch_us"] is not None else ""))
     if peers:
         if n < 2:
             msg = f"--peers needs at least 2 GPUs; this machine has {n}"

@@ -5,6 +5,8 @@
 //   probe_copy      : read one buffer, write another (copy bandwidth; also peer reads/writes over NVLink/xGMI).
 //   probe_empty     : does nothing (launch overhead, eager and inside a graph).
 //   probe_pingpong  : one thread per GPU bouncing a counter through peer-mapped flags (one-way latency).
+//   probe_poll      : how long one flag poll (an L2 hit) takes while the SM streams weights the way the
+//                     monokernel's warps do at a grid barrier (the barrier's wait is such polls).
 //
 // The read kernel is a real reduction (a 32-bit wrapping sum of every word), so the compiler cannot drop
 // the loads and the host can check the grid-stride indexing against numpy.
@@ -116,4 +118,57 @@ HE_KERNEL(64) probe_pingpong(he_u32* local, he_u32* remote, int rounds, int init
   }
   result[0] = he_clock_ns() - start;
   result[1] = (he_u64)done;
+}
+
+// probe_poll: the round trip of a device-scope acquire load of a flag (an L2 hit: the word never changes)
+// issued by thread 0 of each block right after the block's warps have requested kProbePollUnroll 16-byte loads
+// per lane from HBM (8 KiB per warp: the monokernel stream's pair, which every warp requests between its
+// barrier arrival and its wait). Per round: the block's warps meet, every streaming warp issues its batch,
+// thread 0 polls once and reads the cycle counter when the value has come back, the warps consume their
+// batches, and thread 0 reads the counter again when its lane's loads have come back. mode 0: no warp
+// streams (the idle round trip); 1: every warp but warp 0 streams (thread 0's own warp has nothing in
+// flight); 2: every warp streams, warp 0 too (the monokernel's barrier). Block b's slice per round is fresh
+// HBM (rounds x grid x warps x 8 KiB must stay under src's size, so nothing hits L2).
+// out[b·kProbePollRow ...] = {poll cycles summed over rounds, batch cycles summed, the block's total cycles,
+// its total ns (he_clock_ns: calibrates cycles), a checksum that keeps the loads alive}.
+constexpr int kProbePollUnroll = 16;
+constexpr int kProbePollRow = 5;
+HE_KERNEL(256) probe_poll(const he_vec16* src, const he_u32* flag, int mode, int rounds, he_u64* out) {
+  const int lane = he_lane_id(), w = he_warp_id(), nw = he_num_warps();
+  const bool streams = mode == 2 || (mode == 1 && w != 0);
+  const bool poller = he_thread_idx() == 0;
+  he_u32 acc = 0, seen = 0;
+  he_u64 poll_cyc = 0, batch_cyc = 0;
+  he_sync_block();
+  const he_u64 c_start = he_cycles(), t_start = he_clock_ns();
+  for (int r = 0; r < rounds; ++r) {
+    he_sync_block();
+    const he_vec16* p = src + (((he_u64)r * he_grid_dim() + he_block_idx()) * nw + w) * (kProbePollUnroll * kWarpSize);
+    he_vec16 v[kProbePollUnroll];
+    const he_u64 c0 = he_cycles();
+    if (streams) {
+#pragma unroll
+      for (int u = 0; u < kProbePollUnroll; ++u) v[u] = he_load16_stream(p + u * kWarpSize + lane);
+    }
+    if (poller) {
+      const he_u32 f = he_load_acquire_device(flag);
+      seen += f;
+      // The counter is read where the value is needed (a branch on it), so not before the load came back.
+      if (f != 0x9e3779b9u) poll_cyc += he_cycles() - c0;
+    }
+    if (streams) {
+#pragma unroll
+      for (int u = 0; u < kProbePollUnroll; ++u) acc += he_vec16_sum(v[u]);
+      if (poller && acc != 0x7f4a7c15u) batch_cyc += he_cycles() - c0;
+    }
+  }
+  he_sync_block();
+  if (poller) {
+    he_u64* row = out + (he_u64)he_block_idx() * kProbePollRow;
+    row[0] = poll_cyc;
+    row[1] = batch_cyc;
+    row[2] = he_cycles() - c_start;
+    row[3] = he_clock_ns() - t_start;
+    row[4] = (he_u64)(acc + seen);
+  }
 }
