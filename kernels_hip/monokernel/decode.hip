@@ -368,26 +368,6 @@ constexpr bool kMkTp = MK_TP != 0;
 // fence, and keep the stream's own refill (kMkDeferOD).
 constexpr bool kMkDefer = true;
 constexpr bool kMkDeferOD = !kMkTp;
-// The polling warp's loads. A grid wait is thread 0 polling with acquire loads, and such a poll comes back only
-// after every load its warp issued before it (measured on H200, `hipengine bench probe`: 0.20 µs beside seven
-// streaming warps, 1.75 µs right after its own warp requested 8 KiB — the time those 8 KiB take). So a wait
-// entered just after the warp requested the next stage's first weights cannot end before they arrive, even
-// when the last block arrived long before. kMkPollLateFill: warp 0 requests its part of the next stage's first
-// weights after the wait instead (the other warps still before it); -DMK_POLL_LATE_FILL=0|1 (A/B).
-#ifndef MK_POLL_LATE_FILL
-#define MK_POLL_LATE_FILL 0
-#endif
-constexpr bool kMkPollLateFill = MK_POLL_LATE_FILL != 0 && !kMkTp;
-// The next stage's first weights around a wait: every warp but the poller's before it (mk_fill_early), the
-// poller's after it (mk_fill_late); without kMkPollLateFill every warp's before it.
-template <class Next>
-HE_INLINE void mk_fill_early(const Next& nxt, HeMvStream<2>& s) {
-  if (!kMkPollLateFill || he_warp_id() != 0) he_mv_fill_next(nxt, s);
-}
-template <class Next>
-HE_INLINE void mk_fill_late(const Next& nxt, HeMvStream<2>& s) {
-  if (kMkPollLateFill && he_warp_id() == 0) he_mv_fill_next(nxt, s);
-}
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
@@ -716,7 +696,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
       // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).
-      mk_fill_early(mk_o_op(p, L, ep_o + 1), s);
+      he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
@@ -729,7 +709,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       prof.work(p.fine == 2 ? kProfCombine : kProfAttn);
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(p.fine == 2 ? kProfCombine : kProfAttn);
-      mk_fill_late(mk_o_op(p, L, ep_o + 1), s);
       ++ep_o;
       he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
       // gate/up's input: tp > 1, the O-proj's sum over ranks gathered by every block (no grid barrier; block
@@ -740,17 +719,15 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         gx = he_mk_smem;
       } else if (kMkDeferOD) {
         arrive(kProfO);
-        mk_fill_early(mk_gate_up_op(p, L, p.x), s);
+        he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
         if (!wait(kProfO)) return;
-        mk_fill_late(mk_gate_up_op(p, L, p.x), s);
       } else if (!barrier(kProfO)) {
         return;
       }
       he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       arrive(kProfGateUp);
-      mk_fill_early(mk_down_op(p, L, ep_d + 1), s);
+      he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
       if (!wait(kProfGateUp)) return;
-      mk_fill_late(mk_down_op(p, L, ep_d + 1), s);
       ++ep_d;
       if (l + 1 < p.n_layers)
         he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
@@ -758,11 +735,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
       if (kMkDeferOD && !tp) {
         arrive(kProfDown);
-        if (l + 1 < p.n_layers) mk_fill_early(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-        else mk_fill_early(mk_head_op(p, p.x), s);
+        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+        else he_mv_fill_next(mk_head_op(p, p.x), s);
         if (!wait(kProfDown)) return;
-        if (l + 1 < p.n_layers) mk_fill_late(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-        else mk_fill_late(mk_head_op(p, p.x), s);
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
       }
@@ -775,9 +750,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     // The LM head refills with the next step's first QKV weights (held through token selection).
     he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
     arrive(kProfHead);
-    mk_fill_early(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
+    he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     if (!wait(kProfHead)) return;
-    mk_fill_late(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     pos += 1;
     steps += 1;
     if (p.mode & kMkModeOneStep) break;
