@@ -166,6 +166,16 @@ def test_probe_ceilings(rt):
     assert 0 < launch["graph_us"] < 100 and launch["eager_us"] > 0
 
 
+def test_probe_poll_latency(rt):
+    from hipengine.bench import probe
+
+    r = probe.poll_latency(rt, rounds=20, reps=1)  # checks thread 0's checksum itself
+    idle, beside, behind = (r[name] for name in probe.POLL_MODES.values())
+    assert 0 < idle["poll_us"] < 20 and 0 < beside["poll_us"] < 20
+    # behind its own warp's 8 KiB from HBM: not before they came back
+    assert behind["poll_us"] > idle["poll_us"] and behind["batch_us"] > 0
+
+
 @pytest.mark.multigpu
 def test_probe_peer_pair():
     from hipengine.bench import probe

@@ -206,7 +206,12 @@ def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3) -> dict:
                 rt.launch(fn, nb, BLOCK, [src, flag, ctypes.c_int32(mode), ctypes.c_int32(rounds), out],
                           shared=rt.max_shared_per_block, stream=s)
                 s.synchronize()
-                v = rt.download(out, (nb, row), np.uint64).astype(np.float64)
+                raw = rt.download(out, (nb, row), np.uint64)
+                # thread 0's checksum: its own lane's words (every byte 1) when its warp streams, else 0
+                expect = (rounds * 16 * 4 * 0x01010101) & 0xFFFFFFFF if mode == 2 else 0
+                if (raw[:, 4] != expect).any():
+                    raise DeviceError("probe_poll checksum mismatch: kernel bug")
+                v = raw.astype(np.float64)
                 ns_per_cycle = v[:, 3] / np.maximum(v[:, 2], 1)
                 poll_us = v[:, 0] / rounds * ns_per_cycle / 1e3
                 polls.append(float(np.median(poll_us)))
