@@ -368,12 +368,6 @@ constexpr bool kMkTp = MK_TP != 0;
 // fence, and keep the stream's own refill (kMkDeferOD).
 constexpr bool kMkDefer = true;
 constexpr bool kMkDeferOD = !kMkTp;
-// MK_DEFER_WARP0=1 (A/B knob, docs/perf-log.md v56): of the deferred requests after O-proj, gate/up, down and
-// the LM head, only warp 0's (thread 0 makes the block's arrival) wait for the arrival; warps 1.. request the
-// next stage's first pair in their loop, as soon as their own part is done.
-#ifndef MK_DEFER_WARP0
-#define MK_DEFER_WARP0 0
-#endif
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
@@ -581,7 +575,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   // before the barrier that publishes its input (the issue's "weights before the activation").
   HeMvStream<2> s;
   he_mv_begin(mk_qkv_op(p, p.layers[0], pos, p.x), s, mk_o_op(p, p.layers[0], 1u));
-  const bool defer = !MK_DEFER_WARP0 || he_warp_id() == 0;  // this warp's next-stage pair after the arrival
   MkProf prof(p.prof);
 
   // Grid barrier after `stage` (its profile slot), in two halves so that a matvec stage can request the next
@@ -717,7 +710,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(p.fine == 2 ? kProfCombine : kProfAttn);
       ++ep_o;
-      he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x), defer);
+      he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
       // gate/up's input: tp > 1, the O-proj's sum over ranks gathered by every block (no grid barrier; block
       // 0 keeps it in p.xb for the down-proj's residual); else x, published by the barrier.
       const float* gx = p.x;
@@ -726,26 +719,24 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         gx = he_mk_smem;
       } else if (kMkDeferOD) {
         arrive(kProfO);
-        if (defer) he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
+        he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
         if (!wait(kProfO)) return;
       } else if (!barrier(kProfO)) {
         return;
       }
-      he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1),
-                                     defer);
+      he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       arrive(kProfGateUp);
-      if (defer) he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
+      he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
       if (!wait(kProfGateUp)) return;
       ++ep_d;
       if (l + 1 < p.n_layers)
-        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch,
-                                         mk_qkv_op(p, p.layers[l + 1], pos, p.x), defer);
+        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
       else
-        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x), defer);
+        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
       if (kMkDeferOD && !tp) {
         arrive(kProfDown);
-        if (defer && l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-        else if (defer) he_mv_fill_next(mk_head_op(p, p.x), s);
+        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+        else he_mv_fill_next(mk_head_op(p, p.x), s);
         if (!wait(kProfDown)) return;
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
@@ -757,10 +748,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       hx = he_mk_smem;
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
-    he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x),
-                                   defer);
+    he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
     arrive(kProfHead);
-    if (defer) he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
+    he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     if (!wait(kProfHead)) return;
     pos += 1;
     steps += 1;

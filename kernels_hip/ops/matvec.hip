@@ -215,11 +215,9 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
 // partial sums are added in the same order as a plain loop: results do not depend on the pipelining, the
 // unroll depth, or which op came before.
 // kDefer: the loop does not request nxt's first pair; the caller does, with he_mv_fill_next(nxt, s), later
-// (the monokernel: after its barrier arrival, whose release fence would otherwise wait for those loads) —
-// unless `defer` is false for this warp (warp-uniform), which then requests it in the loop as without kDefer.
+// (the monokernel: after its barrier arrival, whose release fence would otherwise wait for those loads).
 template <bool kF16, bool kDefer = false, class Op, class Next, int kRows>
-HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt,
-                            bool defer = kDefer) {
+HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt) {
   if (!s.p.nx && s.p.u >= op.units()) {  // no unit of op for this warp (only possible at a chain's start)
     s.p.u = he_mv_first();
     s.p.c0 = 0;
@@ -238,9 +236,9 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
     HeMvPos n = s.p;
     he_mv_advance(n, op, nxt);
     he_mv_consume<kF16>(s.a, s.p.c0, op.in, xs, acc);
-    if (!kDefer || !defer || !n.nx) he_mv_fill_a(op, nxt, n, s);
+    if (!kDefer || !n.nx) he_mv_fill_a(op, nxt, n, s);
     he_mv_consume<kF16>(s.b, s.p.c0 + kMatvecBatch, op.in, xs, acc);
-    if (!kDefer || !defer || !n.nx) he_mv_fill_b(op, nxt, n, s);
+    if (!kDefer || !n.nx) he_mv_fill_b(op, nxt, n, s);
     if (n.nx || n.u != s.p.u) {  // the unit's last pair: reduce over the warp, store, restart
       float sum[kRows];
 #pragma unroll
