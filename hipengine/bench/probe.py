@@ -9,9 +9,9 @@
   per-SM read every SM streams its own slice at once (256 KiB, 512 KiB, 16 MiB each); the slowest SM's time
               over the median's (a matvec split evenly over SMs ends with the slowest) and whether the slow
               SMs are the same ones launch after launch.
-  flag poll   µs for one L2-hit acquire poll by one thread per SM just after its block's warps requested
-              8 KiB each from HBM (the monokernel's barrier wait): idle, beside streaming warps, behind the
-              poller's own warp's loads.
+  flag        µs for one L2-hit flag operation by one thread per SM just after its block's warps requested
+              8 KiB each from HBM (the monokernel's barrier): an acquire poll idle, beside streaming warps,
+              behind the poller's own warp's loads or async copies; a relaxed poll; the arrival's release.
   --peers     for every GPU pair: peer copy bandwidth (kernel push and driver copy) and the one-way latency of
               a flag written through peer-mapped memory (ping-pong of release/acquire stores at system scope).
 
@@ -180,16 +180,20 @@ def per_sm_read(rt, slices=SM_SLICES, reps: int = SM_REPS, block: int = SM_BLOCK
 
 
 POLL_ROUNDS = 200
-POLL_MODES = {0: "idle", 1: "beside 7 streaming warps", 2: "behind its own warp's loads"}
+# probe.hip probe_poll's modes: what thread 0 does right after its block's warps requested 8 KiB each from HBM
+POLL_MODES = {0: "poll, idle", 1: "poll beside 7 streaming warps", 2: "poll behind its own warp's loads",
+              3: "relaxed poll behind its own warp's loads", 4: "poll behind its own warp's async copies",
+              5: "release (arrival) behind its own warp's loads", 6: "release (arrival) beside 7 streaming warps"}
+POLL_OWN_STREAM = (2, 3, 4, 5)  # modes in which thread 0's own warp streams (its checksum is not 0)
 
 
 def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3) -> dict:
-    """µs for one device-scope acquire poll of a flag (an L2 hit) issued by thread 0 of each block (one per
-    SM/CU) right after the block's warps requested 8 KiB each from HBM — the monokernel's grid-barrier wait,
-    which polls just after its warps requested the next stage's first weights. Modes (probe.hip probe_poll):
-    idle (nothing streams), beside (every warp but the poller's streams), behind (the poller's warp streams
-    too). Also the time until the poller's lane has its own batch ("batch_us"). Median over blocks of the
-    per-round mean, median of ``reps`` launches; ``max`` is the slowest block's."""
+    """What a monokernel grid barrier's thread 0 waits for: µs for one operation on a flag (an L2 hit) by thread
+    0 of each block (one per SM/CU) right after the block's warps requested 8 KiB each from HBM — a device-scope
+    acquire poll (the barrier's wait), a relaxed poll, or the release reduction of the barrier's arrival — with
+    thread 0's own warp streaming or not, and with the batch requested as loads or as asynchronous copies
+    (probe.hip probe_poll, POLL_MODES). Also the time until thread 0's lane has its own batch ("batch_us").
+    Median over blocks of the per-round mean, median of ``reps`` launches; ``us_max`` is the slowest block's."""
     fn = _module(rt).function("probe_poll")
     nb, row = rt.num_sms, 5  # probe.hip kProbePollRow
     warps = BLOCK // rt.warp_size
@@ -201,24 +205,24 @@ def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3) -> dict:
         rt.memset(src, 1, nbytes)
         rt.memset(flag, 0, 256)
         for mode, name in POLL_MODES.items():
-            polls, batches, maxes = [], [], []
+            ops, batches, maxes = [], [], []
             for _ in range(reps + 1):
                 rt.launch(fn, nb, BLOCK, [src, flag, ctypes.c_int32(mode), ctypes.c_int32(rounds), out],
                           shared=rt.max_shared_per_block, stream=s)
                 s.synchronize()
                 raw = rt.download(out, (nb, row), np.uint64)
                 # thread 0's checksum: its own lane's words (every byte 1) when its warp streams, else 0
-                expect = (rounds * 16 * 4 * 0x01010101) & 0xFFFFFFFF if mode == 2 else 0
+                expect = (rounds * 16 * 4 * 0x01010101) & 0xFFFFFFFF if mode in POLL_OWN_STREAM else 0
                 if (raw[:, 4] != expect).any():
                     raise DeviceError("probe_poll checksum mismatch: kernel bug")
                 v = raw.astype(np.float64)
                 ns_per_cycle = v[:, 3] / np.maximum(v[:, 2], 1)
-                poll_us = v[:, 0] / rounds * ns_per_cycle / 1e3
-                polls.append(float(np.median(poll_us)))
-                maxes.append(float(poll_us.max()))
-                batches.append(float(np.median(v[:, 1] / rounds * ns_per_cycle / 1e3)) if mode else None)
-            res[name] = {"poll_us": statistics.median(polls[1:]), "poll_us_max": statistics.median(maxes[1:]),
-                         "batch_us": statistics.median(batches[1:]) if mode else None}
+                us = v[:, 0] / rounds * ns_per_cycle / 1e3
+                ops.append(float(np.median(us)))
+                maxes.append(float(us.max()))
+                batches.append(float(np.median(v[:, 1] / rounds * ns_per_cycle / 1e3)))
+            res[name] = {"mode": mode, "us": statistics.median(ops[1:]), "us_max": statistics.median(maxes[1:]),
+                         "batch_us": statistics.median(batches[1:]) if mode in POLL_OWN_STREAM else None}
         return res
     finally:
         s.synchronize()
@@ -363,7 +367,7 @@ def probe(peers: bool = False, log=print) -> dict:
     result["poll"] = poll = poll_latency(rt)
     for name in POLL_MODES.values():
         r = poll[name]
-        log(f"flag poll     {r['poll_us']:6.2f} µs (slowest block {r['poll_us_max']:.2f}) {name}"
+        log(f"flag          {r['us']:6.2f} µs (slowest block {r['us_max']:.2f}) {name}"
             + (f"; its lane's 8 KiB batch {r['batch_us']:.2f} µs" if r["batch_us"] is not None else ""))
     if peers:
         if n < 2:

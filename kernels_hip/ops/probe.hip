@@ -120,25 +120,33 @@ HE_KERNEL(64) probe_pingpong(he_u32* local, he_u32* remote, int rounds, int init
   result[1] = (he_u64)done;
 }
 
-// probe_poll: the round trip of a device-scope acquire load of a flag (an L2 hit: the word never changes)
-// issued by thread 0 of each block right after the block's warps have requested kProbePollUnroll 16-byte loads
-// per lane from HBM (8 KiB per warp: the monokernel stream's pair, which every warp requests between its
-// barrier arrival and its wait). Per round: the block's warps meet, every streaming warp issues its batch,
-// thread 0 polls once and reads the cycle counter when the value has come back, the warps consume their
-// batches, and thread 0 reads the counter again when its lane's loads have come back. mode 0: no warp
-// streams (the idle round trip); 1: every warp but warp 0 streams (thread 0's own warp has nothing in
-// flight); 2: every warp streams, warp 0 too (the monokernel's barrier). Block b's slice per round is fresh
-// HBM (rounds x grid x warps x 8 KiB must stay under src's size, so nothing hits L2).
-// out[b·kProbePollRow ...] = {poll cycles summed over rounds, batch cycles summed, the block's total cycles,
-// its total ns (he_clock_ns: calibrates cycles), a checksum that keeps the loads alive}.
+// probe_poll: the round trip of a device-scope poll of a flag (an L2 hit: the word never changes) issued by
+// thread 0 of each block right after the block's warps requested kProbePollUnroll 16-byte loads per lane from
+// HBM (8 KiB per warp: the monokernel stream's pair, which every warp requests between its barrier arrival and
+// its wait). Per round: the block's warps meet, every streaming warp issues its batch, thread 0 does the
+// mode's operation and reads the cycle counter once it has completed, the warps consume their batches, and
+// thread 0 reads the counter again when its lane's batch is there. Block b's slice per round is fresh HBM
+// (rounds x grid x warps x 8 KiB must stay under src's size, so nothing hits L2). Modes:
+//   0  acquire poll, no warp streams (the idle round trip)
+//   1  acquire poll, every warp but warp 0 streams (the poller's warp has nothing in flight)
+//   2  acquire poll, every warp streams (the monokernel's barrier)
+//   3  relaxed poll, every warp streams (an acquire minus its L1 invalidation)
+//   4  acquire poll, every warp's batch requested as asynchronous copies into shared memory (he_cp_async16)
+//   5  the barrier arrival's release reduction (he_red_add_release_device on a scratch word), every warp streams
+//   6  the same release, every warp but warp 0 streams
+// out[b·kProbePollRow ...] = {operation cycles summed over rounds, batch cycles summed, the block's total
+// cycles, its total ns (he_clock_ns: calibrates cycles), a checksum that keeps the loads alive}.
 constexpr int kProbePollUnroll = 16;
 constexpr int kProbePollRow = 5;
-HE_KERNEL(256) probe_poll(const he_vec16* src, const he_u32* flag, int mode, int rounds, he_u64* out) {
+HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int rounds, he_u64* out) {
+  extern __shared__ he_vec16 probe_ring[];  // mode 4: [warps][kProbePollUnroll][kWarpSize]
   const int lane = he_lane_id(), w = he_warp_id(), nw = he_num_warps();
-  const bool streams = mode == 2 || (mode == 1 && w != 0);
+  const bool streams = mode >= 2 ? mode != 6 || w != 0 : mode == 1 && w != 0;
+  const bool async = mode == 4;
   const bool poller = he_thread_idx() == 0;
+  he_vec16* ring = probe_ring + (he_u64)w * kProbePollUnroll * kWarpSize;
   he_u32 acc = 0, seen = 0;
-  he_u64 poll_cyc = 0, batch_cyc = 0;
+  he_u64 op_cyc = 0, batch_cyc = 0;
   he_sync_block();
   const he_u64 c_start = he_cycles(), t_start = he_clock_ns();
   for (int r = 0; r < rounds; ++r) {
@@ -146,17 +154,31 @@ HE_KERNEL(256) probe_poll(const he_vec16* src, const he_u32* flag, int mode, int
     const he_vec16* p = src + (((he_u64)r * he_grid_dim() + he_block_idx()) * nw + w) * (kProbePollUnroll * kWarpSize);
     he_vec16 v[kProbePollUnroll];
     const he_u64 c0 = he_cycles();
-    if (streams) {
+    if (streams && async) {
+#pragma unroll
+      for (int u = 0; u < kProbePollUnroll; ++u) he_cp_async16(ring + u * kWarpSize + lane, p + u * kWarpSize + lane, true);
+      he_cp_async_commit();
+    } else if (streams) {
 #pragma unroll
       for (int u = 0; u < kProbePollUnroll; ++u) v[u] = he_load16_stream(p + u * kWarpSize + lane);
     }
     if (poller) {
-      const he_u32 f = he_load_acquire_device(flag);
-      seen += f;
-      // The counter is read where the value is needed (a branch on it), so not before the load came back.
-      if (f != 0x9e3779b9u) poll_cyc += he_cycles() - c0;
+      if (mode >= 5) {
+        he_red_add_release_device(flag + 32, 1u);  // another line than the polled word
+        op_cyc += he_cycles() - c0;  // the release fence blocks the thread until it is done
+      } else {
+        const he_u32 f = mode == 3 ? he_load_relaxed_device(flag) : he_load_acquire_device(flag);
+        seen += f;
+        // The counter is read where the value is needed (a branch on it), so not before the load came back.
+        if (f != 0x9e3779b9u) op_cyc += he_cycles() - c0;
+      }
     }
     if (streams) {
+      if (async) {
+        he_cp_async_wait<0>();
+#pragma unroll
+        for (int u = 0; u < kProbePollUnroll; ++u) v[u] = ring[u * kWarpSize + lane];
+      }
 #pragma unroll
       for (int u = 0; u < kProbePollUnroll; ++u) acc += he_vec16_sum(v[u]);
       if (poller && acc != 0x7f4a7c15u) batch_cyc += he_cycles() - c0;
@@ -165,7 +187,7 @@ HE_KERNEL(256) probe_poll(const he_vec16* src, const he_u32* flag, int mode, int
   he_sync_block();
   if (poller) {
     he_u64* row = out + (he_u64)he_block_idx() * kProbePollRow;
-    row[0] = poll_cyc;
+    row[0] = op_cyc;
     row[1] = batch_cyc;
     row[2] = he_cycles() - c_start;
     row[3] = he_clock_ns() - t_start;
