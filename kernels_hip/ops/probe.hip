@@ -124,8 +124,10 @@ HE_KERNEL(64) probe_pingpong(he_u32* local, he_u32* remote, int rounds, int init
 // thread 0 of each block right after the block's warps requested kProbePollUnroll 16-byte loads per lane from
 // HBM (8 KiB per warp: the monokernel stream's pair, which every warp requests between its barrier arrival and
 // its wait). Per round: the block's warps meet, every streaming warp issues its batch, thread 0 does the
-// mode's operation and reads the cycle counter once it has completed, the warps consume their batches, and
-// thread 0 reads the counter again when its lane's batch is there. Block b's slice per round is fresh HBM
+// mode's operation once every warp of the block has issued its batch (a block barrier between: otherwise which
+// goes first is the warp scheduler's choice, and the answer depends on it) and reads the cycle counter once the
+// operation has completed, the warps consume their batches, and thread 0 reads the counter again when its lane's
+// batch is there. Block b's slice per round is fresh HBM
 // (rounds x grid x warps x 8 KiB must stay under src's size, so nothing hits L2). Modes:
 //   0  acquire poll, no warp streams (the idle round trip)
 //   1  acquire poll, every warp but warp 0 streams (the poller's warp has nothing in flight)
@@ -162,6 +164,7 @@ HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int round
 #pragma unroll
       for (int u = 0; u < kProbePollUnroll; ++u) v[u] = he_load16_stream(p + u * kWarpSize + lane);
     }
+    he_sync_block();  // every batch requested (not arrived) before thread 0's operation
     if (poller) {
       if (mode >= 5) {
         he_red_add_release_device(flag + 32, 1u);  // another line than the polled word
