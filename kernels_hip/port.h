@@ -625,6 +625,53 @@ HE_INLINE void he_cp_async_wait() {}
 #endif
 
 // ------------------------------------------------------------------------------------------------------
+// Bulk copies global -> shared memory completing on a shared-memory barrier (`hipengine bench probe`: do they
+// hold back the SM's later polls and releases as its loads do?). kHasBulkCopy says whether the target has the
+// engine: NVIDIA sm_90+ has the TMA (cp.async.bulk: one instruction per contiguous run, issued by one lane,
+// no registers; the mbarrier's phase completes when its arrivals have arrived and the announced bytes have
+// landed). AMD gfx942 has no such engine: kHasBulkCopy is false and callers must not reach these (they trap).
+//   he_mbar_init(bar, n)               phase 0 open, n arrivals per phase (one thread; then he_mbar_init_fence
+//                                      and a block barrier before anyone uses it)
+//   he_mbar_expect_arrive(bar, bytes)  one arrival, and `bytes` more to land before the phase completes
+//   he_bulk_load(dst, src, bytes, bar) copy `bytes` (a multiple of 16; both addresses 16-byte aligned)
+//   he_mbar_try_wait(bar, parity)      true once the phase of that parity has completed (the bytes are then
+//                                      visible to the waiting thread)
+//   he_fence_proxy_async()             this thread's earlier shared-memory accesses before its later bulk
+//                                      copies (a slot read by the warp, then refilled by the copy engine)
+// ------------------------------------------------------------------------------------------------------
+#if HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kHasBulkCopy = true;
+HE_INLINE he_u32 he_smem_addr(const void* p) { return (he_u32)__cvta_generic_to_shared(p); }
+HE_INLINE void he_mbar_init(he_u64* bar, he_u32 n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(he_smem_addr(bar)), "r"(n) : "memory");
+}
+HE_INLINE void he_mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+HE_INLINE void he_mbar_expect_arrive(he_u64* bar, he_u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(he_smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+HE_INLINE void he_bulk_load(void* dst, const void* src, he_u32 bytes, he_u64* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(he_smem_addr(dst)), "l"(src), "r"(bytes), "r"(he_smem_addr(bar)) : "memory");
+}
+HE_INLINE bool he_mbar_try_wait(he_u64* bar, he_u32 parity) {
+  he_u32 ok;
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(ok) : "r"(he_smem_addr(bar)), "r"(parity) : "memory");
+  return ok != 0;
+}
+HE_INLINE void he_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+#else
+constexpr bool kHasBulkCopy = false;
+HE_INLINE void he_mbar_init(he_u64*, he_u32) { __builtin_trap(); }
+HE_INLINE void he_mbar_init_fence() { __builtin_trap(); }
+HE_INLINE void he_mbar_expect_arrive(he_u64*, he_u32) { __builtin_trap(); }
+HE_INLINE void he_bulk_load(void*, const void*, he_u32, he_u64*) { __builtin_trap(); }
+HE_INLINE bool he_mbar_try_wait(he_u64*, he_u32) { __builtin_trap(); return true; }
+HE_INLINE void he_fence_proxy_async() { __builtin_trap(); }
+#endif
+
+// ------------------------------------------------------------------------------------------------------
 // Fences. A fence orders this thread's earlier accesses before its later ones, as seen at the scope:
 //   he_fence_acq_rel_device(): e.g. "write data, fence, relaxed-store flag" publishes data to other blocks.
 //   he_fence_acq_rel_system(): same, seen by peer GPUs and the host (NVLink / xGMI / PCIe-mapped memory).

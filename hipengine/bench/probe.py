@@ -11,7 +11,8 @@
               SMs are the same ones launch after launch.
   flag        µs for one L2-hit flag operation by one thread per SM just after its block's warps requested
               8 KiB each from HBM (the monokernel's barrier): an acquire poll idle, beside streaming warps,
-              behind the poller's own warp's loads or async copies; a relaxed poll; the arrival's release.
+              behind the poller's own warp's loads, async copies or (sm_90+) bulk copies; a relaxed poll; the
+              arrival's release.
   --peers     for every GPU pair: peer copy bandwidth (kernel push and driver copy) and the one-way latency of
               a flag written through peer-mapped memory (ping-pong of release/acquire stores at system scope).
 
@@ -183,8 +184,14 @@ POLL_ROUNDS = 200
 # probe.hip probe_poll's modes: what thread 0 does right after its block's warps requested 8 KiB each from HBM
 POLL_MODES = {0: "poll, idle", 1: "poll beside 7 streaming warps", 2: "poll behind its own warp's loads",
               3: "relaxed poll behind its own warp's loads", 4: "poll behind its own warp's async copies",
-              5: "release (arrival) behind its own warp's loads", 6: "release (arrival) beside 7 streaming warps"}
-POLL_OWN_STREAM = (2, 3, 4, 5)  # modes in which thread 0's own warp streams (its checksum is not 0)
+              5: "release (arrival) behind its own warp's loads", 6: "release (arrival) beside 7 streaming warps",
+              7: "poll behind its own warp's bulk copies", 8: "release (arrival) behind its own warp's bulk copies"}
+POLL_OWN_STREAM = (2, 3, 4, 5, 7, 8)  # modes in which thread 0's own warp streams (its checksum is not 0)
+POLL_BULK = (7, 8)  # modes that need the bulk-copy engine (port.h kHasBulkCopy: NVIDIA sm_90 and later)
+
+
+def _has_bulk_copy(rt) -> bool:
+    return rt.vendor == "nvidia" and rt.arch.startswith("sm_") and int("".join(c for c in rt.arch[3:] if c.isdigit()) or 0) >= 90
 
 
 def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3) -> dict:
@@ -205,6 +212,8 @@ def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3) -> dict:
         rt.memset(src, 1, nbytes)
         rt.memset(flag, 0, 256)
         for mode, name in POLL_MODES.items():
+            if mode in POLL_BULK and not _has_bulk_copy(rt):
+                continue  # no such engine on this GPU (AMD CDNA): the kernel would trap
             ops, batches, maxes = [], [], []
             for _ in range(reps + 1):
                 rt.launch(fn, nb, BLOCK, [src, flag, ctypes.c_int32(mode), ctypes.c_int32(rounds), out],
@@ -366,6 +375,8 @@ def probe(peers: bool = False, log=print) -> dict:
             f"(same SMs slow run to run: corr {r['halves_corr']:.2f}); all SMs {r['all_sms_gbps'] or 0:.0f} GB/s")
     result["poll"] = poll = poll_latency(rt)
     for name in POLL_MODES.values():
+        if name not in poll:
+            continue
         r = poll[name]
         log(f"flag          {r['us']:6.2f} µs (slowest block {r['us_max']:.2f}) {name}"
             + (f"; its lane's 8 KiB batch {r['batch_us']:.2f} µs" if r["batch_us"] is not None else ""))

@@ -136,19 +136,31 @@ HE_KERNEL(64) probe_pingpong(he_u32* local, he_u32* remote, int rounds, int init
 //   4  acquire poll, every warp's batch requested as asynchronous copies into shared memory (he_cp_async16)
 //   5  the barrier arrival's release reduction (he_red_add_release_device on a scratch word), every warp streams
 //   6  the same release, every warp but warp 0 streams
+//   7  acquire poll, every warp's batch requested as one bulk copy into shared memory (the TMA; kHasBulkCopy
+//      targets only: the host does not launch it elsewhere)
+//   8  the arrival's release behind the same bulk copies
 // out[b·kProbePollRow ...] = {operation cycles summed over rounds, batch cycles summed, the block's total
 // cycles, its total ns (he_clock_ns: calibrates cycles), a checksum that keeps the loads alive}.
 constexpr int kProbePollUnroll = 16;
 constexpr int kProbePollRow = 5;
+constexpr int kProbeReleaseWord = 32;  // modes 5, 6, 8 add to flag[kProbeReleaseWord]: another 128-byte line
 HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int rounds, he_u64* out) {
-  extern __shared__ he_vec16 probe_ring[];  // mode 4: [warps][kProbePollUnroll][kWarpSize]
+  // Dynamic shared memory (the host asks for the most a block may have: one block per SM): modes 4, 7, 8 stage
+  // the batches there, [warps][kProbePollUnroll][kWarpSize], and modes 7, 8 put one mbarrier per warp after them.
+  extern __shared__ he_vec16 probe_ring[];
   const int lane = he_lane_id(), w = he_warp_id(), nw = he_num_warps();
+  he_u64* probe_mbar = (he_u64*)(probe_ring + (he_u64)nw * kProbePollUnroll * kWarpSize);
   const bool streams = mode >= 2 ? mode != 6 || w != 0 : mode == 1 && w != 0;
-  const bool async = mode == 4;
+  const bool async = mode == 4, bulk = kHasBulkCopy && mode >= 7;
   const bool poller = he_thread_idx() == 0;
   he_vec16* ring = probe_ring + (he_u64)w * kProbePollUnroll * kWarpSize;
+  constexpr he_u32 kBatchBytes = kProbePollUnroll * kWarpSize * 16;
   he_u32 acc = 0, seen = 0;
   he_u64 op_cyc = 0, batch_cyc = 0;
+  if (bulk && lane == 0) {
+    he_mbar_init(probe_mbar + w, 1u);
+    he_mbar_init_fence();
+  }
   he_sync_block();
   const he_u64 c_start = he_cycles(), t_start = he_clock_ns();
   for (int r = 0; r < rounds; ++r) {
@@ -156,7 +168,13 @@ HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int round
     const he_vec16* p = src + (((he_u64)r * he_grid_dim() + he_block_idx()) * nw + w) * (kProbePollUnroll * kWarpSize);
     he_vec16 v[kProbePollUnroll];
     const he_u64 c0 = he_cycles();
-    if (streams && async) {
+    if (streams && bulk) {
+      if (lane == 0) {  // the slot was read last round (the block barrier above): generic reads, then the copy
+        he_fence_proxy_async();
+        he_mbar_expect_arrive(probe_mbar + w, kBatchBytes);
+        he_bulk_load(ring, p, kBatchBytes, probe_mbar + w);
+      }
+    } else if (streams && async) {
 #pragma unroll
       for (int u = 0; u < kProbePollUnroll; ++u) he_cp_async16(ring + u * kWarpSize + lane, p + u * kWarpSize + lane, true);
       he_cp_async_commit();
@@ -166,8 +184,8 @@ HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int round
     }
     he_sync_block();  // every batch requested (not arrived) before thread 0's operation
     if (poller) {
-      if (mode >= 5) {
-        he_red_add_release_device(flag + 32, 1u);  // another line than the polled word
+      if (mode == 5 || mode == 6 || mode == 8) {
+        he_red_add_release_device(flag + kProbeReleaseWord, 1u);  // another line than the polled word
         op_cyc += he_cycles() - c0;  // the release fence blocks the thread until it is done
       } else {
         const he_u32 f = mode == 3 ? he_load_relaxed_device(flag) : he_load_acquire_device(flag);
@@ -177,7 +195,12 @@ HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int round
       }
     }
     if (streams) {
-      if (async) {
+      if (bulk) {
+        while (!he_mbar_try_wait(probe_mbar + w, (he_u32)r & 1u)) {
+        }
+#pragma unroll
+        for (int u = 0; u < kProbePollUnroll; ++u) v[u] = ring[u * kWarpSize + lane];
+      } else if (async) {
         he_cp_async_wait<0>();
 #pragma unroll
         for (int u = 0; u < kProbePollUnroll; ++u) v[u] = ring[u * kWarpSize + lane];
