@@ -194,29 +194,40 @@ def _has_bulk_copy(rt) -> bool:
     return rt.vendor == "nvidia" and rt.arch.startswith("sm_") and int("".join(c for c in rt.arch[3:] if c.isdigit()) or 0) >= 90
 
 
-def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3) -> dict:
+def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3, bulk_kib: tuple = (16, 24)) -> dict:
     """What a monokernel grid barrier's thread 0 waits for: µs for one operation on a flag (an L2 hit) by thread
     0 of each block (one per SM/CU) right after the block's warps requested 8 KiB each from HBM — a device-scope
     acquire poll (the barrier's wait), a relaxed poll, or the release reduction of the barrier's arrival — with
     thread 0's own warp streaming or not, and with the batch requested as loads or as asynchronous copies
     (probe.hip probe_poll, POLL_MODES). Also the time until thread 0's lane has its own batch ("batch_us").
-    Median over blocks of the per-round mean, median of ``reps`` launches; ``us_max`` is the slowest block's."""
+    Median over blocks of the per-round mean, median of ``reps`` launches; ``us_max`` is the slowest block's.
+    The bulk-copy poll is also timed with ``bulk_kib`` KiB per warp in flight (a deeper prefetch), where the
+    block's shared memory holds them."""
     fn = _module(rt).function("probe_poll")
     nb, row = rt.num_sms, 5  # probe.hip kProbePollRow
     warps = BLOCK // rt.warp_size
-    nbytes = rounds * nb * warps * 16 * rt.warp_size * 16  # kProbePollUnroll 16-byte loads per lane per round
+    base_vecs = 16 * rt.warp_size  # kProbePollUnroll 16-byte vectors per lane: 8 KiB per warp on NVIDIA
+    runs = [(mode, name, base_vecs) for mode, name in POLL_MODES.items()]
+    if _has_bulk_copy(rt):
+        for kib in bulk_kib:
+            vecs = kib * 1024 // 16
+            if vecs > base_vecs and warps * vecs * 16 + 8 * warps <= rt.max_shared_per_block:
+                runs.append((7, f"{POLL_MODES[7]}, {kib} KiB per warp", vecs))
+    max_vecs = max(v for _, _, v in runs)
+    nbytes = rounds * nb * warps * max_vecs * 16
     src, flag, out = rt.malloc(nbytes), rt.malloc(256), rt.malloc(8 * row * nb)
     s = rt.stream()
-    res = {"rounds": rounds, "blocks": nb, "threads": BLOCK, "bytes_per_round": nbytes // rounds}
+    res = {"rounds": rounds, "blocks": nb, "threads": BLOCK, "bytes_per_round": nb * warps * base_vecs * 16}
     try:
         rt.memset(src, 1, nbytes)
         rt.memset(flag, 0, 256)
-        for mode, name in POLL_MODES.items():
+        for mode, name, vecs in runs:
             if mode in POLL_BULK and not _has_bulk_copy(rt):
                 continue  # no such engine on this GPU (AMD CDNA): the kernel would trap
             ops, batches, maxes = [], [], []
             for _ in range(reps + 1):
-                rt.launch(fn, nb, BLOCK, [src, flag, ctypes.c_int32(mode), ctypes.c_int32(rounds), out],
+                rt.launch(fn, nb, BLOCK, [src, flag, ctypes.c_int32(mode), ctypes.c_int32(rounds),
+                                          ctypes.c_int32(vecs), out],
                           shared=rt.max_shared_per_block, stream=s)
                 s.synchronize()
                 raw = rt.download(out, (nb, row), np.uint64)
@@ -230,7 +241,8 @@ def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3) -> dict:
                 ops.append(float(np.median(us)))
                 maxes.append(float(us.max()))
                 batches.append(float(np.median(v[:, 1] / rounds * ns_per_cycle / 1e3)))
-            res[name] = {"mode": mode, "us": statistics.median(ops[1:]), "us_max": statistics.median(maxes[1:]),
+            res[name] = {"mode": mode, "kib_per_warp": vecs * 16 / 1024, "us": statistics.median(ops[1:]),
+                         "us_max": statistics.median(maxes[1:]),
                          "batch_us": statistics.median(batches[1:]) if mode in POLL_OWN_STREAM else None}
         return res
     finally:
@@ -374,10 +386,9 @@ def probe(peers: bool = False, log=print) -> dict:
             f"p90 {r['p90_over_median']:.3f}x, fastest {r['min_over_median']:.3f}x the median SM's time "
             f"(same SMs slow run to run: corr {r['halves_corr']:.2f}); all SMs {r['all_sms_gbps'] or 0:.0f} GB/s")
     result["poll"] = poll = poll_latency(rt)
-    for name in POLL_MODES.values():
-        if name not in poll:
+    for name, r in poll.items():
+        if not isinstance(r, dict):
             continue
-        r = poll[name]
         log(f"flag          {r['us']:6.2f} µs (slowest block {r['us_max']:.2f}) {name}"
             + (f"; its lane's 8 KiB batch {r['batch_us']:.2f} µs" if r["batch_us"] is not None else ""))
     if peers:

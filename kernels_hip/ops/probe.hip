@@ -139,22 +139,23 @@ HE_KERNEL(64) probe_pingpong(he_u32* local, he_u32* remote, int rounds, int init
 //   7  acquire poll, every warp's batch requested as one bulk copy into shared memory (the TMA; kHasBulkCopy
 //      targets only: the host does not launch it elsewhere)
 //   8  the arrival's release behind the same bulk copies
+// batch_vecs: 16-byte vectors per warp per round, at least kProbePollUnroll·kWarpSize (the loads and async copies
+// move that many; a bulk copy moves all batch_vecs, so modes 7 and 8 can put more bytes in flight per warp).
 // out[b·kProbePollRow ...] = {operation cycles summed over rounds, batch cycles summed, the block's total
 // cycles, its total ns (he_clock_ns: calibrates cycles), a checksum that keeps the loads alive}.
 constexpr int kProbePollUnroll = 16;
 constexpr int kProbePollRow = 5;
 constexpr int kProbeReleaseWord = 32;  // modes 5, 6, 8 add to flag[kProbeReleaseWord]: another 128-byte line
-HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int rounds, he_u64* out) {
+HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int rounds, int batch_vecs, he_u64* out) {
   // Dynamic shared memory (the host asks for the most a block may have: one block per SM): modes 4, 7, 8 stage
   // the batches there, [warps][kProbePollUnroll][kWarpSize], and modes 7, 8 put one mbarrier per warp after them.
   extern __shared__ he_vec16 probe_ring[];
   const int lane = he_lane_id(), w = he_warp_id(), nw = he_num_warps();
-  he_u64* probe_mbar = (he_u64*)(probe_ring + (he_u64)nw * kProbePollUnroll * kWarpSize);
+  he_u64* probe_mbar = (he_u64*)(probe_ring + (he_u64)nw * batch_vecs);
   const bool streams = mode >= 2 ? mode != 6 || w != 0 : mode == 1 && w != 0;
   const bool async = mode == 4, bulk = kHasBulkCopy && mode >= 7;
   const bool poller = he_thread_idx() == 0;
-  he_vec16* ring = probe_ring + (he_u64)w * kProbePollUnroll * kWarpSize;
-  constexpr he_u32 kBatchBytes = kProbePollUnroll * kWarpSize * 16;
+  he_vec16* ring = probe_ring + (he_u64)w * batch_vecs;
   he_u32 acc = 0, seen = 0;
   he_u64 op_cyc = 0, batch_cyc = 0;
   if (bulk && lane == 0) {
@@ -165,14 +166,14 @@ HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int round
   const he_u64 c_start = he_cycles(), t_start = he_clock_ns();
   for (int r = 0; r < rounds; ++r) {
     he_sync_block();
-    const he_vec16* p = src + (((he_u64)r * he_grid_dim() + he_block_idx()) * nw + w) * (kProbePollUnroll * kWarpSize);
+    const he_vec16* p = src + (((he_u64)r * he_grid_dim() + he_block_idx()) * nw + w) * batch_vecs;
     he_vec16 v[kProbePollUnroll];
     const he_u64 c0 = he_cycles();
     if (streams && bulk) {
       if (lane == 0) {  // the slot was read last round (the block barrier above): generic reads, then the copy
         he_fence_proxy_async();
-        he_mbar_expect_arrive(probe_mbar + w, kBatchBytes);
-        he_bulk_load(ring, p, kBatchBytes, probe_mbar + w);
+        he_mbar_expect_arrive(probe_mbar + w, (he_u32)batch_vecs * 16u);
+        he_bulk_load(ring, p, (he_u32)batch_vecs * 16u, probe_mbar + w);
       }
     } else if (streams && async) {
 #pragma unroll
