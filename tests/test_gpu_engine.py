@@ -141,6 +141,8 @@ def test_mma_plan_covers_k_and_fits_the_scratch():
     # token tiles: a 100-token chunk is an m128 launch, so its scratch is sized for 128 rows
     assert ops.mma_part_floats(132, 100) == ops.mma_part_floats(132, 128) == 2 * 132 * 128 * 128
     assert ops.mma_supported("sm_90") and ops.mma_supported("gfx942") and not ops.mma_supported("sm_75")
+    assert ops.bulk_copy_supported("sm_90a") and not ops.bulk_copy_supported("sm_80")
+    assert not ops.bulk_copy_supported("gfx942") and ops.sm_version("gfx942") == 0
 
 
 def test_mma_token_tiles(monkeypatch):

@@ -168,10 +168,11 @@ def test_probe_ceilings(rt):
 
 def test_probe_poll_latency(rt):
     from hipengine.bench import probe
+    from hipengine.gpu.ops import bulk_copy_supported
 
     r = probe.poll_latency(rt, rounds=20, reps=1)  # checks thread 0's checksum itself
     by_mode = {v["mode"]: v for k, v in r.items() if isinstance(v, dict) and v["kib_per_warp"] <= 8}
-    expect = [m for m in probe.POLL_MODES if m not in probe.POLL_BULK or probe._has_bulk_copy(rt)]
+    expect = [m for m in probe.POLL_MODES if m not in probe.POLL_BULK or bulk_copy_supported(rt.arch)]
     assert sorted(by_mode) == expect
     assert all(0 < v["us"] < 20 for v in by_mode.values())
     # an acquire poll behind its own warp's 8 KiB from HBM: not before they came back

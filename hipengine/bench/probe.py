@@ -187,11 +187,7 @@ POLL_MODES = {0: "poll, idle", 1: "poll beside 7 streaming warps", 2: "poll behi
               5: "release (arrival) behind its own warp's loads", 6: "release (arrival) beside 7 streaming warps",
               7: "poll behind its own warp's bulk copies", 8: "release (arrival) behind its own warp's bulk copies"}
 POLL_OWN_STREAM = (2, 3, 4, 5, 7, 8)  # modes in which thread 0's own warp streams (its checksum is not 0)
-POLL_BULK = (7, 8)  # modes that need the bulk-copy engine (port.h kHasBulkCopy: NVIDIA sm_90 and later)
-
-
-def _has_bulk_copy(rt) -> bool:
-    return rt.vendor == "nvidia" and rt.arch.startswith("sm_") and int("".join(c for c in rt.arch[3:] if c.isdigit()) or 0) >= 90
+POLL_BULK = (7, 8)  # modes that need the bulk-copy engine (port.h kHasBulkCopy: ops.bulk_copy_supported)
 
 
 def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3, bulk_kib: tuple = (16, 24)) -> dict:
@@ -203,12 +199,15 @@ def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3, bulk_kib: tuple =
     Median over blocks of the per-round mean, median of ``reps`` launches; ``us_max`` is the slowest block's.
     The bulk-copy poll is also timed with ``bulk_kib`` KiB per warp in flight (a deeper prefetch), where the
     block's shared memory holds them."""
+    from ..gpu.ops import bulk_copy_supported
+
     fn = _module(rt).function("probe_poll")
     nb, row = rt.num_sms, 5  # probe.hip kProbePollRow
     warps = BLOCK // rt.warp_size
     base_vecs = 16 * rt.warp_size  # kProbePollUnroll 16-byte vectors per lane: 8 KiB per warp on NVIDIA
-    runs = [(mode, name, base_vecs) for mode, name in POLL_MODES.items()]
-    if _has_bulk_copy(rt):
+    bulk = bulk_copy_supported(rt.arch)  # without the engine (AMD CDNA) the bulk modes would trap
+    runs = [(mode, name, base_vecs) for mode, name in POLL_MODES.items() if bulk or mode not in POLL_BULK]
+    if bulk:
         for kib in bulk_kib:
             vecs = kib * 1024 // 16
             if vecs > base_vecs and warps * vecs * 16 + 8 * warps <= rt.max_shared_per_block:
@@ -222,8 +221,6 @@ def poll_latency(rt, rounds: int = POLL_ROUNDS, reps: int = 3, bulk_kib: tuple =
         rt.memset(src, 1, nbytes)
         rt.memset(flag, 0, 256)
         for mode, name, vecs in runs:
-            if mode in POLL_BULK and not _has_bulk_copy(rt):
-                continue  # no such engine on this GPU (AMD CDNA): the kernel would trap
             ops, batches, maxes = [], [], []
             for _ in range(reps + 1):
                 rt.launch(fn, nb, BLOCK, [src, flag, ctypes.c_int32(mode), ctypes.c_int32(rounds),

@@ -201,13 +201,24 @@ def prefill_blocks_per_sm() -> int:
     return _blocks_per_sm("HIPENGINE_PREFILL_BLOCKS_PER_SM", 3)
 
 
+def sm_version(arch: str) -> int:
+    """NVIDIA compute capability of `arch` as an integer ("sm_90a" -> 90); 0 for any other target."""
+    digits = "".join(ch for ch in arch[3:] if ch.isdigit()) if arch.startswith("sm_") else ""
+    return int(digits) if digits else 0
+
+
 def mma_supported(arch: str) -> bool:
     """Whether port.h's matrix-core tiles (he_mma) exist on `arch`: NVIDIA sm_80 and later (mma.sync
     m16n8k16 bf16/f16), AMD CDNA with bf16 MFMA (gfx90a, gfx94x, gfx95x; wave64)."""
     if arch.startswith("sm_"):
-        digits = "".join(ch for ch in arch[3:] if ch.isdigit())
-        return bool(digits) and int(digits) >= 80
+        return sm_version(arch) >= 80
     return arch.startswith(("gfx90a", "gfx94", "gfx95"))
+
+
+def bulk_copy_supported(arch: str) -> bool:
+    """Whether port.h's bulk copies (kHasBulkCopy: the TMA's cp.async.bulk on an mbarrier) exist on `arch`:
+    NVIDIA sm_90 and later; AMD has no such engine."""
+    return sm_version(arch) >= 90
 
 
 def prefill_mma(arch: str) -> bool:

@@ -177,7 +177,8 @@ HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int round
       }
     } else if (streams && async) {
 #pragma unroll
-      for (int u = 0; u < kProbePollUnroll; ++u) he_cp_async16(ring + u * kWarpSize + lane, p + u * kWarpSize + lane, true);
+      for (int u = 0; u < kProbePollUnroll; ++u)
+        he_cp_async16(ring + u * kWarpSize + lane, p + u * kWarpSize + lane, true);
       he_cp_async_commit();
     } else if (streams) {
 #pragma unroll
