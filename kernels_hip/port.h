@@ -665,7 +665,7 @@ HE_INLINE bool he_mbar_try_wait(he_u64* bar, he_u32 parity) {
 HE_INLINE void he_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 HE_INLINE he_u32 he_dynamic_smem_bytes() {
   he_u32 n;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
   return n;
 }
 #else

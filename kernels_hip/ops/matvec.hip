@@ -220,26 +220,37 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
 // A slot holds kRows rows of 2B 16-bit weights; columns past a row's end are not copied and never read
 // (he_mv_consume skips them). Every fill is one mbarrier phase (an empty one for a warp without a unit), and
 // every he_mv_finish takes one, so fills and takes alternate and the phase parity is a counter's low bit.
-// A warp's slot is followed by its mbarrier (one arrival per phase: lane 0's, with the byte count):
-// kMvBulkBytes<kRows> per warp, 16-byte aligned.
+// A warp's slot is followed by its mbarrier and a phase count (one arrival per phase: lane 0's, with the byte
+// count): kMvBulkBytes<kRows> per warp, 16-byte aligned, the warps' slots at the end of the dynamic shared
+// memory (the launch sizes it for them). Nothing of it is held in registers across a stage: the slot's
+// address is recomputed from the launch's shared-memory size and the warp index, the phase count is read from
+// shared memory, so the build's register allocation stays the register build's as far as possible.
 constexpr int kMvBulkRowBytes = 2 * kMatvecBatch * 2;
 template <int kRows>
 constexpr int kMvBulkBytes = kRows * kMvBulkRowBytes + 16;
-// A take that waits longer traps (the host reports a device error): a copy that never lands is a bug.
-constexpr he_u64 kMvBulkTimeoutNs = 2000000000ull;
+// A take that polls this often traps (the host reports a device error: a copy that never lands is a bug).
+// Each unsuccessful mbarrier try_wait suspends the warp for up to a hardware time limit first, so the bound
+// is far longer than any copy; a count, not a clock: the clock's 64-bit state cost the stage registers.
+constexpr he_u32 kMvBulkMaxWaits = 1u << 24;
 
-struct HeMvBulk {
-  char* slot;    // this warp's slot in shared memory
-  he_u32 phase;  // phases taken so far
-  template <int kRows>
-  HE_INLINE he_u64* bar() const { return (he_u64*)(slot + kRows * kMvBulkRowBytes); }
-};
-
-// The warp's mbarrier, before its first fill (every lane calls it).
 template <int kRows>
-HE_INLINE void he_mv_bulk_init(const HeMvBulk& bk) {
+HE_INLINE char* he_mv_bulk_slot() {
+  extern __shared__ he_vec16 he_mv_dyn_smem[];  // the launch's dynamic shared memory
+  const he_u32 per = kMvBulkBytes<kRows>;
+  return (char*)he_mv_dyn_smem + ((he_dynamic_smem_bytes() - (he_u32)he_num_warps() * per) & ~127u) + he_warp_id() * per;
+}
+template <int kRows>
+HE_INLINE he_u64* he_mv_bulk_bar(char* slot) { return (he_u64*)(slot + kRows * kMvBulkRowBytes); }
+template <int kRows>
+HE_INLINE he_u32* he_mv_bulk_phase(char* slot) { return (he_u32*)(slot + kRows * kMvBulkRowBytes + 8); }
+
+// The warp's mbarrier and phase count, before its first fill (every lane calls it).
+template <int kRows>
+HE_INLINE void he_mv_bulk_init() {
+  char* slot = he_mv_bulk_slot<kRows>();
   if (he_lane_id() == 0) {
-    he_mbar_init(bk.bar<kRows>(), 1u);
+    he_mbar_init(he_mv_bulk_bar<kRows>(slot), 1u);
+    *he_mv_bulk_phase<kRows>(slot) = 0u;
     he_mbar_init_fence();
   }
   he_sync_warp();
@@ -249,41 +260,44 @@ HE_INLINE void he_mv_bulk_init(const HeMvBulk& bk) {
 // previous pair (he_mv_take_bulk) are done before the copy engine rewrites it: the warp sync orders the
 // lanes' reads before lane 0, the proxy fence lane 0's generic-proxy view before its bulk copies.
 template <int kRows, class Op>
-HE_INLINE void he_mv_fill_bulk(const Op& op, const HeMvPos& p, const HeMvBulk& bk) {
+HE_INLINE void he_mv_fill_bulk(const Op& op, const HeMvPos& p) {
   he_sync_warp();
   if (he_lane_id() != 0) return;
+  char* slot = he_mv_bulk_slot<kRows>();
+  he_u64* bar = he_mv_bulk_bar<kRows>(slot);
   he_fence_proxy_async();
   const bool has = p.u < op.units();
   const int left = op.in - p.c0;
   const he_u32 bytes = has ? 2u * (he_u32)(left < 2 * kMatvecBatch ? left : 2 * kMatvecBatch) : 0u;
-  he_mbar_expect_arrive(bk.bar<kRows>(), (he_u32)kRows * bytes);
+  he_mbar_expect_arrive(bar, (he_u32)kRows * bytes);
   if (!has) return;
   const he_u16* rp[kRows];
   op.rows(p.u, rp);
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) he_bulk_load(bk.slot + r * kMvBulkRowBytes, rp[r] + p.c0, bytes, bk.bar<kRows>());
+  for (int r = 0; r < kRows; ++r) he_bulk_load(slot + r * kMvBulkRowBytes, rp[r] + p.c0, bytes, bar);
 }
 
-// Wait for the slot's pair (bounded: kMvBulkTimeoutNs) and read it into (a, b): lane l's part of sweep k of
-// each batch, as he_matvec_load places it.
+// Wait for the slot's pair (bounded: kMvBulkMaxWaits) and read it into (a, b): lane l's part of sweep k of
+// each batch, as he_matvec_load places it. Every lane reads the phase count before lane 0 advances it (the
+// warp sync between).
 template <int kRows>
-HE_INLINE void he_mv_take_bulk(HeMvStream<kRows>& s, HeMvBulk& bk) {
-  const he_u32 parity = bk.phase & 1u;
-  if (!he_mbar_try_wait(bk.bar<kRows>(), parity)) {
-    const he_u64 t0 = he_clock_ns();
-    while (!he_mbar_try_wait(bk.bar<kRows>(), parity))
-      if (he_clock_ns() - t0 > kMvBulkTimeoutNs) he_trap();
-  }
-  ++bk.phase;
+HE_INLINE void he_mv_take_bulk(HeMvStream<kRows>& s) {
+  char* slot = he_mv_bulk_slot<kRows>();
+  he_u64* bar = he_mv_bulk_bar<kRows>(slot);
+  const he_u32 phase = *he_mv_bulk_phase<kRows>(slot);
+  for (he_u32 n = 0; !he_mbar_try_wait(bar, phase & 1u);)
+    if (++n == kMvBulkMaxWaits) he_trap();
   const int lane = he_lane_id();
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int k = 0; k < kMatvecUnroll; ++k) {
-      const char* row = bk.slot + r * kMvBulkRowBytes + (k * kMatvecSweep + lane * 8) * 2;
+      const char* row = slot + r * kMvBulkRowBytes + (k * kMatvecSweep + lane * 8) * 2;
       s.a[r][k] = *(const he_vec16*)row;
       s.b[r][k] = *(const he_vec16*)(row + kMatvecBatch * 2);
     }
+  he_sync_warp();
+  if (lane == 0) *he_mv_bulk_phase<kRows>(slot) = phase + 1u;
 }
 
 // Stage the activation (RMSNorm prologue), then consume this warp's pairs of op; each buffer is refilled as
@@ -293,19 +307,18 @@ HE_INLINE void he_mv_take_bulk(HeMvStream<kRows>& s, HeMvBulk& bk) {
 // unroll depth, or which op came before.
 // kDefer: the loop does not request nxt's first pair; the caller does, with he_mv_fill_next(nxt, s), later
 // (the monokernel: after its barrier arrival, whose release fence would otherwise wait for those loads).
-// kBulk (with kDefer; HeMvBulk below): op's first pair was requested by he_mv_fill_bulk into the warp's
+// kBulk (with kDefer; he_mv_fill_bulk above): op's first pair was requested by he_mv_fill_bulk into the warp's
 // shared-memory slot; it is read into (a, b) after the prologue, once x is staged.
 template <bool kF16, bool kDefer = false, bool kBulk = false, class Op, class Next, int kRows>
-HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt,
-                            HeMvBulk* bk = nullptr) {
+HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt) {
   static_assert(!kBulk || kDefer, "a bulk-copied first pair is requested by the caller (kDefer)");
   bool take = kBulk;
   if (!s.p.nx && s.p.u >= op.units()) {  // no unit of op for this warp (only possible at a chain's start)
     s.p.u = he_mv_first();
     s.p.c0 = 0;
     s.p.nx = true;
-    if (kBulk) {  // the empty fill's phase (nothing was copied); the caller requests nxt's pair
-      he_mv_take_bulk(s, *bk);
+    if constexpr (kBulk) {  // the empty fill's phase (nothing was copied); the caller requests nxt's pair
+      he_mv_take_bulk(s);
       take = false;
     } else {
       he_mv_fill_a(op, nxt, s.p, s);
@@ -316,7 +329,8 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   if (!s.p.nx) op.pre(s.p.u, pv);
   he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
-  if (kBulk && take) he_mv_take_bulk(s, *bk);
+  if constexpr (kBulk)
+    if (take) he_mv_take_bulk(s);
   float acc[kRows][2];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
@@ -350,16 +364,17 @@ HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvStream<kRows>& s) {
 }
 // The same, by bulk copy into the warp's slot when kBulk (he_mv_finish<kF16, true, kBulk> takes it).
 template <bool kBulk, class Next, int kRows>
-HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvStream<kRows>& s, const HeMvBulk* bk) {
-  if constexpr (kBulk) he_mv_fill_bulk<kRows>(nxt, s.p, *bk);
+HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvStream<kRows>& s) {
+  if constexpr (kBulk) he_mv_fill_bulk<kRows>(nxt, s.p);
   else he_mv_fill_next(nxt, s);
 }
 // he_mv_begin's counterpart for a chain whose first pair comes by bulk copy.
 template <bool kBulk, class Op, class Next, int kRows>
-HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt, const HeMvBulk* bk) {
+HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) {
   if constexpr (kBulk) {
     s.p = HeMvPos{he_mv_first(), 0, false};  // he_mv_finish handles a warp without a unit of op
-    he_mv_fill_bulk<kRows>(op, s.p, *bk);
+    he_mv_bulk_init<kRows>();
+    he_mv_fill_bulk<kRows>(op, s.p);
   } else {
     he_mv_begin(op, s, nxt);
   }
