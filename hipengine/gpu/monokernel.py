@@ -281,20 +281,6 @@ def extra_defines() -> dict:
     return out
 
 
-def bulk_bytes(defines: dict, vendor: str, warp_size: int, arch: str) -> int:
-    """Shared memory a build with these defines keeps at the end of its dynamic shared memory for the
-    MK_BULK_NEXT slots (decode.hip kMkBulk: MK_BULK_NEXT on, no LL exchange, NVIDIA sm_90+): per warp a slot
-    for the stream's first pair of a stage (2 rows x 2 batches of HE_MATVEC_UNROLL x warp_size x 8 16-bit
-    weights) and its mbarrier (16 bytes: ops/matvec.hip kMvBulkBytes), plus 128 bytes of alignment. 0 for
-    every other build."""
-    from .ops import bulk_copy_supported
-
-    if not defines.get("MK_BULK_NEXT") or defines.get("MK_TP") or vendor != "nvidia" or \
-            not bulk_copy_supported(arch):
-        return 0
-    return (THREADS // warp_size) * (2 * 2 * defines["HE_MATVEC_UNROLL"] * warp_size * 8 * 2 + 16) + 128
-
-
 LONG_CONTEXT = 8192  # KV caches from this many tokens get the long-context build (q_regs_build)
 
 
@@ -456,7 +442,6 @@ class MonokernelBackend(GpuBackend):
         self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),      # matvec x staging
                         O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma),   # attention (ops.attention)
                         4 * ((cfg.vocab_size + 31) // 32))                               # sampling history bitmap
-        self.smem += self.bulk_smem                                                      # MK_BULK_NEXT slots
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
@@ -479,10 +464,9 @@ class MonokernelBackend(GpuBackend):
         per-op path's) — and load its kernel."""
         rt, cfg = self.rt, self.config
         self.q_regs, self.warp_max = self._build_class()
-        kw = compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads, self.kv_f16, cfg.head_dim,
-                          tp=self.mk_tp, q_regs=self.q_regs, max_context=self.max_context, arch=rt.arch)
-        self.module = rt.compile(SOURCE, **kw)
-        self.bulk_smem = bulk_bytes(kw["defines"], rt.vendor, rt.warp_size, rt.arch)
+        self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
+                                                        self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
+                                                        max_context=self.max_context, arch=rt.arch))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 

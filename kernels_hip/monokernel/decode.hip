@@ -368,14 +368,6 @@ constexpr bool kMkTp = MK_TP != 0;
 // fence, and keep the stream's own refill (kMkDeferOD).
 constexpr bool kMkDefer = true;
 constexpr bool kMkDeferOD = !kMkTp;
-// MK_BULK_NEXT=1 (NVIDIA sm_90+, tp = 1): that first pair goes by bulk copy into a per-warp slot of shared
-// memory instead of into registers, so the barrier's poll and the next stage's prologue loads do not queue
-// behind it (ops/matvec.hip HeMvBulk). The slots (8 KiB per warp at unroll 4) and the warps' mbarriers sit at
-// the end of the dynamic shared memory, which the host sizes for them (monokernel.py bulk_bytes).
-#ifndef MK_BULK_NEXT
-#define MK_BULK_NEXT 0
-#endif
-constexpr bool kMkBulk = MK_BULK_NEXT != 0 && !kMkTp && kHasBulkCopy;
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
@@ -582,7 +574,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   // part and refills from the next stage's descriptor, so the next stage's first weights are in flight
   // before the barrier that publishes its input (the issue's "weights before the activation").
   HeMvStream<2> s;
-  he_mv_begin<kMkBulk>(mk_qkv_op(p, p.layers[0], pos, p.x), s, mk_o_op(p, p.layers[0], 1u));
+  he_mv_begin(mk_qkv_op(p, p.layers[0], pos, p.x), s, mk_o_op(p, p.layers[0], 1u));
   MkProf prof(p.prof);
 
   // Grid barrier after `stage` (its profile slot), in two halves so that a matvec stage can request the next
@@ -688,7 +680,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         qx = he_mk_smem;
       }
       // QKV's stream stops at its end; the O-proj's first weights are requested after the attention splits.
-      he_mv_finish<kMkF16, kMkDefer, kMkBulk>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
+      he_mv_finish<kMkF16, kMkDefer>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
       if (!barrier(kProfQkv)) return;
       if (p.qk_norm) {  // raw q|k|v published: per-head norm + RoPE + append, then one more barrier
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
@@ -704,7 +696,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
       // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).
-      he_mv_fill_next<kMkBulk>(mk_o_op(p, L, ep_o + 1), s);
+      he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
@@ -718,7 +710,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(p.fine == 2 ? kProfCombine : kProfAttn);
       ++ep_o;
-      he_mv_finish<kMkF16, kMkDeferOD, kMkBulk>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
+      he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
       // gate/up's input: tp > 1, the O-proj's sum over ranks gathered by every block (no grid barrier; block
       // 0 keeps it in p.xb for the down-proj's residual); else x, published by the barrier.
       const float* gx = p.x;
@@ -727,24 +719,24 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         gx = he_mk_smem;
       } else if (kMkDeferOD) {
         arrive(kProfO);
-        he_mv_fill_next<kMkBulk>(mk_gate_up_op(p, L, p.x), s);
+        he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
         if (!wait(kProfO)) return;
       } else if (!barrier(kProfO)) {
         return;
       }
-      he_mv_finish<kMkF16, kMkDefer, kMkBulk>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
+      he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       arrive(kProfGateUp);
-      he_mv_fill_next<kMkBulk>(mk_down_op(p, L, ep_d + 1), s);
+      he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
       if (!wait(kProfGateUp)) return;
       ++ep_d;
       if (l + 1 < p.n_layers)
-        he_mv_finish<kMkF16, kMkDeferOD, kMkBulk>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
+        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
       else
-        he_mv_finish<kMkF16, kMkDeferOD, kMkBulk>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
+        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
       if (kMkDeferOD && !tp) {
         arrive(kProfDown);
-        if (l + 1 < p.n_layers) he_mv_fill_next<kMkBulk>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-        else he_mv_fill_next<kMkBulk>(mk_head_op(p, p.x), s);
+        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+        else he_mv_fill_next(mk_head_op(p, p.x), s);
         if (!wait(kProfDown)) return;
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
@@ -756,9 +748,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       hx = he_mk_smem;
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
-    he_mv_finish<kMkF16, kMkDefer, kMkBulk>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
+    he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
     arrive(kProfHead);
-    he_mv_fill_next<kMkBulk>(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
+    he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     if (!wait(kProfHead)) return;
     pos += 1;
     steps += 1;

@@ -209,97 +209,6 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
   }
 }
 
-// ---- the first pair by bulk copy (NVIDIA sm_90+: the monokernel's MK_BULK_NEXT build) ---------------------
-// Why: at a grid barrier each warp has just requested the first pair of its part of the next stage. An SM's
-// loads come back in issue order, so the barrier's poll and then the stage's prologue loads (x, the RMSNorm
-// sum) queue behind those 8 KiB per warp: 1.75-1.9 us per poll on H200, against 0.44 us behind the same
-// bytes moved by bulk copies (`hipengine bench probe` "flag", docs/perf-log.md session 21). So in this build
-// lane 0 requests the pair as kRows bulk copies (one per row: 2B columns, 4 KiB at B = 1,024) into the warp's
-// slot of shared memory, completing on the warp's mbarrier, and he_mv_finish reads it into (a, b) after its
-// prologue. Same values into the same registers: the sums are the register build's, bit for bit.
-// A slot holds kRows rows of 2B 16-bit weights; columns past a row's end are not copied and never read
-// (he_mv_consume skips them). Every fill is one mbarrier phase (an empty one for a warp without a unit), and
-// every he_mv_finish takes one, so fills and takes alternate and the phase parity is a counter's low bit.
-// A warp's slot is followed by its mbarrier and a phase count (one arrival per phase: lane 0's, with the byte
-// count): kMvBulkBytes<kRows> per warp, 16-byte aligned, the warps' slots at the end of the dynamic shared
-// memory (the launch sizes it for them). Nothing of it is held in registers across a stage: the slot's
-// address is recomputed from the launch's shared-memory size and the warp index, the phase count is read from
-// shared memory, so the build's register allocation stays the register build's as far as possible.
-constexpr int kMvBulkRowBytes = 2 * kMatvecBatch * 2;
-template <int kRows>
-constexpr int kMvBulkBytes = kRows * kMvBulkRowBytes + 16;
-// A take that polls this often traps (the host reports a device error: a copy that never lands is a bug).
-// Each unsuccessful mbarrier try_wait suspends the warp for up to a hardware time limit first, so the bound
-// is far longer than any copy; a count, not a clock: the clock's 64-bit state cost the stage registers.
-constexpr he_u32 kMvBulkMaxWaits = 1u << 24;
-
-template <int kRows>
-HE_INLINE char* he_mv_bulk_slot() {
-  extern __shared__ he_vec16 he_mv_dyn_smem[];  // the launch's dynamic shared memory
-  const he_u32 per = kMvBulkBytes<kRows>;
-  return (char*)he_mv_dyn_smem + ((he_dynamic_smem_bytes() - (he_u32)he_num_warps() * per) & ~127u) + he_warp_id() * per;
-}
-template <int kRows>
-HE_INLINE he_u64* he_mv_bulk_bar(char* slot) { return (he_u64*)(slot + kRows * kMvBulkRowBytes); }
-template <int kRows>
-HE_INLINE he_u32* he_mv_bulk_phase(char* slot) { return (he_u32*)(slot + kRows * kMvBulkRowBytes + 8); }
-
-// The warp's mbarrier and phase count, before its first fill (every lane calls it).
-template <int kRows>
-HE_INLINE void he_mv_bulk_init() {
-  char* slot = he_mv_bulk_slot<kRows>();
-  if (he_lane_id() == 0) {
-    he_mbar_init(he_mv_bulk_bar<kRows>(slot), 1u);
-    *he_mv_bulk_phase<kRows>(slot) = 0u;
-    he_mbar_init_fence();
-  }
-  he_sync_warp();
-}
-
-// Request pair p of op into the slot (every lane calls it; lane 0 issues). The warp's reads of the slot's
-// previous pair (he_mv_take_bulk) are done before the copy engine rewrites it: the warp sync orders the
-// lanes' reads before lane 0, the proxy fence lane 0's generic-proxy view before its bulk copies.
-template <int kRows, class Op>
-HE_INLINE void he_mv_fill_bulk(const Op& op, const HeMvPos& p) {
-  he_sync_warp();
-  if (he_lane_id() != 0) return;
-  char* slot = he_mv_bulk_slot<kRows>();
-  he_u64* bar = he_mv_bulk_bar<kRows>(slot);
-  he_fence_proxy_async();
-  const bool has = p.u < op.units();
-  const int left = op.in - p.c0;
-  const he_u32 bytes = has ? 2u * (he_u32)(left < 2 * kMatvecBatch ? left : 2 * kMatvecBatch) : 0u;
-  he_mbar_expect_arrive(bar, (he_u32)kRows * bytes);
-  if (!has) return;
-  const he_u16* rp[kRows];
-  op.rows(p.u, rp);
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) he_bulk_load(slot + r * kMvBulkRowBytes, rp[r] + p.c0, bytes, bar);
-}
-
-// Wait for the slot's pair (bounded: kMvBulkMaxWaits) and read it into (a, b): lane l's part of sweep k of
-// each batch, as he_matvec_load places it. Every lane reads the phase count before lane 0 advances it (the
-// warp sync between).
-template <int kRows>
-HE_INLINE void he_mv_take_bulk(HeMvStream<kRows>& s) {
-  char* slot = he_mv_bulk_slot<kRows>();
-  he_u64* bar = he_mv_bulk_bar<kRows>(slot);
-  const he_u32 phase = *he_mv_bulk_phase<kRows>(slot);
-  for (he_u32 n = 0; !he_mbar_try_wait(bar, phase & 1u);)
-    if (++n == kMvBulkMaxWaits) he_trap();
-  const int lane = he_lane_id();
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int k = 0; k < kMatvecUnroll; ++k) {
-      const char* row = slot + r * kMvBulkRowBytes + (k * kMatvecSweep + lane * 8) * 2;
-      s.a[r][k] = *(const he_vec16*)row;
-      s.b[r][k] = *(const he_vec16*)(row + kMatvecBatch * 2);
-    }
-  he_sync_warp();
-  if (lane == 0) *he_mv_bulk_phase<kRows>(slot) = phase + 1u;
-}
-
 // Stage the activation (RMSNorm prologue), then consume this warp's pairs of op; each buffer is refilled as
 // soon as it is consumed, from op or — past op's end — from nxt. On return s holds nxt's first pair (as
 // "current": the caller's next he_mv_finish is for nxt). Batches are consumed in column order, so a lane's
@@ -307,30 +216,19 @@ HE_INLINE void he_mv_take_bulk(HeMvStream<kRows>& s) {
 // unroll depth, or which op came before.
 // kDefer: the loop does not request nxt's first pair; the caller does, with he_mv_fill_next(nxt, s), later
 // (the monokernel: after its barrier arrival, whose release fence would otherwise wait for those loads).
-// kBulk (with kDefer; he_mv_fill_bulk above): op's first pair was requested by he_mv_fill_bulk into the warp's
-// shared-memory slot; it is read into (a, b) after the prologue, once x is staged.
-template <bool kF16, bool kDefer = false, bool kBulk = false, class Op, class Next, int kRows>
+template <bool kF16, bool kDefer = false, class Op, class Next, int kRows>
 HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt) {
-  static_assert(!kBulk || kDefer, "a bulk-copied first pair is requested by the caller (kDefer)");
-  bool take = kBulk;
   if (!s.p.nx && s.p.u >= op.units()) {  // no unit of op for this warp (only possible at a chain's start)
     s.p.u = he_mv_first();
     s.p.c0 = 0;
     s.p.nx = true;
-    if constexpr (kBulk) {  // the empty fill's phase (nothing was copied); the caller requests nxt's pair
-      he_mv_take_bulk(s);
-      take = false;
-    } else {
-      he_mv_fill_a(op, nxt, s.p, s);
-      he_mv_fill_b(op, nxt, s.p, s);
-    }
+    he_mv_fill_a(op, nxt, s.p, s);
+    he_mv_fill_b(op, nxt, s.p, s);
   }
   float pv[kRows];  // the current unit's epilogue operands (op.pre)
   if (!s.p.nx) op.pre(s.p.u, pv);
   he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
-  if constexpr (kBulk)
-    if (take) he_mv_take_bulk(s);
   float acc[kRows][2];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
@@ -361,23 +259,6 @@ template <class Next, int kRows>
 HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvStream<kRows>& s) {
   he_mv_fill_a(nxt, nxt, s.p, s);
   he_mv_fill_b(nxt, nxt, s.p, s);
-}
-// The same, by bulk copy into the warp's slot when kBulk (he_mv_finish<kF16, true, kBulk> takes it).
-template <bool kBulk, class Next, int kRows>
-HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvStream<kRows>& s) {
-  if constexpr (kBulk) he_mv_fill_bulk<kRows>(nxt, s.p);
-  else he_mv_fill_next(nxt, s);
-}
-// he_mv_begin's counterpart for a chain whose first pair comes by bulk copy.
-template <bool kBulk, class Op, class Next, int kRows>
-HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) {
-  if constexpr (kBulk) {
-    s.p = HeMvPos{he_mv_first(), 0, false};  // he_mv_finish handles a warp without a unit of op
-    he_mv_bulk_init<kRows>();
-    he_mv_fill_bulk<kRows>(op, s.p);
-  } else {
-    he_mv_begin(op, s, nxt);
-  }
 }
 
 HE_INLINE float he_silu(float g) { return g / (1.f + he_exp(-g)); }
