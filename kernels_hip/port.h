@@ -240,15 +240,6 @@ HE_INLINE he_vec16 he_load16_stream_rw(const void* p) {
 }
 #endif
 
-// Prefetch into L2 the line holding p (weights a stage reads soon; nothing returns to the thread, nothing is
-// written). NVIDIA: prefetch.global.L2. AMD gfx942 has no prefetch instruction: nothing (the host only asks
-// for it on NVIDIA).
-#if HE_AMD
-HE_INLINE void he_prefetch_l2(const void*) {}
-#else
-HE_INLINE void he_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-#endif
-
 // ------------------------------------------------------------------------------------------------------
 // Warp shuffles and reductions. All lanes of the warp must be active (kernels here launch whole warps and
 // keep every lane in the reduction, masking data instead of threads).

@@ -368,13 +368,6 @@ constexpr bool kMkTp = MK_TP != 0;
 // fence, and keep the stream's own refill (kMkDeferOD).
 constexpr bool kMkDefer = true;
 constexpr bool kMkDeferOD = !kMkTp;
-// MK_QKV_L2_SECOND=1 (experiment, v58): with the QKV stage's first pair, each warp that has a second QKV unit
-// (1,536 units over 1,056 warps at 132 blocks: warps of blocks 0-59) prefetches that unit's rows into L2, so
-// its second unit, requested only once the first is consumed, comes from L2 instead of HBM.
-#ifndef MK_QKV_L2_SECOND
-#define MK_QKV_L2_SECOND 0
-#endif
-constexpr bool kMkQkvL2 = MK_QKV_L2_SECOND != 0;
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
@@ -744,8 +737,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         arrive(kProfDown);
         if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
         else he_mv_fill_next(mk_head_op(p, p.x), s);
-        if (kMkQkvL2 && l + 1 < p.n_layers)
-          he_mv_prefetch_l2<2>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), he_mv_first() + he_mv_stride());
         if (!wait(kProfDown)) return;
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
@@ -760,7 +751,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
     arrive(kProfHead);
     he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
-    if (kMkQkvL2) he_mv_prefetch_l2<2>(mk_qkv_op(p, p.layers[0], pos + 1, p.x), he_mv_first() + he_mv_stride());
     if (!wait(kProfHead)) return;
     pos += 1;
     steps += 1;

@@ -261,19 +261,6 @@ HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvStream<kRows>& s) {
   he_mv_fill_b(nxt, nxt, s.p, s);
 }
 
-// Every lane: prefetch unit u of op into L2 (its kRows rows, one line per lane per step), if op has it.
-template <int kRows, class Op>
-HE_INLINE void he_mv_prefetch_l2(const Op& op, int u) {
-  if (u >= op.units()) return;
-  const he_u16* rp[kRows];
-  op.rows(u, rp);
-  constexpr int kLine = 128;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-    for (int off = he_lane_id() * kLine; off < op.in * 2; off += kWarpSize * kLine)
-      he_prefetch_l2((const char*)rp[r] + off);
-}
-
 HE_INLINE float he_silu(float g) { return g / (1.f + he_exp(-g)); }
 
 // ---- y = W·x (+ residual) ------------------------------------------------------------------------------
