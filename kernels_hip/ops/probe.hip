@@ -146,6 +146,7 @@ HE_KERNEL(64) probe_pingpong(he_u32* local, he_u32* remote, int rounds, int init
 constexpr int kProbePollUnroll = 16;
 constexpr int kProbePollRow = 5;
 constexpr int kProbeReleaseWord = 32;  // modes 5, 6, 8 add to flag[kProbeReleaseWord]: another 128-byte line
+constexpr he_u64 kProbeCopyTimeoutNs = 1000000000ull;  // modes 7, 8: a bulk copy's wait gives up after 1 s
 HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int rounds, int batch_vecs, he_u64* out) {
   // Dynamic shared memory (the host asks for the most a block may have: one block per SM): modes 4, 7, 8 stage
   // the batches there, [warps][kProbePollUnroll][kWarpSize], and modes 7, 8 put one mbarrier per warp after them.
@@ -198,7 +199,10 @@ HE_KERNEL(256) probe_poll(const he_vec16* src, he_u32* flag, int mode, int round
     }
     if (streams) {
       if (bulk) {
-        while (!he_mbar_try_wait(probe_mbar + w, (he_u32)r & 1u)) {
+        // Bounded: a copy that never lands traps (the host's launch check reports it) instead of hanging.
+        for (he_u64 t0 = 0; !he_mbar_try_wait(probe_mbar + w, (he_u32)r & 1u);) {
+          if (t0 == 0) t0 = he_clock_ns();
+          else if (he_clock_ns() - t0 > kProbeCopyTimeoutNs) he_trap();
         }
 #pragma unroll
         for (int u = 0; u < kProbePollUnroll; ++u) v[u] = ring[u * kWarpSize + lane];
