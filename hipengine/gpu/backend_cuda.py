@@ -171,6 +171,7 @@ class Function:
     def __init__(self, rt: "CudaRuntime", handle, name: str):
         self.rt, self.handle, self.name = rt, handle, name
         self._dyn_shared = 0  # largest dynamic shared size this function has been opted into
+        self._static = None  # its static shared memory, read once (fit_shared)
 
     def attribute(self, attr: str) -> int:
         """``attr`` is the suffix of a CUfunction_attribute, e.g. "NUM_REGS", "MAX_THREADS_PER_BLOCK"."""
@@ -190,8 +191,18 @@ class Function:
     def static_shared(self) -> int:
         return self.attribute("SHARED_SIZE_BYTES")
 
+    def fit_shared(self, nbytes: int) -> None:
+        """Opt in to ``nbytes`` of dynamic shared memory where the default limit does not cover it: the 48 KiB
+        a launch gets without the attribute bound the kernel's static shared memory plus the dynamic."""
+        if nbytes <= self._dyn_shared:
+            return
+        if self._static is None:
+            self._static = self.static_shared
+        if nbytes + self._static > 48 * 1024:
+            self.set_max_dynamic_shared(nbytes)
+
     def set_max_dynamic_shared(self, nbytes: int) -> None:
-        """Opt in to more than 48 KiB of dynamic shared memory (up to ``rt.max_shared_per_block``)."""
+        """Opt in to more than the default dynamic shared memory (up to ``rt.max_shared_per_block``)."""
         if nbytes <= self._dyn_shared:
             return
         self.rt._current()
@@ -466,8 +477,7 @@ class CudaRuntime(Runtime):
         self._current()
         gx, gy, gz = _dims(grid)
         bx, by, bz = _dims(block)
-        if shared > 48 * 1024:
-            fn.set_max_dynamic_shared(shared)
+        fn.fit_shared(shared)
         params, keep = kernel_params(args)
         if pdl and self.pdl_launch and not cooperative:
             res = cu.cuLaunchKernelEx(self._pdl_config(gx, gy, gz, bx, by, bz, shared, stream), fn.handle, params, 0)
@@ -501,8 +511,7 @@ class CudaRuntime(Runtime):
 
     def max_active_blocks(self, fn: Function, block: int, shared: int = 0) -> int:
         self._current()
-        if shared > 48 * 1024:
-            fn.set_max_dynamic_shared(shared)
+        fn.fit_shared(shared)
         return int(check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn.handle, int(block), int(shared)),
                          f"cuOccupancyMaxActiveBlocksPerMultiprocessor({fn.name})"))
 
