@@ -268,12 +268,6 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
     return {"defines": defines, "options": opts or None}
 
 
-def table_bytes(n_layers: int) -> int:
-    """Dynamic shared memory in front of the stages' (decode.hip mk_table_bytes): the parameter block and the
-    layer table, copied there at the launch's start, rounded up to 128 bytes."""
-    return (ctypes.sizeof(MkParams) + n_layers * ctypes.sizeof(MkLayer) + 127) // 128 * 128
-
-
 def extra_defines() -> dict:
     """HIPENGINE_MK_DEFINES="NAME=1,OTHER=2": extra -D for the monokernel build, for A/B sweeps of a kernel
     change kept behind a define while it is measured (scripts/mk_sweep.py variants; session 6's v22-v24 were
@@ -445,10 +439,9 @@ class MonokernelBackend(GpuBackend):
         rt, cfg = self.rt, self.config
         G = cfg.num_heads // cfg.num_kv_heads
         mma = O.attn_mma(rt.arch, cfg.head_dim)
-        self.smem = table_bytes(cfg.num_layers) + max(
-            4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),      # matvec x staging
-            O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma),   # attention (ops.attention)
-            4 * ((cfg.vocab_size + 31) // 32))                               # sampling history bitmap
+        self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),      # matvec x staging
+                        O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma),   # attention (ops.attention)
+                        4 * ((cfg.vocab_size + 31) // 32))                               # sampling history bitmap
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")

@@ -553,41 +553,12 @@ HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok, float& val, he_u32 ca
 #ifndef MK_MIN_BLOCKS
 #define MK_MIN_BLOCKS 1
 #endif
-// The parameter block and the layer table in shared memory (MK_PARAMS_SMEM, experiment v59): every grid
-// wait ends in an acquire that invalidates the SM's L1 (CCTL.IVALL on sm_90), and the parameters are read
-// through L1 (ld.global.nc for *P, plain loads for p.layers[l]), so a stage that reloads a pointer after a
-// barrier pays an L2 round trip before its first load can even be issued — the attention stage two of them
-// (p.nsplit, then the layer's cache pointers). Copied once per launch into the front of the dynamic shared
-// memory (mk_table_bytes: the host adds them), they are read at shared-memory latency instead.
-#ifndef MK_PARAMS_SMEM
-#define MK_PARAMS_SMEM 0
-#endif
-HE_INLINE int mk_table_bytes(int n_layers) {
-  return (int)((sizeof(MkParams) + (size_t)n_layers * sizeof(MkLayer) + 127) / 128 * 128);
-}
 extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monokernel_decode(const MkParams* __restrict__ P) {
-  extern __shared__ float he_mk_dyn[];  // [the table copy (MK_PARAMS_SMEM)] then the stages' shared memory
+  extern __shared__ float he_mk_smem[];  // max(matvec x staging, attention, sampling bitmap), host-sized
   __shared__ float scratch[kMaxWarpsPerBlock];
   __shared__ float slice_sums[kSampleThreads];
   __shared__ int mk_token;
-#if MK_PARAMS_SMEM
-  {
-    const int nl = P->n_layers;
-    he_u32* dst = (he_u32*)he_mk_dyn;
-    const he_u32* src = (const he_u32*)P;
-    const he_u32* lsrc = (const he_u32*)P->layers;
-    constexpr int kPw = (int)(sizeof(MkParams) / 4), kLw = (int)(sizeof(MkLayer) / 4);
-    for (int i = he_thread_idx(); i < kPw + nl * kLw; i += he_block_dim()) dst[i] = i < kPw ? src[i] : lsrc[i - kPw];
-    he_sync_block();
-  }
-  const MkParams& p = *(const MkParams*)he_mk_dyn;
-  const MkLayer* const layers = (const MkLayer*)((const char*)he_mk_dyn + sizeof(MkParams));
-  float* const he_mk_smem = he_mk_dyn + mk_table_bytes(p.n_layers) / 4;  // max(matvec x staging, attention, sampling bitmap)
-#else
   const MkParams& p = *P;
-  const MkLayer* const layers = p.layers;
-  float* const he_mk_smem = he_mk_dyn + mk_table_bytes(p.n_layers) / 4;
-#endif
   const HeWaitCtx w{p.bar, p.host + kMkHost_status, p.timeout_ns, p.poll_sleep_ns};
   const int nb = he_grid_dim();
   const bool lead = he_block_idx() == 0;
@@ -603,7 +574,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   // part and refills from the next stage's descriptor, so the next stage's first weights are in flight
   // before the barrier that publishes its input (the issue's "weights before the activation").
   HeMvStream<2> s;
-  he_mv_begin(mk_qkv_op(p, layers[0], pos, p.x), s, mk_o_op(p, layers[0], 1u));
+  he_mv_begin(mk_qkv_op(p, p.layers[0], pos, p.x), s, mk_o_op(p, p.layers[0], 1u));
   MkProf prof(p.prof);
 
   // Grid barrier after `stage` (its profile slot), in two halves so that a matvec stage can request the next
@@ -700,7 +671,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     }
     // ---- one decode step at `pos` ----
     for (int l = 0; l < p.n_layers; ++l) {
-      const MkLayer& L = layers[l];
+      const MkLayer& L = p.layers[l];
       // tp > 1: the input is down(l-1)'s sum over ranks, gathered by every block (block 0 keeps it in p.x,
       // the residual stream the O-proj's rank 0 adds); layer 0's is the embedding in p.x.
       const float* qx = p.x;
@@ -759,12 +730,12 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (!wait(kProfGateUp)) return;
       ++ep_d;
       if (l + 1 < p.n_layers)
-        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, layers[l + 1], pos, p.x));
+        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
       else
         he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
       if (kMkDeferOD && !tp) {
         arrive(kProfDown);
-        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, layers[l + 1], pos, p.x), s);
+        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
         else he_mv_fill_next(mk_head_op(p, p.x), s);
         if (!wait(kProfDown)) return;
       } else if (!tp && !barrier(kProfDown)) {
@@ -777,9 +748,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       hx = he_mk_smem;
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
-    he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, layers[0], pos + 1, p.x));
+    he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
     arrive(kProfHead);
-    he_mv_fill_next(mk_qkv_op(p, layers[0], pos + 1, p.x), s);
+    he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     if (!wait(kProfHead)) return;
     pos += 1;
     steps += 1;
