@@ -638,7 +638,6 @@ HE_INLINE void he_cp_async_wait() {}
 //                                      visible to the waiting thread)
 //   he_fence_proxy_async()             this thread's earlier shared-memory accesses before its later bulk
 //                                      copies (a slot read by the warp, then refilled by the copy engine)
-//   he_dynamic_smem_bytes()            the launch's dynamic shared-memory size (a region placed at its end)
 // ------------------------------------------------------------------------------------------------------
 #if HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 constexpr bool kHasBulkCopy = true;
@@ -662,11 +661,6 @@ HE_INLINE bool he_mbar_try_wait(he_u64* bar, he_u32 parity) {
   return ok != 0;
 }
 HE_INLINE void he_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-HE_INLINE he_u32 he_dynamic_smem_bytes() {
-  he_u32 n;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
-  return n;
-}
 #else
 constexpr bool kHasBulkCopy = false;
 HE_INLINE void he_mbar_init(he_u64*, he_u32) { __builtin_trap(); }
@@ -675,7 +669,6 @@ HE_INLINE void he_mbar_expect_arrive(he_u64*, he_u32) { __builtin_trap(); }
 HE_INLINE void he_bulk_load(void*, const void*, he_u32, he_u64*) { __builtin_trap(); }
 HE_INLINE bool he_mbar_try_wait(he_u64*, he_u32) { __builtin_trap(); return true; }
 HE_INLINE void he_fence_proxy_async() { __builtin_trap(); }
-HE_INLINE he_u32 he_dynamic_smem_bytes() { __builtin_trap(); return 0u; }
 #endif
 
 // ------------------------------------------------------------------------------------------------------

@@ -442,9 +442,6 @@ class MonokernelBackend(GpuBackend):
         self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),      # matvec x staging
                         O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma),   # attention (ops.attention)
                         4 * ((cfg.vocab_size + 31) // 32))                               # sampling history bitmap
-        gu = extra_defines().get("MK_GU_SMEM", 0)  # v60 experiment: copied gate/up units per warp, at the end
-        if gu and rt.vendor == "nvidia":
-            self.smem += THREADS // rt.warp_size * gu * 4 * cfg.hidden_size
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")

@@ -474,81 +474,8 @@ HE_INLINE HeMvPlain mk_down_op(const MkParams& p, const MkLayer& L, he_u32) {
   return HeMvPlain{p.h, nullptr, 0.f, p.ffn, L.w_down, p.x, p.x, p.d};
 }
 #endif
-// v60 experiment (MK_GU_SMEM = units per warp; 0 = off): the last units of every warp's gate/up share are
-// bulk-copied into the end of the block's dynamic shared memory while the attention's combine chain and the
-// O-proj run (HBM is otherwise idle there), and consumed from it after the warp's streamed units. Units
-// [0, mk_gu_stream_units) stream as before; unit n_stream + (global warp)·U + k is warp's k-th copied unit.
-#ifndef MK_GU_SMEM
-#define MK_GU_SMEM 0
-#endif
-constexpr int kMkGuSmem = kHasBulkCopy ? MK_GU_SMEM : 0;
-HE_INLINE int mk_gu_stream_units(const MkParams& p) {
-  const int tot = he_grid_dim() * he_num_warps() * kMkGuSmem;
-  return p.ffn > tot ? p.ffn - tot : 0;
-}
 HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x) {
-  return HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, kMkGuSmem ? mk_gu_stream_units(p) : p.ffn};
-}
-// Lane 0 of each warp: announce and issue the copies of this warp's units of layer L (gate row, up row each).
-HE_INLINE char* mk_gu_region(const MkParams& p, float* smem) {
-  return (char*)smem + he_dynamic_smem_bytes() - (size_t)he_num_warps() * kMkGuSmem * 4 * p.d;
-}
-HE_INLINE void mk_gu_issue(const MkParams& p, const MkLayer& L, he_u64* bar, char* region) {
-  if (!kMkGuSmem || he_lane_id() != 0) return;
-  const int gw = he_mv_first(), ns = mk_gu_stream_units(p);
-  const he_u32 row = (he_u32)p.d * 2u;
-  char* dst = region + (size_t)he_warp_id() * kMkGuSmem * 2 * row;
-  he_u32 bytes = 0;
-  for (int k = 0; k < kMkGuSmem; ++k)
-    if (ns + gw * kMkGuSmem + k < p.ffn) bytes += 2 * row;
-  he_fence_proxy_async();  // the warp's reads of the previous layer's copies before the new ones land
-  he_mbar_expect_arrive(bar, bytes);
-  for (int k = 0; k < kMkGuSmem; ++k) {
-    const int u = ns + gw * kMkGuSmem + k;
-    if (u >= p.ffn) break;
-    he_bulk_load(dst + (size_t)(2 * k) * row, L.w_gate + (he_i64)u * p.d, row, bar);
-    he_bulk_load(dst + (size_t)(2 * k + 1) * row, L.w_up + (he_i64)u * p.d, row, bar);
-  }
-}
-// The whole warp: wait for its copies (bounded), then each copied unit as the stream would consume it (the same
-// columns per lane in the same order: the bits of the default build).
-template <bool kF16>
-__device__ __noinline__ void mk_gu_consume(const MkParams& p, const MkLayer& L, he_u64* bar, he_u32 phase,
-                                           const char* region, const float* xs, HeWaitCtx w) {
-  if (!he_mbar_try_wait(bar, phase)) {
-    const he_u64 t0 = he_clock_ns();
-    while (!he_mbar_try_wait(bar, phase)) {
-      if (he_clock_ns() - t0 > w.timeout_ns) {
-        if (he_lane_id() == 0) he_report_error(w, kStatusCounterTimeout);
-        break;
-      }
-    }
-  }
-  const HeMvGateUp op{xs, nullptr, 0.f, p.d, L.w_gate, L.w_up, p.h, p.ffn};
-  const int gw = he_mv_first(), ns = mk_gu_stream_units(p), lane = he_lane_id();
-  const he_u16* base = (const he_u16*)(region + (size_t)he_warp_id() * kMkGuSmem * 4 * p.d);
-  for (int k = 0; k < kMkGuSmem; ++k) {
-    const int u = ns + gw * kMkGuSmem + k;
-    if (u >= p.ffn) break;
-    const he_u16* rows[2] = {base + (size_t)(2 * k) * p.d, base + (size_t)(2 * k + 1) * p.d};
-    float acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
-    for (int c0 = 0; c0 < p.d; c0 += kMatvecBatch) {
-      he_vec16 wv[2][kMatvecUnroll];
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int i = 0; i < kMatvecUnroll; ++i) {
-          const int c = c0 + i * kMatvecSweep + lane * 8;
-          wv[r][i] = c < p.d ? *(const he_vec16*)(rows[r] + c) : he_vec16{0u, 0u, 0u, 0u};
-        }
-      he_mv_consume<kF16>(wv, c0, p.d, xs, acc);
-    }
-    float sum[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) sum[r] = he_warp_sum(acc[r][0] + acc[r][1]);
-    const float pv[2] = {0.f, 0.f};
-    op.epi(u, sum, pv);
-  }
+  return HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
 }
 HE_INLINE HeMvPlain mk_head_op(const MkParams& p, const float* x) {
   return HeMvPlain{x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab};
@@ -631,13 +558,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   __shared__ float scratch[kMaxWarpsPerBlock];
   __shared__ float slice_sums[kSampleThreads];
   __shared__ int mk_token;
-  __shared__ he_u64 mk_gu_bar[kMkThreads / kWarpSize];  // v60: one per warp (MK_GU_SMEM)
   const MkParams& p = *P;
-  if (kMkGuSmem) {
-    if (he_lane_id() == 0) he_mbar_init(&mk_gu_bar[he_warp_id()], 1u);
-    he_mbar_init_fence();
-    he_sync_block();
-  }
   const HeWaitCtx w{p.bar, p.host + kMkHost_status, p.timeout_ns, p.poll_sleep_ns};
   const int nb = he_grid_dim();
   const bool lead = he_block_idx() == 0;
@@ -776,7 +697,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
       // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).
       he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
-      if (kMkGuSmem) mk_gu_issue(p, L, &mk_gu_bar[he_warp_id()], mk_gu_region(p, he_mk_smem));
       if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
@@ -805,13 +725,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         return;
       }
       he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
-      // (a copy that never lands reports the error and raises the abort word: the next grid wait leaves)
-      if (kMkGuSmem) {  // the barrier's phase parity: this launch's uses so far
-        he_compiler_fence();
-        mk_gu_consume<kMkF16>(p, L, &mk_gu_bar[he_warp_id()], (he_u32)(steps * p.n_layers + l) & 1u,
-                              mk_gu_region(p, he_mk_smem), he_mk_smem, w);
-        he_compiler_fence();
-      }
       arrive(kProfGateUp);
       he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
       if (!wait(kProfGateUp)) return;
