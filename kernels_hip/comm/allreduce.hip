@@ -126,6 +126,12 @@ HE_INLINE void ar_signal(const ArPeerTable* T, int kind, int vb, he_u32 epoch) {
   }
 }
 
+// Polls of a flag between two looks at the status word and the clock. Looking at every poll doubled the
+// poll's period: the status load is ordered after the flag's acquire load, so it was a second round trip per
+// poll, and the clock read is slower than either (sync.h's waits check every kPollsPerClock polls likewise).
+// A wait therefore notices another block's failure, or its own timeout, up to this many polls late.
+constexpr int kArPollsPerCheck = 64;
+
 // Wait until every peer has published `epoch` (or later) for (kind, vb). Returns false on timeout or when
 // another block already gave up (status word set); the whole block returns the same answer.
 HE_INLINE bool ar_wait(const ArPeerTable* T, int kind, int vb, he_u32 epoch) {
@@ -136,15 +142,18 @@ HE_INLINE bool ar_wait(const ArPeerTable* T, int kind, int vb, he_u32 epoch) {
   he_sync_block();
   if (s < (int)T->world && s != (int)T->rank) {
     const he_u32* f = ar_flag(T, (int)T->rank, kind, vb, s);
-    const he_u64 t0 = he_clock_ns();
     // acquire at system scope: once we see the epoch, the source's data stores (released before it) are
     // visible to this thread; the barrier below extends that to the block.
-    while (!ar_reached(he_load_acquire_system(f), epoch)) {
-      if (he_load_relaxed_device(status) != 0) { s_failed = 1; break; }  // another block timed out: bail
-      if (he_clock_ns() - t0 > T->timeout_ns) {
-        he_store_relaxed_system(status, kArStatusTimeout | ((he_u32)kind << 8) | (he_u32)s);
-        s_failed = 1;
-        break;
+    if (!ar_reached(he_load_acquire_system(f), epoch)) {
+      const he_u64 t0 = he_clock_ns();
+      for (int polls = 1; !ar_reached(he_load_acquire_system(f), epoch); ++polls) {
+        if (polls % kArPollsPerCheck != 0) continue;
+        if (he_load_relaxed_device(status) != 0) { s_failed = 1; break; }  // another block timed out: bail
+        if (he_clock_ns() - t0 > T->timeout_ns) {
+          he_store_relaxed_system(status, kArStatusTimeout | ((he_u32)kind << 8) | (he_u32)s);
+          s_failed = 1;
+          break;
+        }
       }
     }
   }
@@ -255,9 +264,10 @@ HE_INLINE bool ar_ll_poll(const volatile he_u64* p, he_u32 epoch, he_u32& word, 
   if ((he_u32)(v >> 32) == epoch) { word = (he_u32)v; return true; }
   he_u32* status = (he_u32*)T->status;
   const he_u64 t0 = he_clock_ns();
-  while (true) {
+  for (int polls = 1;; ++polls) {
     v = *p;
     if ((he_u32)(v >> 32) == epoch) { word = (he_u32)v; return true; }
+    if (polls % kArPollsPerCheck != 0) continue;  // status and clock every kArPollsPerCheck polls (ar_wait)
     if (he_load_relaxed_device(status) != 0) return false;  // another thread timed out: give up too
     if (he_clock_ns() - t0 > T->timeout_ns) {
       he_store_relaxed_system(status, kArStatusTimeout | ((he_u32)kArKindOneshot << 8) | (he_u32)src);
