@@ -71,7 +71,7 @@ sweep_best() {
   run sweep 200 $PY scripts/mk_sweep.py --json "$OUT/sweep_1k.json" --best-env "$OUT/best.env"
   [ -f "$OUT/best.env" ] && { cat "$OUT/best.env"; . "$OUT/best.env"; }
 }
-mk_tests() { run mk_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs; }
+mk_tests() { run mk_tests 240 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs; }
 ab_sweep() { run ab_sweep 270 $PY scripts/mk_sweep.py --contexts 1024,8192,32768 ${ONLY+--only "$ONLY"} \
                $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/ab_sweep.json"
              # and at $AB_MAXCTX (a serving cache size, e.g. the Engine's 4096) with a 1K context, when given
