@@ -128,7 +128,7 @@ HE_INLINE void ar_signal(const ArPeerTable* T, int kind, int vb, he_u32 epoch) {
 
 // Polls of a flag between two looks at the status word and the clock. Looking at every poll doubled the
 // poll's period: the status load is ordered after the flag's acquire load, so it was a second round trip per
-// poll, and the clock read is slower than either (sync.h's waits check every kPollsPerClock polls likewise).
+// poll, and the clock read is slower than either (sync.h's waits read the clock every kPollsPerClock polls).
 // A wait therefore notices another block's failure, or its own timeout, up to this many polls late.
 constexpr int kArPollsPerCheck = 64;
 
