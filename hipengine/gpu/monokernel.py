@@ -566,9 +566,6 @@ class MonokernelBackend(GpuBackend):
         rt.memset(self.bar_buf, 0, 16, stream=s)
         if self._ll_on():  # every launch starts the exchange at epoch 0 (at tp > 1: before any rank starts)
             rt.memset(self.ll_buf, 0, self.ll_bytes, stream=s)
-        if extra_defines().get("MK_CHUNKED_DOWN") and not self._ll_on():  # v61 experiment: h as LL words, epochs from 1
-            assert self.prefill_m >= 2, "MK_CHUNKED_DOWN keeps h's 8-byte LL words in the prefill-sized h buffer"
-            rt.memset(self.h, 0, 8 * self.config.intermediate_size, stream=s)
         rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 2), stream=s)
         s.synchronize()  # the host words below are read by the kernel: reset them with nothing in flight
         self.host_words[:] = 0

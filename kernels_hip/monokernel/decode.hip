@@ -477,76 +477,6 @@ HE_INLINE HeMvPlain mk_down_op(const MkParams& p, const MkLayer& L, he_u32) {
 HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x) {
   return HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
 }
-// ---- v61 experiment (MK_CHUNKED_DOWN): gate/up -> down without a grid barrier -----------------------------
-// The down-projection's warps consume their rows' inputs batch by batch in column order, so a batch needs only
-// its chunk of h; units are dealt round-robin (unit u in round u / warps), so chunk c of h is complete once every
-// warp has passed gate/up round ~c. The gate/up epilogue writes h as LL words (value | epoch, one 8-byte store,
-// no fence: tp_exchange.h's form) into p.h (the host clears 8·ffn bytes of it before each launch; epochs count
-// this launch's layers from 1). The down stage's prologue stages columns [0, split) of h block-wide, polling each
-// word until its epoch arrives, and the block stages [split, in) when its warps reach the pair at column split of
-// their first unit (a block barrier there: only in blocks whose warps all have units; other blocks stage
-// everything in the prologue). Same values consumed in the same order: the bits of the barrier build.
-#ifndef MK_CHUNKED_DOWN
-#define MK_CHUNKED_DOWN 0
-#endif
-struct MkGateUpLL : HeMvGateUp {
-  he_u32 epoch;
-  HE_INLINE void epi(int u, const float (&acc)[2], const float (&)[2]) const {
-    if (he_lane_id() == 0) ((volatile he_u64*)y)[u] = mk_ll_word(he_f32_as_u32(he_silu(acc[0]) * acc[1]), epoch);
-  }
-};
-struct MkDownLL : HeMvPlain {
-  const MkParams* pp;  // h's LL words (pp->h) and the wait context, read only when staging
-  he_u32 epoch;
-  int split;
-};
-HE_INLINE MkGateUpLL mk_gate_up_ll_op(const MkParams& p, const MkLayer& L, const float* x, he_u32 epoch) {
-  return MkGateUpLL{{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn}, epoch};
-}
-HE_INLINE MkDownLL mk_down_ll_op(const MkParams& p, const MkLayer& L, he_u32 epoch) {
-  constexpr int kPair = 2 * kMatvecBatch;
-  const int units = (p.d + 1) / 2, w0 = he_block_idx() * he_num_warps();
-  const bool uniform = w0 + he_num_warps() <= units || w0 >= units;  // every warp of the block has a unit, or none
-  const int split = uniform ? p.ffn / kPair * 3 / 4 * kPair : p.ffn;
-  return MkDownLL{{nullptr, nullptr, 0.f, p.ffn, L.w_down, p.x, p.x, p.d}, &p, epoch, split};
-}
-// xs[i] = payload of LL word i, i in [lo, hi), once its epoch is there (whole block; kB loads in flight per
-// thread before any is checked). A word that never arrives reports a timeout; the value is then junk and the
-// next grid wait leaves.
-HE_INLINE void mk_ll_stage(const MkDownLL& op, int lo, int hi, float* xs) {
-  constexpr int kB = 8;
-  const MkParams& p = *op.pp;
-  const HeWaitCtx w{p.bar, p.host + kMkHost_status, p.timeout_ns, p.poll_sleep_ns};
-  const volatile he_u64* src = (const volatile he_u64*)p.h;
-  const int t = he_thread_idx(), nt = he_block_dim();
-  for (int i0 = lo + t; i0 < hi; i0 += kB * nt) {
-    he_u64 v[kB];
-#pragma unroll
-    for (int b = 0; b < kB; ++b) {
-      const int i = i0 + b * nt;
-      v[b] = i < hi ? src[i] : mk_ll_word(0u, op.epoch);
-    }
-#pragma unroll
-    for (int b = 0; b < kB; ++b) {
-      const int i = i0 + b * nt;
-      if (i >= hi) continue;
-      if ((he_u32)(v[b] >> 32) != op.epoch) mk_ll_wait(w, src + i, op.epoch, v[b]);
-      xs[i] = he_u32_as_f32((he_u32)v[b]);
-    }
-  }
-}
-HE_INLINE void he_mv_stage(const MkDownLL& op, float* xs, float*) {
-  he_sync_block();  // xs still holds gate/up's input for slower warps of this block
-  mk_ll_stage(op, 0, op.split, xs);
-  he_sync_block();
-}
-HE_INLINE void he_mv_before_pair(const MkDownLL& op, const HeMvPos& ps, float* xs) {
-  if (op.split < op.in && ps.c0 == op.split && ps.u == he_mv_first()) {
-    mk_ll_stage(op, op.split, op.in, xs);
-    he_sync_block();
-  }
-}
-
 HE_INLINE HeMvPlain mk_head_op(const MkParams& p, const float* x) {
   return HeMvPlain{x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab};
 }
@@ -794,16 +724,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       } else if (!barrier(kProfO)) {
         return;
       }
-#if MK_CHUNKED_DOWN && !MK_TP
-      const he_u32 ep_ll = (he_u32)(steps * p.n_layers + l + 1);
-      he_mv_finish<kMkF16, false>(mk_gate_up_ll_op(p, L, gx, ep_ll), s, he_mk_smem, scratch, mk_down_ll_op(p, L, ep_ll));
-      prof.done(kProfGateUp);
-      ++ep_d;
-      if (l + 1 < p.n_layers)
-        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_ll_op(p, L, ep_ll), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
-      else
-        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_ll_op(p, L, ep_ll), s, he_mk_smem, scratch, mk_head_op(p, p.x));
-#else
       he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       arrive(kProfGateUp);
       he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
@@ -813,7 +733,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
       else
         he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
-#endif
       if (kMkDeferOD && !tp) {
         arrive(kProfDown);
         if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);

@@ -209,17 +209,6 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
   }
 }
 
-// Two steps an op type may overload (the monokernel's chunk-staged down-projection, decode.hip
-// MK_CHUNKED_DOWN): how the block stages the op's input (here: the RMSNorm prologue, he_rmsnorm_stage) and
-// what precedes the consumption of one of the warp's pairs (here: nothing). Found by argument-dependent lookup
-// where he_mv_finish is instantiated; these defaults compile to exactly the code without them.
-template <class Op>
-HE_INLINE void he_mv_stage(const Op& op, float* xs, float* scratch) {
-  he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
-}
-template <class Op>
-HE_INLINE void he_mv_before_pair(const Op&, const HeMvPos&, float*) {}
-
 // Stage the activation (RMSNorm prologue), then consume this warp's pairs of op; each buffer is refilled as
 // soon as it is consumed, from op or — past op's end — from nxt. On return s holds nxt's first pair (as
 // "current": the caller's next he_mv_finish is for nxt). Batches are consumed in column order, so a lane's
@@ -238,7 +227,7 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   }
   float pv[kRows];  // the current unit's epilogue operands (op.pre)
   if (!s.p.nx) op.pre(s.p.u, pv);
-  he_mv_stage(op, xs, scratch);
+  he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
   float acc[kRows][2];
 #pragma unroll
@@ -246,7 +235,6 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   while (!s.p.nx) {
     HeMvPos n = s.p;
     he_mv_advance(n, op, nxt);
-    he_mv_before_pair(op, s.p, xs);
     he_mv_consume<kF16>(s.a, s.p.c0, op.in, xs, acc);
     if (!kDefer || !n.nx) he_mv_fill_a(op, nxt, n, s);
     he_mv_consume<kF16>(s.b, s.p.c0 + kMatvecBatch, op.in, xs, acc);
