@@ -179,3 +179,40 @@ def test_llama_3_2_1b_preset_greedy_identical_256():
         assert got == want, f"first divergence at {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
     finally:
         be.close()
+
+
+def test_stage_profile_build(tmp_path, monkeypatch):
+    """HIPENGINE_MK_PROFILE=1 builds the stage profile (sums kept in shared memory, added to the buffer when the
+    launch ends): its tokens are the production build's, and every figure is a consistent share of the step."""
+    from hipengine.gpu.monokernel import MonokernelBackend, read_profile, reset_profile
+    from hipengine.loader import load_model
+    from tiny_models import save_tiny_model
+
+    path, _ = save_tiny_model("llama", tmp_path, seed=11, max_position_embeddings=512)
+    model = load_model(path, progress=False)
+    prompt = np.array([3, 14, 15, 92, 65], np.int64)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = MonokernelBackend(model, max_context=512)
+    try:
+        want = _mono(plain, prompt, params)
+    finally:
+        plain.close()
+    monkeypatch.setenv("HIPENGINE_MK_PROFILE", "1")
+    be = MonokernelBackend(model, max_context=512)
+    try:
+        reset_profile(be)
+        assert _mono(be, prompt, params) == want
+        prof = read_profile(be)
+        assert prof["steps"] >= len(want) - 1 and prof["ghz"] > 0.1 and prof["us_per_step"] > 0
+        work, total = prof["work_us"], prof["total_us"]
+        for k in ("qkv", "gate_up", "down", "lm_head"):
+            assert 0 < work[k] <= total[k] + 1e-6, k
+        assert sum(total[k] for k in ("select", "qkv", "attention", "combine", "o_proj", "gate_up", "down",
+                                      "lm_head")) <= prof["us_per_step"] * 1.05
+        rows = prof["blocks"]
+        assert len(rows["sm"]) == be.grid
+        if be.blocks_per_sm == 1:
+            assert len(set(rows["sm"])) == be.grid  # one block per SM: each SM once
+        assert all(len(v) == be.grid for v in rows["total_us"].values())
+    finally:
+        be.close()

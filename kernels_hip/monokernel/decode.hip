@@ -59,9 +59,9 @@
 #define MK_PROFILE 0
 #endif
 #if MK_PROFILE
-// Attention sub-stage marks (profile builds): block 0's thread 0 adds the cycles since the stage started.
-__device__ he_u64* mk_prof_out;
-__device__ he_u64 mk_prof_t;
+// Attention sub-stage marks (profile builds): block 0's thread 0 adds the cycles since the stage started
+// (mk_prof_t: that stage's start, kept by MkProf::done).
+__shared__ he_u64 mk_prof_t;
 __device__ inline void mk_attn_mark(int k);
 #define HE_ATTN_MARK(k) mk_attn_mark(k)
 #endif
@@ -392,48 +392,62 @@ enum MkProfStage { kProfSelect, kProfQkv, kProfAttn, kProfCombine, kProfO, kProf
 enum MkProfCol { kProfColWork, kProfColSync, kProfColArrive, kProfColTotal, kProfCols };
 #if MK_PROFILE
 constexpr int kMkProfHeader = 2 * kMkProfN + 3, kMkProfRow = kProfCols * kMkProfN + 1, kMkProfMaxBlocks = 2048;
+// Thread 0's sums over the launch, in shared memory ([the header (block 0 only) | this block's row]), added to
+// the buffer once, by finish(). A read-modify-write of the global buffer at every mark put an L2 round trip
+// after each grid wait (whose acquire empties L1) into the thread being timed: session 23's profile builds ran
+// ~8% slower than the production build, and the sub-stage marks just after a wait read that trip too.
+__shared__ he_u64 mk_prof_sh[kMkProfHeader + kMkProfRow];
 __device__ inline void mk_attn_mark(int k) {
-  if (mk_prof_out != nullptr && he_block_idx() == 0 && he_thread_idx() == 0)
-    mk_prof_out[kProfAttnQ + k] += he_cycles() - mk_prof_t;
+  if (he_block_idx() == 0 && he_thread_idx() == 0) mk_prof_sh[kProfAttnQ + k] += he_cycles() - mk_prof_t;
 }
 #endif
 struct MkProf {
 #if MK_PROFILE
-  he_u64* out;  // block 0: the header; every block: its row (blk)
+  he_u64* out;  // the buffer: block 0 adds the header, every block its row (blk), at finish()
   he_u64* blk;
+  he_u64* hdr;  // the sums in shared memory (mk_prof_sh)
+  he_u64* row;
   he_u64 t, t0, ns0;
   bool on, lead;
-  HE_INLINE explicit MkProf(he_u64* o) : out(o), blk(nullptr), t(0), t0(0), ns0(0) {
+  HE_INLINE explicit MkProf(he_u64* o) : out(o), blk(nullptr), hdr(mk_prof_sh), row(mk_prof_sh + kMkProfHeader),
+                                          t(0), t0(0), ns0(0) {
     on = o != nullptr && he_thread_idx() == 0 && he_block_idx() < kMkProfMaxBlocks;
     lead = on && he_block_idx() == 0;
     if (!on) return;
+    for (int i = 0; i < kMkProfHeader + kMkProfRow; ++i) mk_prof_sh[i] = 0;
     blk = o + kMkProfHeader + (he_u64)he_block_idx() * kMkProfRow;
     blk[kProfCols * kMkProfN] = he_sm_id();
     t = t0 = he_cycles();
-    if (lead) { ns0 = he_clock_ns(); mk_prof_out = o; mk_prof_t = t; }
+    if (lead) { ns0 = he_clock_ns(); mk_prof_t = t; }
   }
   HE_INLINE void work(int k) {
     if (!on) return;
     const he_u64 d = he_cycles() - t;
-    blk[k] += d;
-    if (lead) out[k] += d;
+    row[k] += d;
+    if (lead) hdr[k] += d;
   }
   // this block's column `col` of stage k += cycles since the stage started (work/sync/arrive marks)
   HE_INLINE void mark(int col, int k) {
-    if (on) blk[col * kMkProfN + k] += he_cycles() - t;
+    if (on) row[col * kMkProfN + k] += he_cycles() - t;
   }
   HE_INLINE void done(int k) {
     if (!on) return;
     const he_u64 now = he_cycles();
-    blk[kProfColTotal * kMkProfN + k] += now - t;
-    if (lead) { out[kMkProfN + k] += now - t; mk_prof_t = now; }
+    row[kProfColTotal * kMkProfN + k] += now - t;
+    if (lead) { hdr[kMkProfN + k] += now - t; mk_prof_t = now; }
     t = now;
   }
+  // The launch's sums into the buffer (accumulated over launches; the host clears it: reset_profile). Only a
+  // launch that ends normally reports.
   HE_INLINE void finish(int steps) {
-    if (!lead) return;
-    out[2 * kMkProfN] += he_clock_ns() - ns0;
-    out[2 * kMkProfN + 1] += he_cycles() - t0;
-    out[2 * kMkProfN + 2] += (he_u64)steps;
+    if (!on) return;
+    if (lead) {
+      hdr[2 * kMkProfN] = he_clock_ns() - ns0;
+      hdr[2 * kMkProfN + 1] = he_cycles() - t0;
+      hdr[2 * kMkProfN + 2] = (he_u64)steps;
+      for (int i = 0; i < kMkProfHeader; ++i) out[i] += hdr[i];
+    }
+    for (int i = 0; i < kProfCols * kMkProfN; ++i) blk[i] += row[i];  // (the row's last word: its SM, set above)
   }
 #else
   HE_INLINE explicit MkProf(he_u64*) {}
