@@ -25,6 +25,8 @@
 #              (a change of a body both paths share)
 #   ncu   : Nsight Compute on per-op decode kernels at 1K ($NCU_KERNELS regex), CSV pages
 #   ncuprefill: Nsight Compute on the matrix-core prefill kernels (a 256-token prefill), CSV pages
+#   ncumk : Nsight Compute on the monokernel at 1K (the third launch of 32 tokens, caches not flushed: the steady
+#           state of the generation loop), then on the per-op chain's kernels with caches not flushed; CSV pages
 #   tests : engine + monokernel GPU tests
 #   prefill: the matrix-core prefill's op tests, the op and engine GPU tests, the prefill benchmark (TTFT of 64 to
 #            4K-token prompts, matrix cores against the 8-token FMA path, alternated in one process)
@@ -215,6 +217,24 @@ case "$MODE" in
     "$N" -i "$OUT/ncu.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1
     "$N" -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
     rm -f "$OUT/ncu.ncu-rep" ;;
+  ncumk)  # Nsight Compute on the monokernel (stall reasons and executed instructions per SASS line) at 1K, and on
+          # the per-op decode kernels ($NCU_KERNELS regex), both with --cache-control none: what the instruction
+          # cache and L2 hold is the generation loop's own state, not a flushed one
+    N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    run ncumk 240 "$N" --clock-control none --cache-control none -k regex:monokernel_decode --launch-skip 2 \
+      --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+      --section LaunchStats --section InstructionStats -o "$OUT/ncumk" -f \
+      $PY scripts/perop_steps.py --monokernel --context 1024 --steps 32 --launches 3
+    "$N" -i "$OUT/ncumk.ncu-rep" --page details --csv > "$OUT/ncumk_details.csv" 2>&1
+    "$N" -i "$OUT/ncumk.ncu-rep" --page source --csv --print-source sass > "$OUT/ncumk_source.csv" 2>&1
+    rm -f "$OUT/ncumk.ncu-rep"
+    run ncuperop 200 "$N" --clock-control none --cache-control none \
+      -k "regex:${NCU_KERNELS:-matvec|attention_split|attention_combine}" --launch-skip 96 --launch-count 12 \
+      --section SpeedOfLight --section WarpStateStats --section SourceCounters -o "$OUT/ncuperop" -f \
+      $PY scripts/perop_steps.py --context 1024 --steps 8
+    "$N" -i "$OUT/ncuperop.ncu-rep" --page details --csv > "$OUT/ncuperop_details.csv" 2>&1
+    "$N" -i "$OUT/ncuperop.ncu-rep" --page source --csv --print-source sass > "$OUT/ncuperop_source.csv" 2>&1
+    rm -f "$OUT/ncuperop.ncu-rep" ;;
   tests)  # engine + monokernel GPU tests of this tree
     engine_tests; mk_tests ;;
   prefillrecord)
@@ -253,7 +273,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -11,6 +11,10 @@ its graph as GpuBackend.prefill does; HIPENGINE_NO_GRAPH=1 launches them eagerly
 prefill kernels:
   ncu --clock-control none -k regex:"matmul_mma|attention_prefill" --launch-skip 16 --launch-count 8 ... \
       python3 scripts/perop_steps.py --context 1152 --prefill 256
+With --monokernel: the same decode steps in the monokernel instead, one launch per --launches (each launch
+generates --steps tokens from the same position), e.g. the last of three launches of 32 tokens:
+  ncu --clock-control none --cache-control none -k regex:monokernel_decode --launch-skip 2 --launch-count 1 ... \
+      python3 scripts/perop_steps.py --monokernel --context 1024 --steps 32 --launches 3
 """
 from __future__ import annotations
 
@@ -27,13 +31,21 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prefill", type=int, default=0, help="prefill this many tokens instead of decoding")
+    ap.add_argument("--monokernel", action="store_true", help="decode in the monokernel (one launch per --launches)")
+    ap.add_argument("--launches", type=int, default=1, help="--monokernel: launches of --steps tokens each")
     args = ap.parse_args()
     if not 0 <= args.prefill < args.context:
         ap.error("--prefill: 0 .. context - 1 tokens")
+    if not 0 < args.steps < args.context:
+        ap.error("--steps: 1 .. context - 1 tokens")
+    if args.monokernel and args.prefill:
+        ap.error("--monokernel decodes; --prefill runs the per-op prefill")
     from hipengine.gpu.executor import GpuBackend
+    from hipengine.gpu.monokernel import MonokernelBackend
     from hipengine.presets import preset_model
+    from hipengine.backend import SamplingParams
 
-    be = GpuBackend(preset_model(args.shape, 0), max_context=args.context)
+    be = (MonokernelBackend if args.monokernel else GpuBackend)(preset_model(args.shape, 0), max_context=args.context)
     try:
         _fill_kv(be)
         if args.prefill:
@@ -41,6 +53,13 @@ def main() -> int:
             ids = np.random.default_rng(0).integers(0, be.config.vocab_size, args.prefill)
             logits = be.prefill(ids)
             print(f"prefill of {args.prefill} tokens up to context {args.context}: arg-max {int(np.argmax(logits))}")
+            return 0
+        if args.monokernel:
+            params = SamplingParams(max_tokens=args.steps, temperature=0.0, ignore_eos=True)
+            for _ in range(args.launches):
+                be.pos = args.context - args.steps
+                toks = list(be.generate_from_state(1, 0, params))
+            print(f"{args.launches} monokernel launches of {len(toks)} tokens at context {args.context}")
             return 0
         be.pos = args.context - args.steps
         toks, _ = _per_op_from_state(be, 1, args.steps)
