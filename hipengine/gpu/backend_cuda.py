@@ -327,11 +327,11 @@ def kernel_params(args: list):
     for i, a in enumerate(args):
         if isinstance(a, (DeviceBuffer, HostBuffer)):
             values.append(ctypes.c_void_p(_ptr(a)))
-        elif isinstance(a, ctypes._SimpleCData):
-            values.append(a)
+        elif isinstance(a, (ctypes._SimpleCData, ctypes.Structure, ctypes.Array)):
+            values.append(a)  # a struct or array argument is passed by value, as the kernel declares it
         else:
             raise DeviceError(f"kernel argument {i} is {type(a).__name__}; pass a ctypes scalar "
-                              "(c_void_p, c_int32, c_float...) or a DeviceBuffer")
+                              "(c_void_p, c_int32, c_float...), a ctypes struct or array, or a DeviceBuffer")
     if not values:
         return 0, ()
     arr = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
