@@ -46,16 +46,12 @@ VARIANTS = [  # name, build env, runtime attrs
     # 0's when the default is the other)
     ("attention split on the FMA units (v52's body)", {"HIPENGINE_ATTN_MMA": "0"}, {}),
     ("attention split on the matrix cores", {"HIPENGINE_ATTN_MMA": "1"}, {}),
-    # how the kernel receives its parameters (decode.hip MK_PARAMS_ARG, monokernel.params_arg)
-    ("parameter block by value", {"HIPENGINE_MK_PARAMS": "1"}, {}),
-    ("parameter block + layer table by value", {"HIPENGINE_MK_PARAMS": "2"}, {}),
-    ("parameter block by pointer", {"HIPENGINE_MK_PARAMS": "0"}, {}),
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
     # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,
     # the others were slower and are gone from the kernels; docs/perf-log.md v22-v24)
 ]
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
-               "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_PARAMS")
+               "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its

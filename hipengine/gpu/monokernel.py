@@ -240,8 +240,7 @@ def write_layout(path=None) -> None:
 
 
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
-                 tp: bool = False, q_regs: bool = False, max_context: int = 4096, arch: str | None = None,
-                 n_layers: int = 0) -> dict:
+                 tp: bool = False, q_regs: bool = False, max_context: int = 4096, arch: str | None = None) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row and
     head_dim itself, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
     parallelism — ``tp`` or HIPENGINE_MK_LL=1 — the long-context build ``q_regs``: q_regs_build — and the
@@ -256,8 +255,7 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
     from .ops import attention_defines
 
     defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), **attention_defines(head_dim, max_context, arch),
-               "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll(),
-               "MK_PARAMS_ARG": params_arg(n_layers)}
+               "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll()}
     if profiling():
         defines["MK_PROFILE"] = 1
     if kv_f16:
@@ -297,19 +295,6 @@ def q_regs_build(max_context: int, vendor: str = "nvidia") -> bool:
     if forced:
         return forced != "0"
     return vendor == "nvidia" and max_context >= LONG_CONTEXT
-
-
-MK_LAYER_ARGS = 36  # decode.hip kMkLayerArgs: layer-table entries passed by value (MK_PARAMS_ARG 2)
-
-
-def params_arg(n_layers: int = 0) -> int:
-    """How the kernel receives its parameter block and layer table (decode.hip MK_PARAMS_ARG): 0 a pointer to
-    both in global memory, 1 the block by value, 2 the block and the layer table by value (models of at most
-    MK_LAYER_ARGS layers; deeper ones get 1). HIPENGINE_MK_PARAMS overrides the default."""
-    mode = int(os.environ.get("HIPENGINE_MK_PARAMS", "0"))
-    if mode not in (0, 1, 2):
-        raise UnsupportedError(f"HIPENGINE_MK_PARAMS={mode}: 0, 1 or 2")
-    return 1 if mode == 2 and n_layers > MK_LAYER_ARGS else mode
 
 
 def ll_local() -> bool:
@@ -481,9 +466,7 @@ class MonokernelBackend(GpuBackend):
         self.q_regs, self.warp_max = self._build_class()
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
-                                                        max_context=self.max_context, arch=rt.arch,
-                                                        n_layers=cfg.num_layers))
-        self.params_arg = params_arg(cfg.num_layers)
+                                                        max_context=self.max_context, arch=rt.arch))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 
@@ -508,14 +491,12 @@ class MonokernelBackend(GpuBackend):
                                 p(L["attn_norm"]), p(L["ffn_norm"]), p(L["bqkv"]), p(L.get("q_norm")),
                                 p(L.get("k_norm")), self._kc(i), self._vc(i), int(L["f16"]), 0)
         self.layer_buf = self._up(np.frombuffer(bytes(layers), np.uint8))
-        self.layer_table = list(layers)
         self.iota = self._up(np.arange(self.max_context, dtype=np.int32))
         self.state_buf = self._buf(ctypes.sizeof(MkState))
         self.bar_buf = self._buf(16)
         self.attn_count = self._buf(4 * (cfg.num_kv_heads + 2))
         self.cand = self._buf(8 * rt.num_sms * max(self.occupancy, 1))
         self.eos_buf = self._buf(4 * MAX_EOS)
-        self.params_buf = self._buf(ctypes.sizeof(MkParams))
         self.ring_cap = self.max_context
         self.hostmem = rt.host_alloc_mapped(4 * (len(MK_HOST_WORDS) + self.ring_cap))
         self.host_words = self.hostmem.array[:4 * len(MK_HOST_WORDS)].view(np.uint32)
@@ -577,13 +558,9 @@ class MonokernelBackend(GpuBackend):
         s, rt = self.stream, self.rt
         st = MkState(token=int(token), pos=int(pos), hist_len=int(hist_len))
         rt.copy_htod(self.state_buf, np.frombuffer(bytes(st), np.uint8).copy(), stream=s)
-        block = self._params(mode, params, list(eos), seed)
-        rt.copy_htod(self.params_buf, np.frombuffer(bytes(block), np.uint8).copy(), stream=s)
-        # the kernel's arguments (decode.hip MK_PARAMS_ARG): the block's address, or the block (and the layer
-        # table) by value — copied by the driver at the launch call
-        self._args = [c_void_p(self.params_buf.ptr)] if self.params_arg == 0 else [block]
-        if self.params_arg == 2:
-            self._args.append((MkLayer * MK_LAYER_ARGS)(*self.layer_table))
+        # the kernel's one argument, the parameter block by value (decode.hip: the constant bank); the driver
+        # copies it at the launch call
+        self._block = self._params(mode, params, list(eos), seed)
         if eos:
             rt.copy_htod(self.eos_buf, np.asarray(eos, np.int32), stream=s)
         rt.memset(self.bar_buf, 0, 16, stream=s)
@@ -594,7 +571,7 @@ class MonokernelBackend(GpuBackend):
         self.host_words[:] = 0
 
     def _start(self) -> None:
-        self.rt.launch(self.fn, self.grid, THREADS, self._args, shared=self.smem, stream=self.stream,
+        self.rt.launch(self.fn, self.grid, THREADS, [self._block], shared=self.smem, stream=self.stream,
                        cooperative=True)
 
     def _where(self) -> str:

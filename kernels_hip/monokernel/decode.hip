@@ -567,44 +567,20 @@ HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok, float& val, he_u32 ca
 #ifndef MK_MIN_BLOCKS
 #define MK_MIN_BLOCKS 1
 #endif
-// How the kernel receives its parameter block and layer table (MK_PARAMS_ARG, chosen by the host:
-// monokernel.params_arg). Every grid wait ends in an acquire that invalidates the SM's L1, so whatever the
-// kernel reads from global memory after it — a stage's weight pointers, buffer pointers, sizes — costs an L2
-// round trip before the stage's first load can issue. Kernel parameters live in the constant bank, which no
-// acquire invalidates, and the compiler reads them with (uniform) constant loads where it needs them instead
-// of holding them in registers.
-//   0: a pointer to the block in global memory (the layer table too)
-//   1: the block by value; the layer table in global memory
-//   2: the block and the first kMkLayerArgs layers' entries by value (344 + 36 · 104 = 4,088 bytes: inside the
-//      4 KiB of kernel arguments every target takes); models with more layers are built with 1
-#ifndef MK_PARAMS_ARG
-#define MK_PARAMS_ARG 0
-#endif
-enum { kMkLayerArgs = 36 };
-struct MkLayerArgs {
-  MkLayer l[kMkLayerArgs];
-};
-static_assert(sizeof(MkParams) + sizeof(MkLayerArgs) <= 4096, "kernel arguments within 4 KiB");
-#if MK_PARAMS_ARG == 2
-#define MK_KERNEL_ARGS const MkParams P, const MkLayerArgs T
-#define MK_LAYER(i) (T.l[i])
-#elif MK_PARAMS_ARG == 1
-#define MK_KERNEL_ARGS const MkParams P
-#define MK_LAYER(i) (p.layers[i])
-#else
-#define MK_KERNEL_ARGS const MkParams* __restrict__ P
-#define MK_LAYER(i) (p.layers[i])
-#endif
-extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monokernel_decode(MK_KERNEL_ARGS) {
+// The parameter block is the kernel's argument, by value: kernel arguments live in the constant bank, which
+// no acquire invalidates, and the compiler reads them with (uniform) constant loads where they are needed
+// instead of holding them in registers. Passed by pointer, the block was read through L1, which every grid
+// wait's acquire empties, so the kernel reloaded it after each wait (an L2 round trip before a stage's first
+// load) and kept copies in registers: ptxas spilled 28 / 80 bytes; by value it spills none and the step is
+// 0.9 / 1.4 / 1.7% faster at 1K / 8K / 32K on H200 (docs/perf-log.md v62). The layer table stays in global
+// memory: passed by value as well (36 entries, 4,088 bytes of arguments) it was 1.9 / 1.2% slower at 1K /
+// 8K — the stages' first weight requests, issued between a barrier's arrival and its wait, then go out about
+// an L2 round trip earlier (no pointer to wait for), the pattern that lost in every earlier form (v55-v58).
+extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monokernel_decode(const MkParams p) {
   extern __shared__ float he_mk_smem[];  // max(matvec x staging, attention, sampling bitmap), host-sized
   __shared__ float scratch[kMaxWarpsPerBlock];
   __shared__ float slice_sums[kSampleThreads];
   __shared__ int mk_token;
-#if MK_PARAMS_ARG >= 1
-  const MkParams& p = P;
-#else
-  const MkParams& p = *P;
-#endif
   const HeWaitCtx w{p.bar, p.host + kMkHost_status, p.timeout_ns, p.poll_sleep_ns};
   const int nb = he_grid_dim();
   const bool lead = he_block_idx() == 0;
@@ -620,7 +596,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   // part and refills from the next stage's descriptor, so the next stage's first weights are in flight
   // before the barrier that publishes its input (the issue's "weights before the activation").
   HeMvStream<2> s;
-  he_mv_begin(mk_qkv_op(p, MK_LAYER(0), pos, p.x), s, mk_o_op(p, MK_LAYER(0), 1u));
+  he_mv_begin(mk_qkv_op(p, p.layers[0], pos, p.x), s, mk_o_op(p, p.layers[0], 1u));
   MkProf prof(p.prof);
 
   // Grid barrier after `stage` (its profile slot), in two halves so that a matvec stage can request the next
@@ -717,7 +693,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     }
     // ---- one decode step at `pos` ----
     for (int l = 0; l < p.n_layers; ++l) {
-      const MkLayer& L = MK_LAYER(l);
+      const MkLayer& L = p.layers[l];
       // tp > 1: the input is down(l-1)'s sum over ranks, gathered by every block (block 0 keeps it in p.x,
       // the residual stream the O-proj's rank 0 adds); layer 0's is the embedding in p.x.
       const float* qx = p.x;
@@ -776,12 +752,12 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (!wait(kProfGateUp)) return;
       ++ep_d;
       if (l + 1 < p.n_layers)
-        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, MK_LAYER(l + 1), pos, p.x));
+        he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
       else
         he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
       if (kMkDeferOD && !tp) {
         arrive(kProfDown);
-        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, MK_LAYER(l + 1), pos, p.x), s);
+        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
         else he_mv_fill_next(mk_head_op(p, p.x), s);
         if (!wait(kProfDown)) return;
       } else if (!tp && !barrier(kProfDown)) {
@@ -794,9 +770,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       hx = he_mk_smem;
     }
     // The LM head refills with the next step's first QKV weights (held through token selection).
-    he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, MK_LAYER(0), pos + 1, p.x));
+    he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
     arrive(kProfHead);
-    he_mv_fill_next(mk_qkv_op(p, MK_LAYER(0), pos + 1, p.x), s);
+    he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     if (!wait(kProfHead)) return;
     pos += 1;
     steps += 1;
