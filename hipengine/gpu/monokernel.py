@@ -439,9 +439,7 @@ class MonokernelBackend(GpuBackend):
         rt, cfg = self.rt, self.config
         G = cfg.num_heads // cfg.num_kv_heads
         mma = O.attn_mma(rt.arch, cfg.head_dim)
-        # (MK_QKV_STAGE, an experiment: QKV's second-round units staged after the x staging)
-        stage = 4 * 2 * 2 * cfg.hidden_size if extra_defines().get("MK_QKV_STAGE") else 0
-        self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim) + stage,  # matvec x staging
+        self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),      # matvec x staging
                         O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma),   # attention (ops.attention)
                         4 * ((cfg.vocab_size + 31) // 32))                               # sampling history bitmap
         if self.smem > rt.max_shared_per_block:

@@ -464,83 +464,11 @@ struct MkProf {
 // `x`: the stage's input — p.x, or with the LL exchange on (p.tp_ll: always at tp > 1, a knob at tp = 1) the
 // block's gathered copy in shared memory (monokernel/tp_exchange.h). O-proj / down-proj then push LL words of
 // epoch `ep` instead of writing x; rank 0 adds the residual (p.x through attention, p.xb through the MLP).
-// MK_QKV_STAGE (experiment, tp = 1): QKV has more units than the grid has warps (Llama-3.2-1B: 1,536 on
-// 1,056), and a warp's second unit used to be requested from HBM after the QKV barrier, when its first was
-// consumed — on the stage's critical path. Here the stream takes only the first round (one unit per warp,
-// MkQkvFirst), and the rest — block b's units nw + b + j·nb, j < kMkQkvStageMax — are copied into shared
-// memory (cp.async, no registers) when the previous down-projection starts, then consumed from there after
-// the first round by warps 0, 1, ... of the block: the same loads' values in the same registers, the same
-// sums and epilogue, so the same bits.
-#ifndef MK_QKV_STAGE
-#define MK_QKV_STAGE 0
-#endif
-static_assert(!(MK_QKV_STAGE && MK_TP), "MK_QKV_STAGE: tp = 1 builds only");
-constexpr int kMkQkvStageMax = 4;
-HE_INLINE HeMvQkv mk_qkv_all(const MkParams& p, const MkLayer& L, int pos, const float* x) {
+HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const float* x) {
   // qk_norm models write raw q|k|v (rope = 0); the per-head norm stage rotates and appends.
   return HeMvQkv{x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
                  p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
                  p.qk_norm ? 0 : 1};
-}
-#if MK_QKV_STAGE
-struct MkQkvFirst : HeMvQkv {
-  HE_INLINE int units() const {
-    const int u = HeMvQkv::units(), nw = he_mv_stride();
-    return u < nw ? u : nw;
-  }
-};
-HE_INLINE MkQkvFirst mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const float* x) {
-  return MkQkvFirst{mk_qkv_all(p, L, pos, x)};
-}
-#else
-HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const float* x) {
-  return mk_qkv_all(p, L, pos, x);
-}
-#endif
-// Block b's staged QKV units of layer L into stage (2 rows x in weights each), one commit group.
-HE_INLINE void mk_qkv_stage_issue(const MkParams& p, const MkLayer& L, he_u16* stage) {
-  const HeMvQkv op = mk_qkv_all(p, L, 0, p.x);
-  const int nw = he_mv_stride(), nb = he_grid_dim(), row = op.in * 2;  // bytes per row
-  for (int j = 0; j < kMkQkvStageMax; ++j) {
-    const int u = nw + he_block_idx() + j * nb;
-    if (u >= op.units()) break;
-    const he_u16* rp[2];
-    op.rows(u, rp);
-    char* dst = (char*)(stage + (he_i64)j * 2 * op.in);
-    for (int r = 0; r < 2; ++r)
-      for (int off = he_thread_idx() * 16; off < row; off += he_block_dim() * 16)
-        he_cp_async16(dst + r * row + off, (const char*)rp[r] + off, true);
-  }
-  he_cp_async_commit();
-}
-// After the stream's first round of QKV (xs: the normed input it staged): wait for the block's copies, then
-// warp j computes staged unit j exactly as the stream would have (pairs in column order, same lanes).
-template <class Op>
-HE_INLINE void mk_qkv_stage_consume(const Op& op, const he_u16* stage, const float* xs, HeMvStream<2>& s) {
-  he_cp_async_wait<0>();
-  he_sync_block();
-  const int j = he_warp_id(), u = he_mv_stride() + he_block_idx() + j * he_grid_dim();
-  if (j >= kMkQkvStageMax || u >= op.HeMvQkv::units()) return;
-  const int lane = he_lane_id();
-  const he_u16* rows = stage + (he_i64)j * 2 * op.in;
-  float pv[2], acc[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
-  op.pre(u, pv);
-  for (int c0 = 0; c0 < op.in; c0 += 2 * kMatvecBatch) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int k = 0; k < kMatvecUnroll; ++k) {
-        const int ca = c0 + k * kMatvecSweep + lane * 8, cb = ca + kMatvecBatch;
-        s.a[r][k] = ca < op.in ? *(const he_vec16*)(rows + r * op.in + ca) : he_vec16{0u, 0u, 0u, 0u};
-        s.b[r][k] = cb < op.in ? *(const he_vec16*)(rows + r * op.in + cb) : he_vec16{0u, 0u, 0u, 0u};
-      }
-    he_mv_consume<kMkF16>(s.a, c0, op.in, xs, acc);
-    he_mv_consume<kMkF16>(s.b, c0 + kMatvecBatch, op.in, xs, acc);
-  }
-  float sum[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) sum[r] = he_warp_sum(acc[r][0] + acc[r][1]);
-  op.epi(u, sum, pv);
 }
 #if MK_TP
 HE_INLINE MkMvOut mk_o_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
@@ -660,10 +588,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   // LL exchange (monokernel/tp_exchange.h; always at tp > 1, HIPENGINE_MK_LL at tp = 1): epochs of its
   // regions, advanced identically on every rank
   const bool tp = kMkTp && p.tp_ll != nullptr;
-  // MK_QKV_STAGE: the staged QKV units, after the matvec x staging in dynamic shared memory (host-sized)
-  const int xs_floats = p.d > p.ffn ? (p.d > p.nh * p.hd ? p.d : p.nh * p.hd) : (p.ffn > p.nh * p.hd ? p.ffn : p.nh * p.hd);
-  he_u16* const qkv_stage = (he_u16*)(he_mk_smem + xs_floats);
-  if (MK_QKV_STAGE) mk_qkv_stage_issue(p, p.layers[0], qkv_stage);
   he_u32 ep_o = 0, ep_d = 0, ep_c = 0;
   MkState* st = p.state;
   int pos = st->pos, hist_len = st->hist_len, n_out = 0, steps = 0, finish = 0;
@@ -779,7 +703,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       }
       // QKV's stream stops at its end; the O-proj's first weights are requested after the attention splits.
       he_mv_finish<kMkF16, kMkDefer>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
-      if (MK_QKV_STAGE) mk_qkv_stage_consume(mk_qkv_op(p, L, pos, qx), qkv_stage, he_mk_smem, s);
       if (!barrier(kProfQkv)) return;
       if (p.qk_norm) {  // raw q|k|v published: per-head norm + RoPE + append, then one more barrier
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
@@ -827,7 +750,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       arrive(kProfGateUp);
       he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
       if (!wait(kProfGateUp)) return;
-      if (MK_QKV_STAGE) mk_qkv_stage_issue(p, p.layers[l + 1 < p.n_layers ? l + 1 : 0], qkv_stage);
       ++ep_d;
       if (l + 1 < p.n_layers)
         he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
@@ -857,7 +779,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     if (p.mode & kMkModeOneStep) break;
     sample_now = true;
   }
-  if (MK_QKV_STAGE) he_cp_async_wait<0>();  // the next step's staged units (never consumed): none left in flight
   prof.finish(steps);
   // ---- exit: block 0 publishes the final state; status last (system-scope release) ----
   if (lead && he_thread_idx() == 0) {
