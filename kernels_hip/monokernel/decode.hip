@@ -748,17 +748,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       }
       he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       arrive(kProfGateUp);
-#if MK_DEFER_DOWN && !MK_TP  // experiment: the down weights' pointer through L2 (a round trip) before the fill
-      {
-        HeMvPlain dop = mk_down_op(p, L, ep_d + 1);
-        const he_u32* wp = (const he_u32*)&L.w_down;
-        const he_u32 lo = he_load_relaxed_device(wp), hi = he_load_relaxed_device(wp + 1);
-        dop.W = (const he_u16*)(((he_u64)hi << 32) | lo);
-        he_mv_fill_next(dop, s);
-      }
-#else
       he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
-#endif
       if (!wait(kProfGateUp)) return;
       ++ep_d;
       if (l + 1 < p.n_layers)
