@@ -27,6 +27,7 @@
 #   ncuprefill: Nsight Compute on the matrix-core prefill kernels (a 256-token prefill), CSV pages
 #   ncumk : Nsight Compute on the monokernel at 1K (the third launch of 32 tokens, caches not flushed: the steady
 #           state of the generation loop), then on the per-op chain's kernels with caches not flushed; CSV pages
+#           (scripts/ncu_mk_stages.py maps the monokernel's to its stages, here, after the call)
 #   tests : engine + monokernel GPU tests
 #   prefill: the matrix-core prefill's op tests, the op and engine GPU tests, the prefill benchmark (TTFT of 64 to
 #            4K-token prompts, matrix cores against the 8-token FMA path, alternated in one process)
