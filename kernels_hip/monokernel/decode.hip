@@ -574,8 +574,8 @@ HE_INLINE bool mk_argmax_grid(const MkParams& p, int& tok, float& val, he_u32 ca
 // load) and kept copies in registers: ptxas spilled 28 / 80 bytes; by value it spills none and the step is
 // 0.9 / 1.4 / 1.7% faster at 1K / 8K / 32K on H200 (docs/perf-log.md v62). The layer table stays in global
 // memory: passed by value as well (36 entries, 4,088 bytes of arguments) it was 1.9 / 1.2% slower at 1K /
-// 8K — the stages' first weight requests, issued between a barrier's arrival and its wait, then go out about
-// an L2 round trip earlier (no pointer to wait for), the pattern that lost in every earlier form (v55-v58).
+// 8K, its extra time in the streaming stages' load waits (Nsight Compute; cause not established, that build
+// spills 36 / 68 bytes).
 extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monokernel_decode(const MkParams p) {
   extern __shared__ float he_mk_smem[];  // max(matvec x staging, attention, sampling bitmap), host-sized
   __shared__ float scratch[kMaxWarpsPerBlock];
