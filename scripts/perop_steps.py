@@ -40,10 +40,12 @@ def main() -> int:
         ap.error("--steps: 1 .. context - 1 tokens")
     if args.monokernel and args.prefill:
         ap.error("--monokernel decodes; --prefill runs the per-op prefill")
+    if args.launches < 1:
+        ap.error("--launches: at least 1")
+    from hipengine.backend import SamplingParams
     from hipengine.gpu.executor import GpuBackend
     from hipengine.gpu.monokernel import MonokernelBackend
     from hipengine.presets import preset_model
-    from hipengine.backend import SamplingParams
 
     be = (MonokernelBackend if args.monokernel else GpuBackend)(preset_model(args.shape, 0), max_context=args.context)
     try:
