@@ -20,12 +20,15 @@ import argparse
 import collections
 import csv
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from hipengine.errors import DeviceError, RequestError, UnsupportedError, run_script
 
 # decode.hip statements (regex on the call site's source line) -> stage names
 STAGES = [
@@ -53,23 +56,33 @@ def nvdisasm() -> str:
         import nvidia.cu13 as cu13  # the nvidia-cuda-nvdisasm wheel
         return str(next(Path(p) / "bin" / "nvdisasm" for p in cu13.__path__ if (Path(p) / "bin" / "nvdisasm").exists()))
     except (ImportError, StopIteration):
-        raise SystemExit("nvdisasm not found: pip install nvidia-cuda-nvdisasm") from None
+        raise UnsupportedError("nvdisasm not found: pip install nvidia-cuda-nvdisasm") from None
+
+
+# Run with PYTHONPATH = the profiled tree, so that its own package and kernels build (the environment's build
+# knobs apply as on the device): the monokernel at `context`, sm_90, -lineinfo, written to argv[2].
+BUILD = """
+import sys
+from hipengine.gpu import backend_cuda as bc, compiler, monokernel as M
+n = int(sys.argv[1])
+kw = M.compile_args("nvidia", False, 4, head_dim=64, q_regs=M.q_regs_build(n), max_context=n, arch="sm_90")
+path, text = compiler.resolve_source(M.SOURCE)
+opts = bc.nvrtc_options("sm_90", path.parent, kw.get("defines"), kw.get("options")) + ["-lineinfo"]
+open(sys.argv[2], "wb").write(bc.nvrtc_compile(text, path.name, opts)[0])
+"""
 
 
 def build_listing(root: Path, context: int) -> tuple[list[tuple[str, int, str]], list[str]]:
-    """[(file, outer line, opcode text)] per instruction of monokernel_decode, and decode.hip's lines."""
-    sys.path.insert(0, str(root))
-    from hipengine.gpu import backend_cuda as bc, compiler, monokernel as M
-
-    kw = M.compile_args("nvidia", False, 4, head_dim=64, q_regs=M.q_regs_build(context), max_context=context,
-                        arch="sm_90")
-    path, text = compiler.resolve_source(M.SOURCE)
-    opts = bc.nvrtc_options("sm_90", path.parent, kw.get("defines"), kw.get("options")) + ["-lineinfo"]
-    cubin = bc.nvrtc_compile(text, path.name, opts)[0]
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([nvdisasm(), "-gi", "-c", f.name], capture_output=True, text=True, check=True).stdout
+    """[(file, outer line, instruction text)] per instruction of monokernel_decode, and decode.hip's lines."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "mk.cubin"
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        r = subprocess.run([sys.executable, "-c", BUILD, str(context), str(cubin)], env=env, cwd=root,
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise DeviceError(f"building the monokernel of {root} failed: {r.stderr.strip().splitlines()[-1:]}")
+        sass = subprocess.run([nvdisasm(), "-gi", "-c", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
     body = sass.split(".text.monokernel_decode:")[1].split("\t.section")[0]
     out, outer = [], ("?", 0)
     for line in body.splitlines():
@@ -81,7 +94,7 @@ def build_listing(root: Path, context: int) -> tuple[list[tuple[str, int, str]],
         m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*)", line)
         if m:
             out.append((outer[0], outer[1], m.group(1)))
-    return out, text.splitlines()
+    return out, (root / "kernels_hip" / "monokernel" / "decode.hip").read_text().splitlines()
 
 
 def stage_of(fname: str, line: int, src: list[str], kernel_start: int) -> str:
@@ -109,18 +122,21 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--top", type=int, default=20)
     a = ap.parse_args()
-    rows = list(csv.reader(open(a.csv)))
-    start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    try:
+        rows = list(csv.reader(open(a.csv)))
+        start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    except (OSError, StopIteration):
+        raise RequestError(f"{a.csv}: not an Nsight Compute source page (ncu --page source --csv)") from None
     hdr, data = rows[start], [r for r in rows[start + 1:] if len(r) >= len(rows[start])]
     ix = {h: i for i, h in enumerate(hdr)}
     reasons = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
     listing, src = build_listing(Path(a.root), a.context)
     if len(listing) != len(data):
-        raise SystemExit(f"the rebuilt kernel has {len(listing)} instructions, the profile {len(data)}: "
+        raise RequestError(f"the rebuilt kernel has {len(listing)} instructions, the profile {len(data)}: "
                          "not the profiled build (tree, context or build knobs differ)")
     mism = sum(opcode(r[1]) != opcode(x[2]) for r, x in zip(data, listing))
     if mism > len(data) // 100:
-        raise SystemExit(f"{mism} opcodes differ between the rebuilt kernel and the profile: not the same build")
+        raise RequestError(f"{mism} opcodes differ between the rebuilt kernel and the profile: not the same build")
     kstart = next(i + 1 for i, s in enumerate(src) if "monokernel_decode(" in s and "__global__" in s)
     per = collections.defaultdict(collections.Counter)
     total, slot0, execd, tops = collections.Counter(), 0, 0, []
@@ -160,4 +176,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)
