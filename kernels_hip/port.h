@@ -215,22 +215,11 @@ HE_INLINE he_vec16 he_load16_stream(const void* p) {
   return v;
 }
 #else
-#ifndef HE_STREAM_EVICT_FIRST
-#define HE_STREAM_EVICT_FIRST 0
-#endif
 HE_INLINE he_vec16 he_load16_stream(const void* p) {
   he_vec16 v;
-#if HE_STREAM_EVICT_FIRST  // experiment: an L2 evict-first policy (a constant descriptor: no per-load cost in SASS)
-  unsigned long long pol;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(pol));
-#else
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
-#endif
   return v;
 }
 #endif
