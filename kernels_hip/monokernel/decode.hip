@@ -405,12 +405,12 @@ struct MkProf {
 #if MK_PROFILE
   he_u64* out;  // the buffer: block 0 adds the header, every block its row (blk), at finish()
   he_u64* blk;
-  he_u64* hdr;  // the sums in shared memory (mk_prof_sh)
-  he_u64* row;
   he_u64 t, t0, ns0;
   bool on, lead;
-  HE_INLINE explicit MkProf(he_u64* o) : out(o), blk(nullptr), hdr(mk_prof_sh), row(mk_prof_sh + kMkProfHeader),
-                                          t(0), t0(0), ns0(0) {
+  // the sums in shared memory: the header, then this block's row
+  static HE_INLINE he_u64* hdr() { return mk_prof_sh; }
+  static HE_INLINE he_u64* row() { return mk_prof_sh + kMkProfHeader; }
+  HE_INLINE explicit MkProf(he_u64* o) : out(o), blk(nullptr), t(0), t0(0), ns0(0) {
     on = o != nullptr && he_thread_idx() == 0 && he_block_idx() < kMkProfMaxBlocks;
     lead = on && he_block_idx() == 0;
     if (!on) return;
@@ -423,18 +423,18 @@ struct MkProf {
   HE_INLINE void work(int k) {
     if (!on) return;
     const he_u64 d = he_cycles() - t;
-    row[k] += d;
-    if (lead) hdr[k] += d;
+    row()[k] += d;
+    if (lead) hdr()[k] += d;
   }
   // this block's column `col` of stage k += cycles since the stage started (work/sync/arrive marks)
   HE_INLINE void mark(int col, int k) {
-    if (on) row[col * kMkProfN + k] += he_cycles() - t;
+    if (on) row()[col * kMkProfN + k] += he_cycles() - t;
   }
   HE_INLINE void done(int k) {
     if (!on) return;
     const he_u64 now = he_cycles();
-    row[kProfColTotal * kMkProfN + k] += now - t;
-    if (lead) { hdr[kMkProfN + k] += now - t; mk_prof_t = now; }
+    row()[kProfColTotal * kMkProfN + k] += now - t;
+    if (lead) { hdr()[kMkProfN + k] += now - t; mk_prof_t = now; }
     t = now;
   }
   // The launch's sums into the buffer (accumulated over launches; the host clears it: reset_profile). Only a
@@ -442,12 +442,12 @@ struct MkProf {
   HE_INLINE void finish(int steps) {
     if (!on) return;
     if (lead) {
-      hdr[2 * kMkProfN] = he_clock_ns() - ns0;
-      hdr[2 * kMkProfN + 1] = he_cycles() - t0;
-      hdr[2 * kMkProfN + 2] = (he_u64)steps;
-      for (int i = 0; i < kMkProfHeader; ++i) out[i] += hdr[i];
+      hdr()[2 * kMkProfN] = he_clock_ns() - ns0;
+      hdr()[2 * kMkProfN + 1] = he_cycles() - t0;
+      hdr()[2 * kMkProfN + 2] = (he_u64)steps;
+      for (int i = 0; i < kMkProfHeader; ++i) out[i] += hdr()[i];
     }
-    for (int i = 0; i < kProfCols * kMkProfN; ++i) blk[i] += row[i];  // (the row's last word: its SM, set above)
+    for (int i = 0; i < kProfCols * kMkProfN; ++i) blk[i] += row()[i];  // (the row's last word: its SM, set above)
   }
 #else
   HE_INLINE explicit MkProf(he_u64*) {}
