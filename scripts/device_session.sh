@@ -64,6 +64,12 @@ run() {  # run NAME SECONDS CMD... : log to $OUT/NAME.log, time-boxed, failures 
   [ $r -ne 0 ] && rc=1
   return 0
 }
+# Nsight Compute report $OUT/NAME.ncu-rep -> its details and per-SASS-line source pages as CSV (the report goes)
+ncu_pages() {
+  "$N" -i "$OUT/$1.ncu-rep" --page details --csv > "$OUT/$1_details.csv" 2>&1
+  "$N" -i "$OUT/$1.ncu-rep" --page source --csv --print-source sass > "$OUT/$1_source.csv" 2>&1
+  rm -f "$OUT/$1.ncu-rep"
+}
 # The steps, each time-boxed; the modes below are sequences of them.
 ops_tests() { run ops_tests 90 $PY -m pytest tests/test_ops_gpu.py -q -x -rs; }
 profile() { run profile1k 200 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
@@ -204,9 +210,7 @@ case "$MODE" in
       --launch-skip 64 --launch-count 6 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
       --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis -o "$OUT/ncu" -f \
       $PY scripts/perop_steps.py --context 1024 --steps 8
-    "$N" -i "$OUT/ncu.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1
-    "$N" -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
-    rm -f "$OUT/ncu.ncu-rep" ;;
+    ncu_pages ncu ;;
   ncuprefill)  # Nsight Compute on the matrix-core prefill kernels ($NCU_KERNELS regex) of a 256-token prefill at
                # position 896 (scripts/perop_steps.py --prefill), eager launches; details + per-SASS-line CSV
     N=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -215,9 +219,7 @@ case "$MODE" in
       --section SpeedOfLight --section WarpStateStats --section SourceCounters --section LaunchStats \
       --section Occupancy --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis -o "$OUT/ncu" -f \
       $PY scripts/perop_steps.py --context 1152 --prefill 256
-    "$N" -i "$OUT/ncu.ncu-rep" --page details --csv > "$OUT/ncu_details.csv" 2>&1
-    "$N" -i "$OUT/ncu.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source.csv" 2>&1
-    rm -f "$OUT/ncu.ncu-rep" ;;
+    ncu_pages ncu ;;
   ncumk)  # Nsight Compute on the monokernel (stall reasons and executed instructions per SASS line) at 1K, and on
           # the per-op decode kernels ($NCU_KERNELS regex), both with --cache-control none: what the instruction
           # cache and L2 hold is the generation loop's own state, not a flushed one
@@ -226,16 +228,12 @@ case "$MODE" in
       --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
       --section LaunchStats --section InstructionStats -o "$OUT/ncumk" -f \
       $PY scripts/perop_steps.py --monokernel --context 1024 --steps 32 --launches 3
-    "$N" -i "$OUT/ncumk.ncu-rep" --page details --csv > "$OUT/ncumk_details.csv" 2>&1
-    "$N" -i "$OUT/ncumk.ncu-rep" --page source --csv --print-source sass > "$OUT/ncumk_source.csv" 2>&1
-    rm -f "$OUT/ncumk.ncu-rep"
+    ncu_pages ncumk
     run ncuperop 200 "$N" --clock-control none --cache-control none \
       -k "regex:${NCU_KERNELS:-matvec|attention_split|attention_combine}" --launch-skip 96 --launch-count 12 \
       --section SpeedOfLight --section WarpStateStats --section SourceCounters -o "$OUT/ncuperop" -f \
       $PY scripts/perop_steps.py --context 1024 --steps 8
-    "$N" -i "$OUT/ncuperop.ncu-rep" --page details --csv > "$OUT/ncuperop_details.csv" 2>&1
-    "$N" -i "$OUT/ncuperop.ncu-rep" --page source --csv --print-source sass > "$OUT/ncuperop_source.csv" 2>&1
-    rm -f "$OUT/ncuperop.ncu-rep" ;;
+    ncu_pages ncuperop ;;
   tests)  # engine + monokernel GPU tests of this tree
     engine_tests; mk_tests ;;
   prefillrecord)
