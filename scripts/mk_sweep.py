@@ -46,6 +46,8 @@ VARIANTS = [  # name, build env, runtime attrs
     # 0's when the default is the other)
     ("attention split on the FMA units (v52's body)", {"HIPENGINE_ATTN_MMA": "0"}, {}),
     ("attention split on the matrix cores", {"HIPENGINE_ATTN_MMA": "1"}, {}),
+    ("v67 whole pairs", {"HIPENGINE_MK_DEFINES": "HE_MV_WHOLE_PAIRS=1"}, {}),
+    ("v67b whole pairs + lean loop", {"HIPENGINE_MK_DEFINES": "HE_MV_WHOLE_PAIRS=1,MK_LEAN_LOOP=1"}, {}),
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
     # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,
     # the others were slower and are gone from the kernels; docs/perf-log.md v22-v24)

@@ -195,6 +195,16 @@ def matvec_rows1(rows: int, inn: int, warp: int, num_sms: int) -> bool:
     return inn > pair and blocks2 < matvec_blocks_per_sm() * num_sms
 
 
+def whole_pairs(inn: int, unroll: int, warp: int) -> dict:
+    """The matvec build's define for rows of `inn` weights: HE_MV_WHOLE_PAIRS=1 when `inn` is a multiple of the
+    pair of batches a warp holds (2 · unroll · warp · 8 columns), so the kernel compiles without the predicated
+    load and consume paths that such rows never take (dead code between the hot paths: docs/perf-log.md v67).
+    Same loads, same sums in the same order: the same bits. HIPENGINE_MV_WHOLE_PAIRS=0 turns it off (A/B)."""
+    if _env_switch("HIPENGINE_MV_WHOLE_PAIRS") is False:
+        return {}
+    return {"HE_MV_WHOLE_PAIRS": 1} if inn % (2 * unroll * warp * 8) == 0 else {}
+
+
 def prefill_blocks_per_sm() -> int:
     """Grid cap of the prefill matmul (matmul_small_m), blocks per SM: 3 (HIPENGINE_PREFILL_BLOCKS_PER_SM).
     Time to first token of a 1K prompt on H200 with the cap at 1 / 2 / 3 / 4: 641 / 380 / 327 / 361 ms (v35)."""
@@ -621,6 +631,12 @@ class Ops:
         level = self.pdl_levels.get(role, 0) if self.pdl else 0
         return {"HE_PDL_LATE": level} if level else {}
 
+    def _whole(self, inn: int, unroll: int | None = None) -> dict:
+        """whole_pairs for this module's unroll (a benchmark's HE_MATVEC_UNROLL define, else MATVEC_UNROLL)."""
+        if unroll is None:
+            unroll = int((self.defines or {}).get("HE_MATVEC_UNROLL", MATVEC_UNROLL))
+        return whole_pairs(inn, unroll, self.rt.warp_size)
+
     def fn(self, source: str, name: str, defines: dict | None = None):
         """Kernel `name` of ops/<source>.hip, compiled once per (source, extra defines)."""
         key = (source, tuple(sorted((defines or {}).items())))
@@ -665,10 +681,11 @@ class Ops:
         if rows1 is None:
             rows1 = grid is None and matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms)
         if rows1:
-            fn = self.fn("matvec", "matvec_rows1", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL, **self._late(role)})
+            fn = self.fn("matvec", "matvec_rows1", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL, **self._late(role),
+                                                    **self._whole(inn, MATVEC_ROWS1_UNROLL)})
             g = grid or self._grid(rows, threads)
         else:
-            fn = self.fn("matvec", "matvec", self._late(role))
+            fn = self.fn("matvec", "matvec", {**self._late(role), **self._whole(inn)})
             g = grid or self._grid((rows + 1) // 2, threads)
         self.rt.launch(fn, g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
@@ -678,7 +695,7 @@ class Ops:
                        stream=None, grid: int | None = None, threads: int = MATVEC_THREADS):
         self._check_in(inn)
         g = grid or self._grid(rows, threads)
-        self.rt.launch(self.fn("matvec", "matvec_gate_up", self._late("gate_up")), g, threads,
+        self.rt.launch(self.fn("matvec", "matvec_gate_up", {**self._late("gate_up"), **self._whole(inn)}), g, threads,
                        [_p(Wg), _p(Wu), _p(x), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
                         c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl("gate_up"))
 
@@ -687,7 +704,7 @@ class Ops:
                    stream=None, threads: int = MATVEC_THREADS):
         self._check_in(inn)
         g = self._grid((q_dim + 2 * kv_dim) // 2, threads)
-        self.rt.launch(self.fn("matvec", "matvec_qkv", self._late("qkv")), g, threads,
+        self.rt.launch(self.fn("matvec", "matvec_qkv", {**self._late("qkv"), **self._whole(inn)}), g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(bias), _p(cos), _p(sin), _p(pos), _p(q_out),
                         _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(q_dim), c_int32(kv_dim), c_int32(hd),
                         c_int32(inn), c_int32(int(rope)), c_int32(int(f16))], shared=inn * 4, stream=stream,

@@ -367,6 +367,11 @@ constexpr bool kMkTp = MK_TP != 0;
 // (+3-4% at 1K/8K on H200, docs/perf-log.md v22). At tp > 1 the O-proj / down-proj end in an LL push with no
 // fence, and keep the stream's own refill (kMkDeferOD).
 constexpr bool kMkDefer = true;
+// MK_LEAN_LOOP=1 (experiment v67b; llama shapes at fine 3 only): the layer loop without the Qwen3 q/k-norm
+// stage and the fine = 2 combine, to measure what dead code in the loop costs.
+#ifndef MK_LEAN_LOOP
+#define MK_LEAN_LOOP 0
+#endif
 constexpr bool kMkDeferOD = !kMkTp;
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
@@ -704,7 +709,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // QKV's stream stops at its end; the O-proj's first weights are requested after the attention splits.
       he_mv_finish<kMkF16, kMkDefer>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
       if (!barrier(kProfQkv)) return;
-      if (p.qk_norm) {  // raw q|k|v published: per-head norm + RoPE + append, then one more barrier
+      if (!MK_LEAN_LOOP && p.qk_norm) {  // raw q|k|v published: per-head norm + RoPE + append, then one more barrier
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
           he_qk_norm_rope_head(p.qkv, L.q_norm, L.k_norm, p.eps, p.cos_t, p.sin_t, pos, p.q, L.k_cache, L.v_cache,
                                p.max_ctx, p.nh, p.nkv, p.hd, head, scratch);
@@ -719,7 +724,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
       // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).
       he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
-      if (p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
+      if (!MK_LEAN_LOOP && p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
       }

@@ -64,6 +64,11 @@ constexpr int kMatvecSweep = kWarpSize * 8;
 // (measured on H200: the LM head fell from 96% to 56% of HBM bandwidth).
 constexpr int kMatvecMaxThreads = 512;
 constexpr int kMatvecBatch = kMatvecUnroll * kMatvecSweep;
+// HE_MV_WHOLE_PAIRS=1 (experiment, docs/perf-log.md v67): the build promises that every streamed row length is a
+// multiple of 2B, so the load and the consume compile without their predicated paths (dead code there).
+#ifndef HE_MV_WHOLE_PAIRS
+#define HE_MV_WHOLE_PAIRS 0
+#endif
 
 // A batch wholly inside the rows (every Llama dimension: multiples of kMatvecBatch) takes the unpredicated
 // path: the predicated one costs a compare and a zeroed destination per load (measured in SASS: 128 register
@@ -71,7 +76,7 @@ constexpr int kMatvecBatch = kMatvecUnroll * kMatvecSweep;
 template <int kRows>
 HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
   const int lane = he_lane_id();
-  if (c0 + kMatvecBatch <= in) {
+  if (HE_MV_WHOLE_PAIRS || c0 + kMatvecBatch <= in) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -191,7 +196,7 @@ template <bool kF16, int kRows>
 HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, int in, const float* xs,
                              float (&acc)[kRows][2]) {
   const int lane = he_lane_id();
-  if (c0 + kMatvecBatch <= in) {  // whole batch in range (warp-uniform), as in he_matvec_load
+  if (HE_MV_WHOLE_PAIRS || c0 + kMatvecBatch <= in) {  // whole batch in range (warp-uniform), as in he_matvec_load
 #pragma unroll
     for (int k = 0; k < kMatvecUnroll; ++k)
 #pragma unroll
