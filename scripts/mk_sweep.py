@@ -28,7 +28,7 @@ from hipengine.presets import preset_model
 
 VARIANTS = [  # name, build env, runtime attrs
     ("default (1 blk/SM, unroll 4, fine 3)", {}, {}),
-    ("fine 2 (barrier + one head per block)", {}, {"fine": 2}),
+    ("fine 2 (barrier + one head per block)", {"HIPENGINE_MK_FINE": "2"}, {}),
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
     ("long-context build at every context (q in registers)", {"HIPENGINE_MK_QREGS": "1"}, {}),
@@ -46,14 +46,15 @@ VARIANTS = [  # name, build env, runtime attrs
     # 0's when the default is the other)
     ("attention split on the FMA units (v52's body)", {"HIPENGINE_ATTN_MMA": "0"}, {}),
     ("attention split on the matrix cores", {"HIPENGINE_ATTN_MMA": "1"}, {}),
-    ("v67 whole pairs", {"HIPENGINE_MK_DEFINES": "HE_MV_WHOLE_PAIRS=1"}, {}),
-    ("v67b whole pairs + lean loop", {"HIPENGINE_MK_DEFINES": "HE_MV_WHOLE_PAIRS=1,MK_LEAN_LOOP=1"}, {}),
+    # the stream with its predicated paths where rows are whole pairs (v67: 6% slower at 1K)
+    ("stream with its predicated paths", {"HIPENGINE_MV_WHOLE_PAIRS": "0"}, {}),
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
     # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,
     # the others were slower and are gone from the kernels; docs/perf-log.md v22-v24)
 ]
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
-               "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA")
+               "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_FINE",
+               "HIPENGINE_MV_WHOLE_PAIRS")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its

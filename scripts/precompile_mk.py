@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import sys
 
-VARIANTS = {
-    "default": ({}, (False, True), (1, 2, 3, 4)),
-    "session": ({}, (False, True), (2, 3, 4)),  # what device_session.sh + device_default_model.sh build
-    "profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False, True), (3, 4)),
-    "unroll8": ({"HIPENGINE_MK_UNROLL": "8"}, (False,), (4,)),
-    "2blk": ({"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2"}, (False,), (4,)),
-    "1b": ({}, (False,), (4,)),
-    "1b-profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False,), (4,)),
-    "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,)),  # the tensor-parallel build (MK_TP=1)
-    "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,)),
+# llama-3.2-1b's stream row lengths (hidden size, q_dim, ffn; at tp = 2 the ffn and q_dim are halved): they pick
+# the monokernel build without the stream's predicated paths (compile_args `rows`)
+L1B, L1B_TP2 = {"rows": (2048, 2048, 8192)}, {"rows": (2048, 1024, 4096)}
+ANY = {"qk_norm": (False, True)}  # the tests' models: Qwen3 (q/k norms) among them
+VARIANTS = {  # name: (environment, weight dtypes, groups, precompile keywords)
+    "default": ({}, (False, True), (1, 2, 3, 4), ANY),
+    "session": ({}, (False, True), (2, 3, 4), ANY),  # what device_session.sh + device_default_model.sh build
+    "profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False, True), (3, 4), ANY),
+    "unroll8": ({"HIPENGINE_MK_UNROLL": "8"}, (False,), (4,), L1B),
+    "2blk": ({"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2"}, (False,), (4,), L1B),
+    "1b": ({}, (False,), (4,), L1B),
+    "1b-profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B),
+    "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,), L1B_TP2),  # the tensor-parallel build (MK_TP=1)
+    "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_TP2),
 }
 
 
@@ -25,9 +29,9 @@ def main() -> int:
     from hipengine.gpu.monokernel import environ_set, precompile
 
     for name in sys.argv[1:] or list(VARIANTS):
-        env, f16s, groups = VARIANTS[name]
+        env, f16s, groups, kw = VARIANTS[name]
         with environ_set(env):
-            done = precompile("sm_90", f16_variants=f16s, groups=groups)
+            done = precompile("sm_90", f16_variants=f16s, groups=groups, **kw)
             print(f"{name}: {len(done)} units cached", flush=True)
     return 0
 

@@ -284,3 +284,28 @@ def test_precompile_covers_every_cache_class(monkeypatch):
         want = {f"-D{k}={v}" for k, v in ops.attention_defines(64, n).items()}
         assert any(want <= set(k) and not any("MK_ATTN_G" in o for o in k) for k in keys), n  # per-op module
         assert any(want <= set(k) and "-DMK_ATTN_G=4" in k for k in keys), n                  # monokernel
+
+
+def test_compile_args_lean_builds(monkeypatch):
+    """The stream drops its predicated paths only when every row it reads is a whole number of pairs (2 batches
+    of unroll · warp · 8 columns: 2,048 on NVIDIA, 4,096 on AMD's wave64); the q/k-norm stage and the fine = 2
+    combine are compiled into the builds that run them only; HIPENGINE_MV_WHOLE_PAIRS=0 turns the first off."""
+    from hipengine.gpu import ops
+
+    monkeypatch.delenv("HIPENGINE_MV_WHOLE_PAIRS", raising=False)
+    monkeypatch.delenv("HIPENGINE_MK_UNROLL", raising=False)
+    d = lambda *a, **k: mk.compile_args(*a, **k)["defines"]  # noqa: E731
+    assert d("nvidia", False, 4, rows=(2048, 2048, 8192))["HE_MV_WHOLE_PAIRS"] == 1
+    assert "HE_MV_WHOLE_PAIRS" not in d("nvidia", False, 4, rows=(2048, 1024, 4096))   # tp = 2 ranks' O-proj
+    assert "HE_MV_WHOLE_PAIRS" not in d("amd", False, 4, rows=(2048, 2048, 8192))      # wave64: 4,096-column pairs
+    assert d("amd", False, 4, rows=(4096, 4096, 12288))["HE_MV_WHOLE_PAIRS"] == 1
+    assert d("nvidia", False, 4, rows=(4096, 4096, 14336))["HE_MV_WHOLE_PAIRS"] == 1  # llama-3.1-8b
+    assert "HE_MV_WHOLE_PAIRS" not in d("nvidia", False, 4)
+    assert "HE_MV_WHOLE_PAIRS" not in d("nvidia", False, 4, rows=(1536, 1536, 8960))   # qwen2.5-1.5b
+    monkeypatch.setenv("HIPENGINE_MV_WHOLE_PAIRS", "0")
+    assert "HE_MV_WHOLE_PAIRS" not in d("nvidia", False, 4, rows=(2048, 2048, 8192))
+    assert ops.whole_pairs(2048, 4, 32) == {}
+    monkeypatch.delenv("HIPENGINE_MV_WHOLE_PAIRS")
+    assert ops.whole_pairs(8192, 8, 32) == {"HE_MV_WHOLE_PAIRS": 1} and ops.whole_pairs(2048, 8, 32) == {}
+    assert "MK_QK_NORM" not in d("nvidia", False, 4) and d("nvidia", False, 4, qk_norm=True)["MK_QK_NORM"] == 1
+    assert "MK_FINE2" not in d("nvidia", False, 4) and d("nvidia", False, 4, fine=2)["MK_FINE2"] == 1

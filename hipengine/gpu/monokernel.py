@@ -240,12 +240,16 @@ def write_layout(path=None) -> None:
 
 
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
-                 tp: bool = False, q_regs: bool = False, max_context: int = 4096, arch: str | None = None) -> dict:
+                 tp: bool = False, q_regs: bool = False, max_context: int = 4096, arch: str | None = None,
+                 rows: tuple[int, ...] = (), qk_norm: bool = False, fine: int = 3) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row and
     head_dim itself, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
-    parallelism — ``tp`` or HIPENGINE_MK_LL=1 — the long-context build ``q_regs``: q_regs_build — and the
+    parallelism — ``tp`` or HIPENGINE_MK_LL=1 — the long-context build ``q_regs``: q_regs_build — the
     attention split's build for a KV cache of ``max_context`` tokens on ``arch``: ops.attention_defines, as the
-    per-op path's).
+    per-op path's — and, when every row length the stream reads (``rows``: hidden size, this rank's q_dim and
+    ffn) is a whole number of pairs, the stream without its predicated paths: ops.whole_pairs — and the loop's
+    stages that only some models or settings run: the q/k-norm stage for ``qk_norm`` models, the fine = 2
+    combine).
     HIPENGINE_MK_MAXRREG adds an NVRTC register cap (experiments only: the launch bound from MK_MIN_BLOCKS
     already sets 255 at one block per SM)."""
     opts = []
@@ -256,6 +260,13 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
 
     defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), **attention_defines(head_dim, max_context, arch),
                "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll()}
+    warp = 32 if vendor == "nvidia" else 64
+    if rows and all(O.whole_pairs(n, matvec_unroll(), warp) for n in rows):
+        defines["HE_MV_WHOLE_PAIRS"] = 1
+    if qk_norm:
+        defines["MK_QK_NORM"] = 1
+    if fine == 2:
+        defines["MK_FINE2"] = 1
     if profiling():
         defines["MK_PROFILE"] = 1
     if kv_f16:
@@ -333,9 +344,13 @@ def environ_set(values: dict):
                 os.environ[k] = v
 
 
-def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_dim: int = 64) -> list[str]:
+def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_dim: int = 64,
+               rows: tuple[int, ...] = (), qk_norm=(False,)) -> list[str]:
     """Fill the compile cache for an NVIDIA arch without a GPU (NVRTC only): the per-op modules and the
-    monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling."""
+    monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling.
+    ``rows``: the model's hidden size, q_dim and ffn (compile_args), e.g. (2048, 2048, 8192) for
+    llama-3.2-1b; their per-op matvec builds as well (ops.whole_pairs). ``qk_norm``: the monokernel builds
+    with / without the q/k-norm stage to make ((False, True) for the tests' Qwen3 model)."""
     from . import backend_cuda as bc, compiler
     from .executor import kv_defines
     from .ops import MATVEC_ROWS1_UNROLL, attention_defines
@@ -360,6 +375,12 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     # the one-row-unit matvec's build (Ops.matvec rows1)
     jobs += [("ops/matvec.hip", {"defines": {**(kv_defines(f16) or {}), "HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL}})
              for f16 in sorted(set(f16_variants))]
+    # the matvec builds of whole-pair rows (Ops._whole), two-row and one-row units
+    whole = [(u, d) for u in (O.MATVEC_UNROLL, MATVEC_ROWS1_UNROLL) for n in rows
+             for d in [O.whole_pairs(n, u, 32)] if d]
+    jobs += [("ops/matvec.hip", {"defines": {**(kv_defines(f16) or {}), **d,
+                                             **({"HE_MATVEC_UNROLL": u} if u != O.MATVEC_UNROLL else {})}})
+             for f16 in sorted(set(f16_variants)) for u, d in whole]
     # every cache-size class: either side of LONG_CONTEXT (q_regs_build) and of ops.ATTN_WARP_MAX_CTX
     # (attn_warp_max), the per-op attention module and the monokernel of each; builds that coincide once
     sizes = sorted({LONG_CONTEXT - 1, LONG_CONTEXT, O.ATTN_WARP_MAX_CTX - 1, O.ATTN_WARP_MAX_CTX})
@@ -367,8 +388,8 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
               {"defines": {**(kv_defines(f16) or {}), **attention_defines(head_dim, n, arch)}})
              for f16 in sorted(set(f16_variants)) for n in sizes]
     jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q_regs_build(n),
-                                   max_context=n, arch=arch))
-             for f16 in f16_variants for g in groups for n in sizes]
+                                   max_context=n, arch=arch, rows=rows, qk_norm=qn))
+             for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm]
     # the decode-step modules' HE_PDL_LATE builds (Ops._late: the default trigger places or the env's)
     levels = O.pdl_trigger_levels()
     jobs += [(src, {**kw, "defines": {**(kw.get("defines") or {}), "HE_PDL_LATE": lv}}) for src, kw in jobs
@@ -415,13 +436,14 @@ class MonokernelBackend(GpuBackend):
                                    "use --no-monokernel for mixed-dtype models")
         self.ll_local = ll_local()
         self.w_f16 = f16.pop()
-        self._build()
-        self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
         # Default from the H200 sweep (docs/perf-log.md): the last split block of each KV head combines its group.
+        # fine = 2 has a build of its own (MK_FINE2): set it before the build, not after.
         self.fine = int(os.environ.get("HIPENGINE_MK_FINE", "3"))
         if self.fine not in (2, 3):
             raise UnsupportedError(f"HIPENGINE_MK_FINE={self.fine}: 2 (barrier, one head per block) or 3 "
                                    "(last split block combines its group)")
+        self._build()
+        self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
         self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
         self.prof_buf = self._buf(8 * MK_PROF_WORDS) if profiling() else None
         # The LL exchange (MK_TP builds): set up here for HIPENGINE_MK_LL at tp = 1, by TpMonokernelBackend
@@ -466,7 +488,10 @@ class MonokernelBackend(GpuBackend):
         self.q_regs, self.warp_max = self._build_class()
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
-                                                        max_context=self.max_context, arch=rt.arch))
+                                                        max_context=self.max_context, arch=rt.arch,
+                                                        rows=(cfg.hidden_size, cfg.q_dim, cfg.intermediate_size),
+                                                        qk_norm=cfg.qk_norm, fine=self.fine))
+        self.built_fine = self.fine
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 
@@ -523,10 +548,18 @@ class MonokernelBackend(GpuBackend):
             ring_cap=self.ring_cap, top_k=int(sp.top_k), eps=float(cfg.rms_norm_eps),
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
             rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
-            fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
+            fine=self._fine(), poll_sleep_ns=self.poll_sleep_ns,
             prof=self.prof_buf.ptr if self.prof_buf is not None else 0,
             tp_ll=self.tp_ll_ptr if self._ll_on() else 0, xb=self.xb_ptr, tp_world=self.tp_world,
             tp_rank=self.tp_rank, vocab_off=self.vocab_off, embed_vocab=self.embed_vocab)
+
+    def _fine(self) -> int:
+        """The attention -> O-proj scheme of this launch: the build's (fine = 2's stage is compiled only into its
+        own build, MK_FINE2)."""
+        if self.fine != self.built_fine:
+            raise UnsupportedError(f"monokernel fine = {self.fine}, but it was built for {self.built_fine}: set "
+                                   "HIPENGINE_MK_FINE before loading")
+        return self.fine
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)

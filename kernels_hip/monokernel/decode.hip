@@ -367,10 +367,16 @@ constexpr bool kMkTp = MK_TP != 0;
 // (+3-4% at 1K/8K on H200, docs/perf-log.md v22). At tp > 1 the O-proj / down-proj end in an LL push with no
 // fence, and keep the stream's own refill (kMkDeferOD).
 constexpr bool kMkDefer = true;
-// MK_LEAN_LOOP=1 (experiment v67b; llama shapes at fine 3 only): the layer loop without the Qwen3 q/k-norm
-// stage and the fine = 2 combine, to measure what dead code in the loop costs.
-#ifndef MK_LEAN_LOOP
-#define MK_LEAN_LOOP 0
+// Stages of the layer loop that only some models or settings run are compiled only into their builds
+// (-D from the host): the Qwen3 q/k-norm stage (MK_QK_NORM, models with q/k norms) and the fine = 2 combine
+// (MK_FINE2, HIPENGINE_MK_FINE=2). Code the loop never executes, between the code it does, costs instruction
+// fetch every layer: without it and the stream's predicated paths (matvec.hip HE_MV_WHOLE_PAIRS) the step was
+// 6-7% faster at 1K on H200 (docs/perf-log.md v67).
+#ifndef MK_QK_NORM
+#define MK_QK_NORM 0
+#endif
+#ifndef MK_FINE2
+#define MK_FINE2 0
 #endif
 constexpr bool kMkDeferOD = !kMkTp;
 
@@ -709,7 +715,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // QKV's stream stops at its end; the O-proj's first weights are requested after the attention splits.
       he_mv_finish<kMkF16, kMkDefer>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
       if (!barrier(kProfQkv)) return;
-      if (!MK_LEAN_LOOP && p.qk_norm) {  // raw q|k|v published: per-head norm + RoPE + append, then one more barrier
+      if (MK_QK_NORM && p.qk_norm) {  // raw q|k|v published: per-head norm + RoPE + append, then one more barrier
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
           he_qk_norm_rope_head(p.qkv, L.q_norm, L.k_norm, p.eps, p.cos_t, p.sin_t, pos, p.q, L.k_cache, L.v_cache,
                                p.max_ctx, p.nh, p.nkv, p.hd, head, scratch);
@@ -724,7 +730,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
       // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).
       he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
-      if (!MK_LEAN_LOOP && p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
+      if (MK_FINE2 && p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
       }
@@ -733,9 +739,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // combine work start as soon as the last combine lands. Safe without a barrier: until the next grid
       // barrier the O-proj reads att and x and writes x, which attention and the combine never touch.
       attn_done += (he_u32)p.nh;
-      prof.work(p.fine == 2 ? kProfCombine : kProfAttn);
+      prof.work(MK_FINE2 && p.fine == 2 ? kProfCombine : kProfAttn);
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
-      prof.done(p.fine == 2 ? kProfCombine : kProfAttn);
+      prof.done(MK_FINE2 && p.fine == 2 ? kProfCombine : kProfAttn);
       ++ep_o;
       he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
       // gate/up's input: tp > 1, the O-proj's sum over ranks gathered by every block (no grid barrier; block

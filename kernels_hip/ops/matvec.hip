@@ -64,11 +64,15 @@ constexpr int kMatvecSweep = kWarpSize * 8;
 // (measured on H200: the LM head fell from 96% to 56% of HBM bandwidth).
 constexpr int kMatvecMaxThreads = 512;
 constexpr int kMatvecBatch = kMatvecUnroll * kMatvecSweep;
-// HE_MV_WHOLE_PAIRS=1 (experiment, docs/perf-log.md v67): the build promises that every streamed row length is a
-// multiple of 2B, so the load and the consume compile without their predicated paths (dead code there).
+// HE_MV_WHOLE_PAIRS=1: the host's promise that every row length this module streams is a multiple of 2B (a
+// pair of batches: 2,048 columns on NVIDIA, 4,096 on wave64), so the load and the consume compile without
+// their predicated paths — code such rows never run, which sat between the code they do run and cost
+// instruction fetch every stage: the monokernel 6% faster at 1K on H200, the per-op path 1% (docs/perf-log.md
+// v67; hipengine/gpu/ops.py whole_pairs picks it per row length, monokernel.py compile_args per model).
 #ifndef HE_MV_WHOLE_PAIRS
 #define HE_MV_WHOLE_PAIRS 0
 #endif
+constexpr bool kMvWholePairs = HE_MV_WHOLE_PAIRS != 0;
 
 // A batch wholly inside the rows (every Llama dimension: multiples of kMatvecBatch) takes the unpredicated
 // path: the predicated one costs a compare and a zeroed destination per load (measured in SASS: 128 register
@@ -76,20 +80,22 @@ constexpr int kMatvecBatch = kMatvecUnroll * kMatvecSweep;
 template <int kRows>
 HE_INLINE void he_matvec_load(const he_u16* const (&rows)[kRows], int in, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
   const int lane = he_lane_id();
-  if (HE_MV_WHOLE_PAIRS || c0 + kMatvecBatch <= in) {
+  if (kMvWholePairs || c0 + kMatvecBatch <= in) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
       for (int u = 0; u < kMatvecUnroll; ++u) w[r][u] = he_load16_stream(rows[r] + c0 + u * kMatvecSweep + lane * 8);
     return;
   }
+  if constexpr (!kMvWholePairs) {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
+    for (int r = 0; r < kRows; ++r)
 #pragma unroll
-    for (int u = 0; u < kMatvecUnroll; ++u) {
-      const int c = c0 + u * kMatvecSweep + lane * 8;
-      w[r][u] = (c < in) ? he_load16_stream(rows[r] + c) : he_vec16{0u, 0u, 0u, 0u};
-    }
+      for (int u = 0; u < kMatvecUnroll; ++u) {
+        const int c = c0 + u * kMatvecSweep + lane * 8;
+        w[r][u] = (c < in) ? he_load16_stream(rows[r] + c) : he_vec16{0u, 0u, 0u, 0u};
+      }
+  }
 }
 
 // ---- the row stream --------------------------------------------------------------------------------------
@@ -196,7 +202,7 @@ template <bool kF16, int kRows>
 HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, int in, const float* xs,
                              float (&acc)[kRows][2]) {
   const int lane = he_lane_id();
-  if (HE_MV_WHOLE_PAIRS || c0 + kMatvecBatch <= in) {  // whole batch in range (warp-uniform), as in he_matvec_load
+  if (kMvWholePairs || c0 + kMatvecBatch <= in) {  // whole batch in range (warp-uniform), as in he_matvec_load
 #pragma unroll
     for (int k = 0; k < kMatvecUnroll; ++k)
 #pragma unroll
@@ -204,12 +210,14 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
         acc[r][k & 1] = he_wfma8<kF16>(w[r][k], xs + c0 + k * kMatvecSweep + lane * 8, acc[r][k & 1]);
     return;
   }
+  if constexpr (!kMvWholePairs) {
 #pragma unroll
-  for (int k = 0; k < kMatvecUnroll; ++k) {
-    const int c = c0 + k * kMatvecSweep + lane * 8;
-    if (c < in) {
+    for (int k = 0; k < kMatvecUnroll; ++k) {
+      const int c = c0 + k * kMatvecSweep + lane * 8;
+      if (c < in) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) acc[r][k & 1] = he_wfma8<kF16>(w[r][k], xs + c, acc[r][k & 1]);
+        for (int r = 0; r < kRows; ++r) acc[r][k & 1] = he_wfma8<kF16>(w[r][k], xs + c, acc[r][k & 1]);
+      }
     }
   }
 }
