@@ -92,6 +92,13 @@ constexpr int kWarpSize = 64;
 #else
 constexpr int kWarpSize = 32;
 #endif
+// A branch that the hot path does not take, for the compiler's block placement: its code goes after the hot
+// code instead of between it (instruction fetch: docs/perf-log.md v67, v68). Same values either way.
+// HE_COLD_HINTS=0 builds without the hints (A/B).
+#ifndef HE_COLD_HINTS
+#define HE_COLD_HINTS 0
+#endif
+#define HE_UNLIKELY(cond) (HE_COLD_HINTS ? __builtin_expect(!!(cond), 0) : !!(cond))
 constexpr int kMaxBlockThreads = 1024;
 constexpr int kMaxWarpsPerBlock = kMaxBlockThreads / kWarpSize;  // sizes block-reduction scratch
 

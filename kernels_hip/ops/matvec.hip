@@ -231,7 +231,7 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
 // (the monokernel: after its barrier arrival, whose release fence would otherwise wait for those loads).
 template <bool kF16, bool kDefer = false, class Op, class Next, int kRows>
 HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt) {
-  if (!s.p.nx && s.p.u >= op.units()) {  // no unit of op for this warp (only possible at a chain's start)
+  if (HE_UNLIKELY(!s.p.nx && s.p.u >= op.units())) {  // no unit of op for this warp
     s.p.u = he_mv_first();
     s.p.c0 = 0;
     s.p.nx = true;
@@ -240,7 +240,7 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   }
   float pv[kRows];  // the current unit's epilogue operands (op.pre)
   if (!s.p.nx) op.pre(s.p.u, pv);
-  he_rmsnorm_stage(op.x, op.gamma, op.eps, op.in, xs, scratch);
+  he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS>(op.x, op.gamma, op.eps, op.in, xs, scratch);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
   float acc[kRows][2];
 #pragma unroll

@@ -70,14 +70,18 @@ HE_INLINE void he_rmsnorm_scalar(const float* x, const float* __restrict__ gamma
   he_sync_block();
 }
 
+// kVec4: the caller promises n % 4 == 0 (a matvec build of whole-pair rows), so the scalar path is not compiled.
+template <bool kVec4 = false>
 HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma, float eps, int n,
                                 float* dst, float* scratch) {
-  if (n % 4) {
-    he_rmsnorm_scalar(x, gamma, eps, n, dst, scratch);
-    return;
+  if constexpr (!kVec4) {
+    if (HE_UNLIKELY(n % 4)) {
+      he_rmsnorm_scalar(x, gamma, eps, n, dst, scratch);
+      return;
+    }
   }
   const int t = he_thread_idx(), nt = he_block_dim(), n4 = n / 4;
-  if (!gamma) {
+  if (HE_UNLIKELY(!gamma)) {  // (a literal nullptr folds: the O-proj / down-proj take only this path)
     he_norm_store<kNormBatch, false>(x, nullptr, 1.f, n4, dst);
     he_sync_block();
     return;
