@@ -195,10 +195,11 @@ def test_pdl_late_builds_compile(tmp_path, monkeypatch):
 def test_lean_builds_compile(tmp_path, monkeypatch):
     """The builds the host picks by model (compile_args / Ops._whole): the stream without its predicated paths
     (HE_MV_WHOLE_PAIRS, rows that are whole pairs), the Qwen3 q/k-norm stage (MK_QK_NORM) and the fine = 2
-    combine (MK_FINE2) compile warnings-as-errors for gfx942 and sm_90, the monokernel and the per-op matvecs."""
+    combine (MK_FINE2), with the cold-branch hints (HE_COLD_HINTS), compile warnings-as-errors for gfx942 and
+    sm_90, the monokernel and the per-op matvecs."""
     monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
     mk = tmp_path / "decode_lean.hip"
-    mk.write_text('#define HE_MV_WHOLE_PAIRS 1\n#define MK_QK_NORM 1\n#define MK_FINE2 1\n'
+    mk.write_text('#define HE_MV_WHOLE_PAIRS 1\n#define MK_QK_NORM 1\n#define MK_FINE2 1\n#define HE_COLD_HINTS 1\n'
                   '#include "monokernel/decode.hip"\n')
     mv = tmp_path / "matvec_whole.hip"
     mv.write_text('#define HE_MV_WHOLE_PAIRS 1\n#include "ops/matvec.hip"\n')

@@ -259,7 +259,8 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
     from .ops import attention_defines
 
     defines = {"MK_WEIGHT_F16": int(f16), "MK_ATTN_G": int(group), **attention_defines(head_dim, max_context, arch),
-               "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll()}
+               "MK_MIN_BLOCKS": min_blocks(), "HE_MATVEC_UNROLL": matvec_unroll(),
+               "HE_COLD_HINTS": 1}  # port.h HE_UNLIKELY: never-taken branches after the hot code (v68)
     warp = 32 if vendor == "nvidia" else 64
     if rows and all(O.whole_pairs(n, matvec_unroll(), warp) for n in rows):
         defines["HE_MV_WHOLE_PAIRS"] = 1
