@@ -367,6 +367,7 @@ constexpr bool kMkTp = MK_TP != 0;
 // (+3-4% at 1K/8K on H200, docs/perf-log.md v22). At tp > 1 the O-proj / down-proj end in an LL push with no
 // fence, and keep the stream's own refill (kMkDeferOD).
 constexpr bool kMkDefer = true;
+constexpr bool kMkDeferOD = !kMkTp;
 // Stages of the layer loop that only some models or settings run are compiled only into their builds
 // (-D from the host): the Qwen3 q/k-norm stage (MK_QK_NORM, models with q/k norms) and the fine = 2 combine
 // (MK_FINE2, HIPENGINE_MK_FINE=2). Code the loop never executes, between the code it does, costs instruction
@@ -378,7 +379,6 @@ constexpr bool kMkDefer = true;
 #ifndef MK_FINE2
 #define MK_FINE2 0
 #endif
-constexpr bool kMkDeferOD = !kMkTp;
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.

@@ -240,6 +240,8 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   }
   float pv[kRows];  // the current unit's epilogue operands (op.pre)
   if (!s.p.nx) op.pre(s.p.u, pv);
+  // whole-pair rows have n % 4 == 0: the norm's scalar path is dropped with the cold-branch hints (the measured
+  // v68 build; the per-op modules, built without the hints, keep it)
   he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS>(op.x, op.gamma, op.eps, op.in, xs, scratch);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
   float acc[kRows][2];
