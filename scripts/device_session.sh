@@ -27,7 +27,8 @@
 #   ncuprefill: Nsight Compute on the matrix-core prefill kernels (a 256-token prefill), CSV pages
 #   ncumk : Nsight Compute on the monokernel at 1K (the third launch of 32 tokens, caches not flushed: the steady
 #           state of the generation loop), then on the per-op chain's kernels with caches not flushed; CSV pages
-#           (scripts/ncu_mk_stages.py maps the monokernel's to its stages, here, after the call)
+#           (scripts/ncu_mk_stages.py maps the monokernel's to its stages, here, after the call); NCUMK_PROFILE=1:
+#           the stage profile at 1K/8K instead of the per-op chain
 #   tests : engine + monokernel GPU tests
 #   prefill: the matrix-core prefill's op tests, the op and engine GPU tests, the prefill benchmark (TTFT of 64 to
 #            4K-token prompts, matrix cores against the 8-token FMA path, alternated in one process)
@@ -229,11 +230,12 @@ case "$MODE" in
       --section LaunchStats --section InstructionStats -o "$OUT/ncumk" -f \
       $PY scripts/perop_steps.py --monokernel --context 1024 --steps 32 --launches 3
     ncu_pages ncumk
-    run ncuperop 200 "$N" --clock-control none --cache-control none \
+    [ -z "${NCUMK_PROFILE:-}" ] || profile  # the stage profile at 1K/8K instead of the per-op chain
+    [ -n "${NCUMK_PROFILE:-}" ] || run ncuperop 200 "$N" --clock-control none --cache-control none \
       -k "regex:${NCU_KERNELS:-matvec|attention_split|attention_combine}" --launch-skip 96 --launch-count 12 \
       --section SpeedOfLight --section WarpStateStats --section SourceCounters -o "$OUT/ncuperop" -f \
       $PY scripts/perop_steps.py --context 1024 --steps 8
-    ncu_pages ncuperop ;;
+    [ -n "${NCUMK_PROFILE:-}" ] || ncu_pages ncuperop ;;
   tests)  # engine + monokernel GPU tests of this tree
     engine_tests; mk_tests ;;
   prefillrecord)
