@@ -62,10 +62,12 @@ def nvdisasm() -> str:
 # Run with PYTHONPATH = the profiled tree, so that its own package and kernels build (the environment's build
 # knobs apply as on the device): the monokernel at `context`, sm_90, -lineinfo, written to argv[2].
 BUILD = """
-import sys
+import inspect, sys
 from hipengine.gpu import backend_cuda as bc, compiler, monokernel as M
 n = int(sys.argv[1])
-kw = M.compile_args("nvidia", False, 4, head_dim=64, q_regs=M.q_regs_build(n), max_context=n, arch="sm_90")
+# llama-3.2-1b's stream rows (hidden size, q_dim, ffn): perop_steps.py's shape (trees before v67 lack `rows`)
+rows = {"rows": (2048, 2048, 8192)} if "rows" in inspect.signature(M.compile_args).parameters else {}
+kw = M.compile_args("nvidia", False, 4, head_dim=64, q_regs=M.q_regs_build(n), max_context=n, arch="sm_90", **rows)
 path, text = compiler.resolve_source(M.SOURCE)
 opts = bc.nvrtc_options("sm_90", path.parent, kw.get("defines"), kw.get("options")) + ["-lineinfo"]
 open(sys.argv[2], "wb").write(bc.nvrtc_compile(text, path.name, opts)[0])
