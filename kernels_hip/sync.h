@@ -75,25 +75,16 @@ HE_INLINE bool he_aborted(const HeWaitCtx& w) { return he_load_relaxed_device(&w
 // Wait (one thread) until *flag >= target, comparing with wrap-around so monotone 32-bit counters may wrap.
 // Acquire at device scope on success (the flag's writer used a device-scope release). Returns false on
 // timeout (after reporting `code`) or when another block aborted.
-// HE_POLL_ABORT_RARE=1: the abort word is read with the clock, every kPollsPerClock polls, instead of after every
-// poll, where the acquire before it made it a second dependent L2 round trip per poll (Nsight Compute:
-// docs/perf-log.md v70) — the counter is then sampled twice as often.
-#ifndef HE_POLL_ABORT_RARE
-#define HE_POLL_ABORT_RARE 0
-#endif
 HE_INLINE bool he_wait_geq_device(const HeWaitCtx& w, const he_u32* flag, he_u32 target, he_u32 code) {
   if ((int)(he_load_acquire_device(flag) - target) >= 0) return true;
   const he_u64 t0 = he_clock_ns();
   for (int polls = 0;; ++polls) {
     if ((int)(he_load_acquire_device(flag) - target) >= 0) return true;
-    if (!HE_POLL_ABORT_RARE && he_aborted(w)) return false;
+    if (he_aborted(w)) return false;
     if (w.sleep_ns) he_sleep(w.sleep_ns);
-    if (polls % kPollsPerClock == 0) {
-      if (HE_POLL_ABORT_RARE && he_aborted(w)) return false;
-      if (he_clock_ns() - t0 > w.timeout_ns) {
-        he_report_error(w, code);
-        return false;
-      }
+    if (polls % kPollsPerClock == 0 && he_clock_ns() - t0 > w.timeout_ns) {
+      he_report_error(w, code);
+      return false;
     }
   }
 }

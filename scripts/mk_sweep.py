@@ -49,10 +49,12 @@ VARIANTS = [  # name, build env, runtime attrs
     # the stream with its predicated paths where rows are whole pairs (v67: 6% slower at 1K)
     ("stream with its predicated paths", {"HIPENGINE_MV_WHOLE_PAIRS": "0"}, {}),
     ("without the cold-branch hints (v68: 0.3% slower at 1K)", {"HIPENGINE_MK_DEFINES": "HE_COLD_HINTS=0"}, {}),
-    # a weight fill in two calls: the second batch waited for the first where the row pointers are loads (v69)
-    ("fills as two calls (the second batch after the first)", {"HIPENGINE_MK_DEFINES": "HE_MV_PAIR_FILL=0"}, {}),
-    # the grid waits' abort word read with the clock (every 64 polls) instead of after every poll (v70)
-    ("abort word read every 64 polls", {"HIPENGINE_MK_DEFINES": "HE_POLL_ABORT_RARE=1"}, {}),
+    # a fill's two batches at once, per site (v69: everywhere, 2% slower at 1K): O-proj's after the splits,
+    # gate/up's at the O barrier, QKV's at the down barrier
+    ("both batches at once: O-proj's fill", {"HIPENGINE_MK_DEFINES": "MK_PAIR_FILL=1"}, {}),
+    ("both batches at once: gate/up's fill", {"HIPENGINE_MK_DEFINES": "MK_PAIR_FILL=2"}, {}),
+    ("both batches at once: QKV's fill", {"HIPENGINE_MK_DEFINES": "MK_PAIR_FILL=4"}, {}),
+    ("down's fill with the second batch after the first", {"HIPENGINE_MK_DEFINES": "MK_SERIAL_DOWN=1"}, {}),
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
     # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,
     # the others were slower and are gone from the kernels; docs/perf-log.md v22-v24)

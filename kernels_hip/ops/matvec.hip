@@ -162,7 +162,7 @@ HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMat
   he_matvec_load<kRows>(rp, op.in, c0, w);
 }
 
-// One batch of pair p (from op, or from nxt once the pair belongs to it): the loop refills a and b apart.
+// Load both batches of pair p (from op, or from nxt once the pair belongs to it).
 template <class Op, class Next, int kRows>
 HE_INLINE void he_mv_fill_a(const Op& op, const Next& nxt, const HeMvPos& p, HeMvStream<kRows>& s) {
   if (!p.nx) he_mv_load(op, p.u, p.c0, s.a);
@@ -172,35 +172,6 @@ template <class Op, class Next, int kRows>
 HE_INLINE void he_mv_fill_b(const Op& op, const Next& nxt, const HeMvPos& p, HeMvStream<kRows>& s) {
   if (!p.nx) he_mv_load(op, p.u, p.c0 + kMatvecBatch, s.b);
   else he_mv_load(nxt, p.u, p.c0 + kMatvecBatch, s.b);
-}
-
-// Both batches of unit u's pair at column c0 (zeros when there is no unit): one unit test, one computation of the
-// row pointers, then the two batches' loads. Filled as fill_a + fill_b, the second batch's addresses sat behind a
-// branch join: where the row pointers are themselves loads (the monokernel's layer table after a grid wait),
-// ptxas re-waited on their scoreboard there, which it had by then shared with the first batch's loads, so the
-// second batch went out only when the first had arrived — an HBM round trip inside every fill between a
-// barrier's arrival and its wait (Nsight Compute, docs/perf-log.md v69). HE_MV_PAIR_FILL=0: the two-call form.
-#ifndef HE_MV_PAIR_FILL
-#define HE_MV_PAIR_FILL 1
-#endif
-constexpr bool kMvPairFill = HE_MV_PAIR_FILL != 0;
-template <class Op, int kRows>
-HE_INLINE void he_mv_load_pair(const Op& op, int u, int c0, HeMvStream<kRows>& s) {
-  if (u >= op.units()) { he_mv_zero(s.a); he_mv_zero(s.b); return; }
-  const he_u16* rp[kRows];
-  op.rows(u, rp);
-  he_matvec_load<kRows>(rp, op.in, c0, s.a);
-  he_matvec_load<kRows>(rp, op.in, c0 + kMatvecBatch, s.b);
-}
-template <class Op, class Next, int kRows>
-HE_INLINE void he_mv_fill_pair(const Op& op, const Next& nxt, const HeMvPos& p, HeMvStream<kRows>& s) {
-  if constexpr (kMvPairFill) {
-    if (!p.nx) he_mv_load_pair(op, p.u, p.c0, s);
-    else he_mv_load_pair(nxt, p.u, p.c0, s);
-  } else {
-    he_mv_fill_a(op, nxt, p, s);
-    he_mv_fill_b(op, nxt, p, s);
-  }
 }
 
 // p past op's last unit -> the first pair of nxt.
@@ -221,7 +192,8 @@ template <class Op, class Next, int kRows>
 HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) {
   s.p = HeMvPos{he_mv_first(), 0, false};
   he_mv_norm(s.p, op);
-  he_mv_fill_pair(op, nxt, s.p, s);
+  he_mv_fill_a(op, nxt, s.p, s);
+  he_mv_fill_b(op, nxt, s.p, s);
 }
 
 // acc[r][k % 2] += this lane's part of batch w (columns c0 + k·sweep + lane·8) of the unit's rows: two FMA
@@ -263,7 +235,8 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
     s.p.u = he_mv_first();
     s.p.c0 = 0;
     s.p.nx = true;
-    he_mv_fill_pair(op, nxt, s.p, s);
+    he_mv_fill_a(op, nxt, s.p, s);
+    he_mv_fill_b(op, nxt, s.p, s);
   }
   float pv[kRows];  // the current unit's epilogue operands (op.pre)
   if (!s.p.nx) op.pre(s.p.u, pv);
@@ -297,9 +270,30 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
 }
 
 // The first pair of nxt after a he_mv_finish<kF16, true>(op, s, ..., nxt) (s.p is nxt's first pair).
-template <class Next, int kRows>
+// As two calls (fill_a, fill_b), where the row pointers are loads (the monokernel's layer table after a grid
+// wait) the second batch goes out only once the first has arrived: its address arithmetic follows fill_a's
+// unit test, and there ptxas waits again on the pointers' scoreboard, which it shares with the first batch's
+// loads. Issuing both batches at once (kPair: one unit test, then 16 loads; no wait) was 2.0 / 1.1 / 0.6%
+// slower at 1K / 8K / 32K in the monokernel on H200 (docs/perf-log.md v69): those bytes land in the
+// barrier window, where every load queues before the latency-bound chain's.
+// kMode (experiments, v69b): 0 the two calls; 1 (pair) both batches at once; 2 (serial) the second batch after the
+// first has arrived, explicitly (a shared-memory store of its first word waits for it), wherever the pointers are.
+enum { kMvFillCalls = 0, kMvFillPair = 1, kMvFillSerial = 2 };
+template <int kMode = kMvFillCalls, class Next, int kRows>
 HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvStream<kRows>& s) {
-  he_mv_fill_pair(nxt, nxt, s.p, s);
+  if (kMode == kMvFillPair && s.p.u < nxt.units()) {
+    const he_u16* rp[kRows];
+    nxt.rows(s.p.u, rp);
+    he_matvec_load<kRows>(rp, nxt.in, s.p.c0, s.a);
+    he_matvec_load<kRows>(rp, nxt.in, s.p.c0 + kMatvecBatch, s.b);
+    return;
+  }
+  he_mv_fill_a(nxt, nxt, s.p, s);
+  if (kMode == kMvFillSerial) {
+    __shared__ he_u32 he_mv_fill_sink[kMaxWarpsPerBlock];
+    if (he_lane_id() == 0) *(volatile he_u32*)&he_mv_fill_sink[he_warp_id()] = s.a[0][0].x;  // never read: volatile
+  }
+  he_mv_fill_b(nxt, nxt, s.p, s);
 }
 
 HE_INLINE float he_silu(float g) { return g / (1.f + he_exp(-g)); }
