@@ -49,12 +49,10 @@ VARIANTS = [  # name, build env, runtime attrs
     # the stream with its predicated paths where rows are whole pairs (v67: 6% slower at 1K)
     ("stream with its predicated paths", {"HIPENGINE_MV_WHOLE_PAIRS": "0"}, {}),
     ("without the cold-branch hints (v68: 0.3% slower at 1K)", {"HIPENGINE_MK_DEFINES": "HE_COLD_HINTS=0"}, {}),
-    # a fill's two batches at once, per site (v69: everywhere, 2% slower at 1K): O-proj's after the splits,
-    # gate/up's at the O barrier, QKV's at the down barrier
-    ("both batches at once: O-proj's fill", {"HIPENGINE_MK_DEFINES": "MK_PAIR_FILL=1"}, {}),
-    ("both batches at once: gate/up's fill", {"HIPENGINE_MK_DEFINES": "MK_PAIR_FILL=2"}, {}),
-    ("both batches at once: QKV's fill", {"HIPENGINE_MK_DEFINES": "MK_PAIR_FILL=4"}, {}),
-    ("down's fill with the second batch after the first", {"HIPENGINE_MK_DEFINES": "MK_SERIAL_DOWN=1"}, {}),
+    # the QKV epilogue's position read through &iota[pos] instead of by value (v71)
+    ("QKV position through &iota[pos] (v68)", {"HIPENGINE_MK_DEFINES": "HE_QKV_POS_ARG=0"}, {}),
+    # (session 26's v69 / v69b — a fill's two batches at once, everywhere or per site; down's fill serialised —
+    # and v70 — the grid waits' abort word every 64 polls — were variants here: all slower or level, removed)
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /
     # MK_FILL_O_LATE were variants here via HIPENGINE_MK_DEFINES: the first two and the last are now the default,
     # the others were slower and are gone from the kernels; docs/perf-log.md v22-v24)

@@ -379,21 +379,6 @@ constexpr bool kMkDeferOD = !kMkTp;
 #ifndef MK_FINE2
 #define MK_FINE2 0
 #endif
-// Experiment (v69b): how the fills between a stage and the next issue their two batches (ops/matvec.hip
-// he_mv_fill_next's kMode) — MK_PAIR_FILL, a mask of sites with both batches at once: 1 the O-proj's after the
-// attention splits, 2 gate/up's at the O barrier, 4 QKV's (or the LM head's) at the down barrier and the next
-// step's QKV at the LM head's; MK_SERIAL_DOWN=1: down's at the gate/up barrier with the second batch after the
-// first (as the others are, by ptxas's scoreboard allocation). The defaults: every fill as two calls.
-#ifndef MK_PAIR_FILL
-#define MK_PAIR_FILL 0
-#endif
-#ifndef MK_SERIAL_DOWN
-#define MK_SERIAL_DOWN 0
-#endif
-constexpr int kMkFillO = (MK_PAIR_FILL & 1) ? kMvFillPair : kMvFillCalls;
-constexpr int kMkFillGu = (MK_PAIR_FILL & 2) ? kMvFillPair : kMvFillCalls;
-constexpr int kMkFillQkv = (MK_PAIR_FILL & 4) ? kMvFillPair : kMvFillCalls;
-constexpr int kMkFillDown = MK_SERIAL_DOWN ? kMvFillSerial : kMvFillCalls;
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
@@ -494,7 +479,7 @@ HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const 
   // qk_norm models write raw q|k|v (rope = 0); the per-head norm stage rotates and appends.
   return HeMvQkv{x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
                  p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
-                 p.qk_norm ? 0 : 1};
+                 p.qk_norm ? 0 : 1, pos};
 }
 #if MK_TP
 HE_INLINE MkMvOut mk_o_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
@@ -744,7 +729,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
       // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).
-      he_mv_fill_next<kMkFillO>(mk_o_op(p, L, ep_o + 1), s);
+      he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
       if (MK_FINE2 && p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
@@ -767,14 +752,14 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         gx = he_mk_smem;
       } else if (kMkDeferOD) {
         arrive(kProfO);
-        he_mv_fill_next<kMkFillGu>(mk_gate_up_op(p, L, p.x), s);
+        he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
         if (!wait(kProfO)) return;
       } else if (!barrier(kProfO)) {
         return;
       }
       he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       arrive(kProfGateUp);
-      he_mv_fill_next<kMkFillDown>(mk_down_op(p, L, ep_d + 1), s);
+      he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
       if (!wait(kProfGateUp)) return;
       ++ep_d;
       if (l + 1 < p.n_layers)
@@ -783,8 +768,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x));
       if (kMkDeferOD && !tp) {
         arrive(kProfDown);
-        if (l + 1 < p.n_layers) he_mv_fill_next<kMkFillQkv>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-        else he_mv_fill_next<kMkFillQkv>(mk_head_op(p, p.x), s);
+        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+        else he_mv_fill_next(mk_head_op(p, p.x), s);
         if (!wait(kProfDown)) return;
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
@@ -798,7 +783,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     // The LM head refills with the next step's first QKV weights (held through token selection).
     he_mv_finish<kMkF16, kMkDefer>(mk_head_op(p, hx), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[0], pos + 1, p.x));
     arrive(kProfHead);
-    he_mv_fill_next<kMkFillQkv>(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
+    he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     if (!wait(kProfHead)) return;
     pos += 1;
     steps += 1;

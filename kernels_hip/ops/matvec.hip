@@ -270,29 +270,14 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
 }
 
 // The first pair of nxt after a he_mv_finish<kF16, true>(op, s, ..., nxt) (s.p is nxt's first pair).
-// As two calls (fill_a, fill_b), where the row pointers are loads (the monokernel's layer table after a grid
-// wait) the second batch goes out only once the first has arrived: its address arithmetic follows fill_a's
-// unit test, and there ptxas waits again on the pointers' scoreboard, which it shares with the first batch's
-// loads. Issuing both batches at once (kPair: one unit test, then 16 loads; no wait) was 2.0 / 1.1 / 0.6%
-// slower at 1K / 8K / 32K in the monokernel on H200 (docs/perf-log.md v69): those bytes land in the
-// barrier window, where every load queues before the latency-bound chain's.
-// kMode (experiments, v69b): 0 the two calls; 1 (pair) both batches at once; 2 (serial) the second batch after the
-// first has arrived, explicitly (a shared-memory store of its first word waits for it), wherever the pointers are.
-enum { kMvFillCalls = 0, kMvFillPair = 1, kMvFillSerial = 2 };
-template <int kMode = kMvFillCalls, class Next, int kRows>
+// Two calls on purpose: where the row pointers are loads (the monokernel's layer table after a grid wait), the
+// second batch's address arithmetic follows fill_a's unit test, and there ptxas waits again on the pointers'
+// scoreboard, which it shares with the first batch's loads — so the second batch goes out only once the first
+// has arrived. Issuing both at once was 2.0 / 1.1 / 0.6% slower at 1K / 8K / 32K on H200 (the O-proj's and
+// gate/up's fills −0.8% each, QKV's ±0; docs/perf-log.md v69): those bytes land in a latency-bound window.
+template <class Next, int kRows>
 HE_INLINE void he_mv_fill_next(const Next& nxt, HeMvStream<kRows>& s) {
-  if (kMode == kMvFillPair && s.p.u < nxt.units()) {
-    const he_u16* rp[kRows];
-    nxt.rows(s.p.u, rp);
-    he_matvec_load<kRows>(rp, nxt.in, s.p.c0, s.a);
-    he_matvec_load<kRows>(rp, nxt.in, s.p.c0 + kMatvecBatch, s.b);
-    return;
-  }
   he_mv_fill_a(nxt, nxt, s.p, s);
-  if (kMode == kMvFillSerial) {
-    __shared__ he_u32 he_mv_fill_sink[kMaxWarpsPerBlock];
-    if (he_lane_id() == 0) *(volatile he_u32*)&he_mv_fill_sink[he_warp_id()] = s.a[0][0].x;  // never read: volatile
-  }
   he_mv_fill_b(nxt, nxt, s.p, s);
 }
 
@@ -448,7 +433,7 @@ HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const
 // there, before the prologue's loads (measured −1.7% per-op at 1K, docs/perf-log.md v36). The monokernel
 // keeps the late loads (its position is &iota[pos], no device word; v34: a change in its QKV stream's live
 // state cost it 1.5% at 1K).
-template <bool kEarlyPos>
+template <bool kEarlyPos, bool kPosArg = false>
 struct HeMvQkvT {
   const float* x;
   const float* gamma;
@@ -463,6 +448,7 @@ struct HeMvQkvT {
   he_kv* k_cache;
   he_kv* v_cache;
   int max_ctx, q_dim, kv_dim, hd, rope;
+  int pos_arg;  // kPosArg: the position itself (the monokernel holds it in a register), not read through pos_p
   HE_INLINE int units() const { return (q_dim + 2 * kv_dim) / 2; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
     const int half = hd / 2, ra = (u / half) * hd + u % half;
@@ -479,7 +465,7 @@ struct HeMvQkvT {
     const int ra = (u / half) * hd + i, rb = ra + half;  // rows in the stacked matrix
     float a = acc[0] + (bias ? bias[ra] : 0.f), b = acc[1] + (bias ? bias[rb] : 0.f);
     if (!rope) { q_out[ra] = a; q_out[rb] = b; return; }
-    const int pos = kEarlyPos ? (int)he_f32_as_u32(pv[0]) : *pos_p;
+    const int pos = kPosArg ? pos_arg : kEarlyPos ? (int)he_f32_as_u32(pv[0]) : *pos_p;
     if (ra < q_dim + kv_dim) {  // q or k: rotate
       const float c = cos_t[(he_i64)pos * half + i], s = sin_t[(he_i64)pos * half + i];
       const float ra_v = a * c - b * s, rb_v = b * c + a * s;
@@ -494,7 +480,14 @@ struct HeMvQkvT {
   }
 };
 
-using HeMvQkv = HeMvQkvT<false>;  // the monokernel's
+// The monokernel's, with the position by value (HE_QKV_POS_ARG, v71): a unit's epilogue then starts with the
+// cos/sin loads instead of an L2 round trip for &iota[pos] (after the warp sum: 0.25 µs per unit at 1K in Nsight
+// Compute); the cos/sin loads stay where they are (v34 moved both to the unit's start and lost 1.5%).
+// HE_QKV_POS_ARG=0: the position through pos_p (A/B).
+#ifndef HE_QKV_POS_ARG
+#define HE_QKV_POS_ARG 1
+#endif
+using HeMvQkv = HeMvQkvT<false, HE_QKV_POS_ARG != 0>;
 
 HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
                            const float* __restrict__ bias, const float* __restrict__ cos_t,
@@ -504,7 +497,7 @@ HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const floa
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvQkvT<true> op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
-                          max_ctx, q_dim, kv_dim, hd, rope};
+                          max_ctx, q_dim, kv_dim, hd, rope, 0};
   if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
   else he_matvec_run<false>(op, he_xs, scratch);
 }
