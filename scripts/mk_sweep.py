@@ -49,8 +49,8 @@ VARIANTS = [  # name, build env, runtime attrs
     # the stream with its predicated paths where rows are whole pairs (v67: 6% slower at 1K)
     ("stream with its predicated paths", {"HIPENGINE_MV_WHOLE_PAIRS": "0"}, {}),
     ("without the cold-branch hints (v68: 0.3% slower at 1K)", {"HIPENGINE_MK_DEFINES": "HE_COLD_HINTS=0"}, {}),
-    # the QKV epilogue's position read through &iota[pos] instead of by value (v71)
-    ("QKV position through &iota[pos] (v68)", {"HIPENGINE_MK_DEFINES": "HE_QKV_POS_ARG=0"}, {}),
+    # the QKV epilogue's position by value instead of through &iota[pos] (v71, prepared, not yet measured)
+    ("QKV position by value", {"HIPENGINE_MK_DEFINES": "HE_QKV_POS_ARG=1"}, {}),
     # (session 26's v69 / v69b — a fill's two batches at once, everywhere or per site; down's fill serialised —
     # and v70 — the grid waits' abort word every 64 polls — were variants here: all slower or level, removed)
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /

@@ -480,12 +480,12 @@ struct HeMvQkvT {
   }
 };
 
-// The monokernel's, with the position by value (HE_QKV_POS_ARG, v71): a unit's epilogue then starts with the
-// cos/sin loads instead of an L2 round trip for &iota[pos] (after the warp sum: 0.25 µs per unit at 1K in Nsight
-// Compute); the cos/sin loads stay where they are (v34 moved both to the unit's start and lost 1.5%).
-// HE_QKV_POS_ARG=0: the position through pos_p (A/B).
+// The monokernel's. Experiment (v71, prepared in session 26, not yet measured: no device was lent): HE_QKV_POS_ARG=1
+// hands it the position by value, so a unit's epilogue starts with the cos/sin loads instead of an L2 round trip
+// for &iota[pos] (after the warp sum: 0.25 µs per unit at 1K in Nsight Compute); the cos/sin loads stay where
+// they are (v34 moved both to the unit's start and lost 1.5%). Same registers and code size; mk_sweep variant 15.
 #ifndef HE_QKV_POS_ARG
-#define HE_QKV_POS_ARG 1
+#define HE_QKV_POS_ARG 0
 #endif
 using HeMvQkv = HeMvQkvT<false, HE_QKV_POS_ARG != 0>;
 
