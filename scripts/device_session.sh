@@ -230,12 +230,15 @@ case "$MODE" in
       --section LaunchStats --section InstructionStats -o "$OUT/ncumk" -f \
       $PY scripts/perop_steps.py --monokernel --context 1024 --steps 32 --launches 3
     ncu_pages ncumk
-    [ -z "${NCUMK_PROFILE:-}" ] || profile  # the stage profile at 1K/8K instead of the per-op chain
-    [ -n "${NCUMK_PROFILE:-}" ] || run ncuperop 200 "$N" --clock-control none --cache-control none \
-      -k "regex:${NCU_KERNELS:-matvec|attention_split|attention_combine}" --launch-skip 96 --launch-count 12 \
-      --section SpeedOfLight --section WarpStateStats --section SourceCounters -o "$OUT/ncuperop" -f \
-      $PY scripts/perop_steps.py --context 1024 --steps 8
-    [ -n "${NCUMK_PROFILE:-}" ] || ncu_pages ncuperop ;;
+    if [ -n "${NCUMK_PROFILE:-}" ]; then
+      profile  # the stage profile at 1K/8K instead of the per-op chain
+    else
+      run ncuperop 200 "$N" --clock-control none --cache-control none \
+        -k "regex:${NCU_KERNELS:-matvec|attention_split|attention_combine}" --launch-skip 96 --launch-count 12 \
+        --section SpeedOfLight --section WarpStateStats --section SourceCounters -o "$OUT/ncuperop" -f \
+        $PY scripts/perop_steps.py --context 1024 --steps 8
+      ncu_pages ncuperop
+    fi ;;
   tests)  # engine + monokernel GPU tests of this tree
     engine_tests; mk_tests ;;
   prefillrecord)
