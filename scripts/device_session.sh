@@ -17,6 +17,8 @@
 #   abenv : per-op A/B of environment settings $AB_ENVS on this tree, 1K/8K/32K; kernel timelines ($AB_PROFILE_ENVS)
 #   abboth: A/B of environment settings $AB_ENVS on both paths (decode bench, tokens compared), timelines, tests
 #   abmk  : monokernel variants (mk_sweep $ONLY) at $AB_CONTEXTS, stage profiles at 1K per word of $AB_PROFILE_ENVS
+#   abmkt : monokernel variants (mk_sweep $ONLY after the trees $AB_TREES), the monokernel tests per word of
+#           $AB_TEST_ENVS, stage profiles at 1K per word of $AB_PROFILE_ENVS
 #   recordmk: a shared default changed: op, engine, monokernel tests, the bench of record, timeline, mk_sweep $ONLY
 #   recordenv: after a change of per-op defaults: op tests, engine + monokernel tests, the decode bench of record,
 #              the per-op timeline, then per-op A/B runs of $AB_ENVS while the call has time
@@ -177,6 +179,21 @@ case "$MODE" in
       --only "$ONLY" --json "$OUT/mk_sweep.json"
     env_runs mkprof 80 "${AB_PROFILE_ENVS:-}" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
       --profile ;;
+  abmkt)  # monokernel variants with their correctness: mk_sweep's variants $ONLY after the trees $AB_TREES at
+          # $AB_CONTEXTS (one process, tokens compared with the first), the monokernel GPU tests once per word of
+          # $AB_TEST_ENVS (VAR=V[,VAR=V] or -: the variant builds on the tests' models), then the stage profile at 1K
+          # per word of $AB_PROFILE_ENVS
+    run mk_sweep ${AB_SWEEP_S:-330} $PY scripts/mk_sweep.py --contexts "$(echo ${AB_CONTEXTS:-1024 8192 32768} | tr ' ' ,)" \
+      --only "$ONLY" $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/mk_sweep.json"
+    i=0
+    for e in ${AB_TEST_ENVS:--}; do
+      [ "$e" = - ] && e=""
+      echo "mk_tests_$i: ${e:-default}" | tee -a "$SUMMARY"
+      run "mk_tests_$i" 200 env ${e//,/ } $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
+      i=$((i + 1))
+    done
+    env_runs mkprof 80 "${AB_PROFILE_ENVS:-}" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
+      --profile ;;
   recordmk)  # after a change of a default both paths share: op tests ($AB_TESTS: a -k expression), engine and
              # monokernel tests, the decode bench of record at $BENCH_CONTEXTS (both paths, tokens compared), the
              # per-op timeline at 1K, mk_sweep's variants $ONLY at $AB_CONTEXTS, the 1B preset's 512-position check
@@ -277,7 +294,7 @@ case "$MODE" in
     run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|abmk|abmkt|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

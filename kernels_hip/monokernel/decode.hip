@@ -380,6 +380,20 @@ constexpr bool kMkDeferOD = !kMkTp;
 #define MK_FINE2 0
 #endif
 
+// MK_ATTN_EARLY=1 (experiment v72): the attention splits' first K/V requests go out between the QKV barrier's
+// arrival and its wait (mk_attention's kEarly), as the per-op split kernel's go out before its he_pdl_wait. At
+// the QKV barrier no weights are in flight (the O-proj's are requested after the splits, v24), so the window is
+// HBM-idle: 2 MB of K/V at 1K. Same loads, same sums.
+#ifndef MK_ATTN_EARLY
+#define MK_ATTN_EARLY 0
+#endif
+constexpr bool kMkAttnEarly = MK_ATTN_EARLY != 0;
+// MK_COMBINE_SPARE=1 (experiment v73): fine == 3's combine by the blocks that have no split item (mk_attention).
+#ifndef MK_COMBINE_SPARE
+#define MK_COMBINE_SPARE 0
+#endif
+constexpr bool kMkCombineSpare = MK_COMBINE_SPARE != 0;
+
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -515,19 +529,68 @@ HE_INLINE void mk_combine(const MkParams& p, int h0, int n, int seq) {
   if (he_thread_idx() == 0) he_arrive_add(p.attn_count + p.nkv + 1, (he_u32)n);
 }
 
-HE_INLINE void mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof) {
-  const int items = p.nkv * p.nsplit;
+// The QKV barrier's wait as the split body's kEarly wait (MK_ATTN_EARLY): he_grid_wait on a copy of the block's
+// barrier count (the caller advances its own after mk_attention returns), then the QKV stage's profile mark.
+struct MkWaitQkv {
+  HeWaitCtx w;
+  he_u32 epoch;
+  int nb;
+  MkProf* prof;
+  HE_INLINE bool operator()() const {
+    he_u32 e = epoch;
+    const bool ok = he_grid_wait(w, e, nb);
+    prof->done(kProfQkv);
+    return ok;
+  }
+};
+
+// One decode step's attention splits of this block (items it = block, block + grid, ...). kEarly (MK_ATTN_EARLY):
+// the QKV barrier's arrival has been made but not its wait — `wait` is it. The block's first split requests its
+// K/V rows (all but the newest, which this step's QKV appended) before waiting, as the per-op split kernel does
+// before its he_pdl_wait: their HBM round trip overlaps the barrier instead of heading the split's chain after it.
+// A block without an item just waits. False when a wait failed (the kernel must end).
+// fine == 3 combines each KV head's G query heads without a grid barrier: by the head's last split block to
+// arrive (he_arrive_last: an acq_rel counter at device scope, so it sees every split's partial), or — kMkCombineSpare
+// (MK_COMBINE_SPARE, v73) when the grid has blocks without a split item — by one of those: split blocks only add
+// a release to the head's counter (no reply to wait for before they request the O-proj's weights), and spare
+// block b combines heads b − items, b − items + spare, ... once its acquire poll sees all nsplit arrivals. The
+// combine is the same function of the same partials: the same bits either way.
+template <bool kEarly, class Wait>
+HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof,
+                            const HeWaitCtx& w, const Wait& wait) {
+  const int items = p.nkv * p.nsplit, spare = he_grid_dim() - items;
+  const bool spare_combine = kMkCombineSpare && p.fine == 3 && spare > 0;
+  if (he_block_idx() >= items) {
+    if (kEarly && !wait()) return false;
+    if (spare_combine)
+      for (int kvh = he_block_idx() - items; kvh < p.nkv; kvh += spare) {
+        if (!he_block_wait_geq(w, p.attn_count + kvh, (he_u32)p.nsplit)) return false;
+        // reset for the next layer: its arrivals follow this block's next grid barrier (release / acquire)
+        if (he_thread_idx() == 0) he_store_relaxed_device(p.attn_count + kvh, 0u);
+        mk_combine(p, kvh * MK_ATTN_G, MK_ATTN_G, pos + 1);
+      }
+    return true;
+  }
   for (int it = he_block_idx(); it < items; it += he_grid_dim()) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
-    he_attention_split_block<MK_ATTN_G>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
-                                        p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem);
+    if (kEarly && it == he_block_idx()) {
+      if (!he_attention_split_block<MK_ATTN_G, true>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split,
+                                                     p.nsplit, p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem, wait))
+        return false;
+    } else {
+      he_attention_split_block<MK_ATTN_G>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
+                                          p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem);
+    }
     if (it == he_block_idx()) prof.work(kProfAttnSplit);  // block 0: stage start -> end of its first split
-    // fine == 3: the last of this KV head's nsplit blocks to arrive (acq_rel counter at device scope: it
-    // sees every split's partial) combines the whole group, one thread per (head, dim), no grid barrier.
-    if (p.fine == 3 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit))
+    if (spare_combine) {
+      he_sync_block();  // every thread's partial stores happen-before thread 0's release (block scope)
+      if (he_thread_idx() == 0) he_arrive_add(p.attn_count + kvh, 1u);
+    } else if (p.fine == 3 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit)) {
       mk_combine(p, kvh * MK_ATTN_G, MK_ATTN_G, pos + 1);
+    }
     he_sync_block();  // shared memory is reused by the next item
   }
+  return true;
 }
 
 // ---- greedy token selection spread over the grid ----------------------------------------------------------
@@ -714,17 +777,26 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       }
       // QKV's stream stops at its end; the O-proj's first weights are requested after the attention splits.
       he_mv_finish<kMkF16, kMkDefer>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
-      if (!barrier(kProfQkv)) return;
+      if (kMkAttnEarly) arrive(kProfQkv);  // its wait is in mk_attention, after the splits' first K/V requests
+      else if (!barrier(kProfQkv)) return;
       if (MK_QK_NORM && p.qk_norm) {  // raw q|k|v published: per-head norm + RoPE + append, then one more barrier
+        if (kMkAttnEarly && !wait(kProfQkv)) return;
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
           he_qk_norm_rope_head(p.qkv, L.q_norm, L.k_norm, p.eps, p.cos_t, p.sin_t, pos, p.q, L.k_cache, L.v_cache,
                                p.max_ctx, p.nh, p.nkv, p.hd, head, scratch);
-        if (!barrier(kProfQkv)) return;
+        if (kMkAttnEarly) arrive(kProfQkv);
+        else if (!barrier(kProfQkv)) return;
       }
       // The matrix-core split is a call (ops/attention_decode.hip HE_ATTN_MMA_FN): compiler fences around the
       // stage, so the kernel reloads its parameters after it instead of keeping them live (spilled) across it.
       if (kAttnMma) he_compiler_fence();
-      mk_attention(p, L, pos, he_mk_smem, prof);
+      if constexpr (kMkAttnEarly) {
+        const bool ok = mk_attention<true>(p, L, pos, he_mk_smem, prof, w, MkWaitQkv{w, epoch, nb, &prof});
+        ++epoch;  // the barrier MkWaitQkv waited for
+        if (!ok) return;
+      } else {
+        if (!mk_attention<false>(p, L, pos, he_mk_smem, prof, w, HeAttnPdlWait{})) return;
+      }
       if (kAttnMma) he_compiler_fence();
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain

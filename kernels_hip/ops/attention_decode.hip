@@ -126,25 +126,37 @@ struct HeAttnTrigger {
   static constexpr bool before = kTrigger && !(kEarly && HE_PDL_LATE == 1), after = kTrigger && !before;
 };
 
-// The rows [start, start + n) a split takes of a `seq`-row sequence under the plan (nsplit, chunk); false when it
+// The wait a kEarly split body makes between its first K/V requests and everything that reads step data: by
+// default the per-op kernel's he_pdl_wait (port.h; it cannot fail). The monokernel passes its QKV barrier's wait
+// (decode.hip MkWaitQkv, MK_ATTN_EARLY), which returns false when the kernel must end; the bodies then return
+// false at once, in every thread of the block (the wait's result is the block's).
+struct HeAttnPdlWait {
+  HE_INLINE bool operator()() const {
+    he_pdl_wait();
+    return true;
+  }
+};
+
+// The rows [start, start + n) a split takes of a `seq`-row sequence under the plan (nsplit, chunk); 0 when it
 // has none (it starts past seq): the block then marks the split empty for the combine (m = −inf, l = 0), after
-// the trigger and wait its kernel's place asks for, and the split body returns. Both split bodies start here.
-template <int kG, bool kEarly, bool kTrigger>
-HE_INLINE bool he_attn_split_rows(int seq, int kvh, int split, int nsplit, int chunk, int hd, float* partial,
-                                  int& start, int& n) {
+// the trigger and wait its kernel's place asks for, and the split body returns; 1 when it has rows; −1 when that
+// wait failed. Both split bodies start here.
+template <int kG, bool kEarly, bool kTrigger, class Wait>
+HE_INLINE int he_attn_split_rows(int seq, int kvh, int split, int nsplit, int chunk, int hd, float* partial,
+                                 int& start, int& n, const Wait& wait) {
   chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
   start = split * chunk;
   n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
-  if (n != 0) return true;
+  if (n != 0) return 1;
   if (HeAttnTrigger<kEarly, kTrigger>::before) he_pdl_trigger();
-  if (kEarly) he_pdl_wait();  // partial is step data
+  if (kEarly && !wait()) return -1;  // partial is step data
   if (HeAttnTrigger<kEarly, kTrigger>::after) he_pdl_trigger();
   for (int g = he_thread_idx(); g < kG; g += kAttnThreads) {
     float* pr = partial + ((he_i64)(kvh * kG + g) * nsplit + split) * (hd + 2);
     pr[hd] = he_neg_inf();
     pr[hd + 1] = 0.f;
   }
-  return false;
+  return 0;
 }
 
 // The block's warps' states (o[hd], m, l per head; warp w's head g at ws + w·wstride + g·(hd + 2)) merged in
@@ -191,13 +203,14 @@ HE_INLINE void he_attn_merge_warps(const float* ws, int wstride, float* partial,
 // (the O-proj) launches — and requests its weights — only behind this block's K/V loads. Triggering at the
 // kernel's top let the O-proj's 8.4 MB of weight requests queue in front of them: −1.3% at 1K (v36). In a
 // HE_PDL_LATE build (port.h) the early kernel triggers after its wait instead.
-template <int kG, bool kEarly, bool kTrigger>
+template <int kG, bool kEarly, bool kTrigger, class Wait = HeAttnPdlWait>
 // q, the caches and partial are rewritten inside the monokernel, so none is `const __restrict__` here (that
 // lets the compiler use the non-coherent read-only path) and cache rows use the coherent streaming load.
-HE_INLINE void he_attention_split_fma(const float* q, const he_kv* k_cache,
+// Returns false only when a kEarly `wait` failed (the kernel must end).
+HE_INLINE bool he_attention_split_fma(const float* q, const he_kv* k_cache,
                                         const he_kv* v_cache, float* partial, int seq,
                                         int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
-                                        int max_ctx, float* smem) {
+                                        int max_ctx, float* smem, const Wait& wait = Wait{}) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
   constexpr int G = kG, kL = kAttnLpr, kR = kWarpSize / kAttnLpr;  // lanes per row, rows per warp at once
   constexpr int U = kAttnUnroll;
@@ -209,7 +222,8 @@ HE_INLINE void he_attention_split_fma(const float* q, const he_kv* k_cache,
   const int t = he_thread_idx();
   constexpr int nt = kAttnThreads, nw = kAttnWarps;
   int start, n;
-  if (!he_attn_split_rows<kG, kEarly, kTrigger>(seq, kvh, split, nsplit, chunk, hd, partial, start, n)) return;
+  const int rows = he_attn_split_rows<kG, kEarly, kTrigger>(seq, kvh, split, nsplit, chunk, hd, partial, start, n, wait);
+  if (rows <= 0) return rows == 0;
   float* qs = smem;              // [G][hd]   q pre-scaled by log2(e)/sqrt(hd)
   float* ws = qs + G * hd;       // [nw][G][hd + 2]  per-warp states (o, m, l)
   const int lane = he_lane_id(), sub = lane % kL, rw = lane / kL;
@@ -233,7 +247,7 @@ HE_INLINE void he_attention_split_fma(const float* q, const he_kv* k_cache,
   }
   if (kTriggerBefore) he_pdl_trigger();
   if (kEarly) {
-    he_pdl_wait();  // port.h: the previous kernel (QKV) has completed; its writes are visible
+    if (!wait()) return false;  // the QKV kernel (per-op) or stage (monokernel) is done; its writes are visible
     if (kTriggerAfter) he_pdl_trigger();
 #pragma unroll
     for (int j = 0; j < U; ++j) {
@@ -377,6 +391,7 @@ HE_INLINE void he_attention_split_fma(const float* q, const he_kv* k_cache,
   he_sync_block();
   HE_ATTN_MARK(2);  // warps' states in shared memory
   he_attn_merge_warps<kG>(ws, G * (hd + 2), partial, kvh, split, nsplit, hd);
+  return true;
 }
 
 // ---- the split on the matrix cores (HE_ATTN_MMA) ---------------------------------------------------------
@@ -424,10 +439,10 @@ HE_INLINE constexpr int he_attn_mma_smem(int G) { return 2 * G * kAmQld * 2 + kA
 #else
 #define HE_ATTN_MMA_FN HE_INLINE
 #endif
-template <int kG, bool kEarly, bool kTrigger>
-HE_ATTN_MMA_FN void he_attention_split_mma(const float* q, const he_kv* k_cache, const he_kv* v_cache,
+template <int kG, bool kEarly, bool kTrigger, class Wait = HeAttnPdlWait>
+HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache, const he_kv* v_cache,
                                            float* partial, int seq, int kvh, int split, int nsplit, int chunk,
-                                           int max_ctx, float* smem) {
+                                           int max_ctx, float* smem, const Wait wait = Wait{}) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
   constexpr int G = kG, HD = kAmHd, nt = kAttnThreads, nw = kAttnWarps, kDt = HD / 16;
   constexpr bool kF16 = HE_KV_F16 != 0;
@@ -435,7 +450,8 @@ HE_ATTN_MMA_FN void he_attention_split_mma(const float* q, const he_kv* k_cache,
   constexpr bool kTriggerAfter = HeAttnTrigger<kEarly, kTrigger>::after;
   const int t = he_thread_idx(), lane = he_lane_id(), wid = he_warp_id();
   int start, n;
-  if (!he_attn_split_rows<kG, kEarly, kTrigger>(seq, kvh, split, nsplit, chunk, HD, partial, start, n)) return;
+  const int rows = he_attn_split_rows<kG, kEarly, kTrigger>(seq, kvh, split, nsplit, chunk, HD, partial, start, n, wait);
+  if (rows <= 0) return rows == 0;
   he_u16* qh = (he_u16*)smem;  // q · log2(e)/sqrt(hd) as hi / lo 16-bit tiles [G][kAmQld]
   he_u16* ql = qh + G * kAmQld;
   char* wbase = (char*)smem + 2 * G * kAmQld * 2;
@@ -497,7 +513,7 @@ HE_ATTN_MMA_FN void he_attention_split_mma(const float* q, const he_kv* k_cache,
   if (wid < ntile) load(wid, kEarly ? kButFresh : kAll);
   if (kTriggerBefore) he_pdl_trigger();
   if (kEarly) {
-    he_pdl_wait();  // port.h: the previous kernel (QKV) has completed; its writes are visible
+    if (!wait()) return false;  // the QKV kernel (per-op) or stage (monokernel) is done; its writes are visible
     if (kTriggerAfter) he_pdl_trigger();
     if (wid < ntile) load(wid, kFresh);
   }
@@ -592,20 +608,22 @@ HE_ATTN_MMA_FN void he_attention_split_mma(const float* q, const he_kv* k_cache,
   he_sync_block();
   HE_ATTN_MARK(2);  // warps' states in shared memory
   he_attn_merge_warps<kG>((const float*)wbase, kAmWarpBytes / 4, partial, kvh, split, nsplit, HD);
+  return true;
 }
 
 // The split body of both paths: on the matrix cores where the module is built for them (HE_ATTN_MMA), else the
 // FMA body above.
-template <int kG, bool kEarly = false, bool kTrigger = false>
-HE_INLINE void he_attention_split_block(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,
+// kEarly: `wait` stands between the first K/V requests (all rows but the newest) and the rest; false when it failed.
+template <int kG, bool kEarly = false, bool kTrigger = false, class Wait = HeAttnPdlWait>
+HE_INLINE bool he_attention_split_block(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,
                                         int seq, int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
-                                        int max_ctx, float* smem) {
+                                        int max_ctx, float* smem, const Wait& wait = Wait{}) {
   if constexpr (kAttnMma)
-    he_attention_split_mma<kG, kEarly, kTrigger>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk,
-                                                 max_ctx, smem);
+    return he_attention_split_mma<kG, kEarly, kTrigger, Wait>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit,
+                                                              chunk, max_ctx, smem, wait);
   else
-    he_attention_split_fma<kG, kEarly, kTrigger>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit, chunk, nh,
-                                                 nkv, hd, max_ctx, smem);
+    return he_attention_split_fma<kG, kEarly, kTrigger, Wait>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit,
+                                                              chunk, nh, nkv, hd, max_ctx, smem, wait);
 }
 
 // early_pos (the per-op split and combine kernels inside a captured decode graph, Ops.attention): the
