@@ -22,7 +22,7 @@ def test_every_stage_statement_is_named(tool):
     start = next(i + 1 for i, s in enumerate(src) if "monokernel_decode(" in s and "__global__" in s)
     names = {tool.stage_of("decode.hip", n, src, start) for n in range(start, len(src) + 1)
              if any(k in src[n - 1] for k in ("he_mv_finish<", "he_mv_fill_next(", "barrier(kProf", "wait(kProf",
-                                               "mk_attention(", "he_block_wait_geq("))}
+                                               "mk_attention(", "mk_attention<", "he_block_wait_geq("))}
     want = {"qkv", "o_proj", "gate_up", "down", "lm_head", "fill_qkv", "fill_o", "fill_gate_up", "fill_down",
             "fill_lm_head", "attention", "wait_attention_count", "wait_qkv", "wait_o", "wait_gate_up", "wait_down",
             "wait_lm_head"}
