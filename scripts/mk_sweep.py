@@ -49,14 +49,10 @@ VARIANTS = [  # name, build env, runtime attrs
     # the stream with its predicated paths where rows are whole pairs (v67: 6% slower at 1K)
     ("stream with its predicated paths", {"HIPENGINE_MV_WHOLE_PAIRS": "0"}, {}),
     ("without the cold-branch hints (v68: 0.3% slower at 1K)", {"HIPENGINE_MK_DEFINES": "HE_COLD_HINTS=0"}, {}),
-    # the QKV epilogue's position by value instead of through &iota[pos] (v71, prepared, not yet measured)
-    ("QKV position by value", {"HIPENGINE_MK_DEFINES": "HE_QKV_POS_ARG=1"}, {}),
     # the attention splits' first K/V requests between the QKV barrier's arrival and its wait (v72)
     ("attention K/V requested before the QKV wait", {"HIPENGINE_MK_DEFINES": "MK_ATTN_EARLY=1"}, {}),
-    ("v71 + v72", {"HIPENGINE_MK_DEFINES": "HE_QKV_POS_ARG=1,MK_ATTN_EARLY=1"}, {}),
-    # fine 3's combine by the blocks without a split item (v73), alone and with v72
-    ("combine by the spare blocks", {"HIPENGINE_MK_DEFINES": "MK_COMBINE_SPARE=1"}, {}),
-    ("v72 + v73", {"HIPENGINE_MK_DEFINES": "MK_ATTN_EARLY=1,MK_COMBINE_SPARE=1"}, {}),
+    # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were
+    # variants here, removed.)
     # (session 26's v69 / v69b — a fill's two batches at once, everywhere or per site; down's fill serialised —
     # and v70 — the grid waits' abort word every 64 polls — were variants here: all slower or level, removed)
     # (session 6's compile-time experiments HE_ARRIVE_RED / MK_DEFER_NEXT / HE_POLL_RELAXED / HE_MV_WARP_MAJOR /

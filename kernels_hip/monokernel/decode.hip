@@ -388,11 +388,6 @@ constexpr bool kMkDeferOD = !kMkTp;
 #define MK_ATTN_EARLY 0
 #endif
 constexpr bool kMkAttnEarly = MK_ATTN_EARLY != 0;
-// MK_COMBINE_SPARE=1 (experiment v73): fine == 3's combine by the blocks that have no split item (mk_attention).
-#ifndef MK_COMBINE_SPARE
-#define MK_COMBINE_SPARE 0
-#endif
-constexpr bool kMkCombineSpare = MK_COMBINE_SPARE != 0;
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
@@ -493,7 +488,7 @@ HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const 
   // qk_norm models write raw q|k|v (rope = 0); the per-head norm stage rotates and appends.
   return HeMvQkv{x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
                  p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
-                 p.qk_norm ? 0 : 1, pos};
+                 p.qk_norm ? 0 : 1};
 }
 #if MK_TP
 HE_INLINE MkMvOut mk_o_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
@@ -549,28 +544,13 @@ struct MkWaitQkv {
 // K/V rows (all but the newest, which this step's QKV appended) before waiting, as the per-op split kernel does
 // before its he_pdl_wait: their HBM round trip overlaps the barrier instead of heading the split's chain after it.
 // A block without an item just waits. False when a wait failed (the kernel must end).
-// fine == 3 combines each KV head's G query heads without a grid barrier: by the head's last split block to
-// arrive (he_arrive_last: an acq_rel counter at device scope, so it sees every split's partial), or — kMkCombineSpare
-// (MK_COMBINE_SPARE, v73) when the grid has blocks without a split item — by one of those: split blocks only add
-// a release to the head's counter (no reply to wait for before they request the O-proj's weights), and spare
-// block b combines heads b − items, b − items + spare, ... once its acquire poll sees all nsplit arrivals. The
-// combine is the same function of the same partials: the same bits either way.
+// (v73 handed fine == 3's combine to the blocks without a split item, two heads each, so that split blocks need
+// not wait for he_arrive_last's reply: 3% slower at 1K / 8K on H200 — the combine is on the O-proj's critical
+// path, and serialising two of them lengthened it; docs/perf-log.md.)
 template <bool kEarly, class Wait>
-HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof,
-                            const HeWaitCtx& w, const Wait& wait) {
-  const int items = p.nkv * p.nsplit, spare = he_grid_dim() - items;
-  const bool spare_combine = kMkCombineSpare && p.fine == 3 && spare > 0;
-  if (he_block_idx() >= items) {
-    if (kEarly && !wait()) return false;
-    if (spare_combine)
-      for (int kvh = he_block_idx() - items; kvh < p.nkv; kvh += spare) {
-        if (!he_block_wait_geq(w, p.attn_count + kvh, (he_u32)p.nsplit)) return false;
-        // reset for the next layer: its arrivals follow this block's next grid barrier (release / acquire)
-        if (he_thread_idx() == 0) he_store_relaxed_device(p.attn_count + kvh, 0u);
-        mk_combine(p, kvh * MK_ATTN_G, MK_ATTN_G, pos + 1);
-      }
-    return true;
-  }
+HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof, const Wait& wait) {
+  const int items = p.nkv * p.nsplit;
+  if (kEarly && he_block_idx() >= items) return wait();
   for (int it = he_block_idx(); it < items; it += he_grid_dim()) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
     if (kEarly && it == he_block_idx()) {
@@ -582,12 +562,10 @@ HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
                                           p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem);
     }
     if (it == he_block_idx()) prof.work(kProfAttnSplit);  // block 0: stage start -> end of its first split
-    if (spare_combine) {
-      he_sync_block();  // every thread's partial stores happen-before thread 0's release (block scope)
-      if (he_thread_idx() == 0) he_arrive_add(p.attn_count + kvh, 1u);
-    } else if (p.fine == 3 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit)) {
+    // fine == 3: the last of this KV head's nsplit blocks to arrive (acq_rel counter at device scope: it
+    // sees every split's partial) combines the whole group, one thread per (head, dim), no grid barrier.
+    if (p.fine == 3 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit))
       mk_combine(p, kvh * MK_ATTN_G, MK_ATTN_G, pos + 1);
-    }
     he_sync_block();  // shared memory is reused by the next item
   }
   return true;
@@ -791,11 +769,11 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // stage, so the kernel reloads its parameters after it instead of keeping them live (spilled) across it.
       if (kAttnMma) he_compiler_fence();
       if constexpr (kMkAttnEarly) {
-        const bool ok = mk_attention<true>(p, L, pos, he_mk_smem, prof, w, MkWaitQkv{w, epoch, nb, &prof});
+        const bool ok = mk_attention<true>(p, L, pos, he_mk_smem, prof, MkWaitQkv{w, epoch, nb, &prof});
         ++epoch;  // the barrier MkWaitQkv waited for
         if (!ok) return;
       } else {
-        if (!mk_attention<false>(p, L, pos, he_mk_smem, prof, w, HeAttnPdlWait{})) return;
+        mk_attention<false>(p, L, pos, he_mk_smem, prof, HeAttnPdlWait{});
       }
       if (kAttnMma) he_compiler_fence();
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the

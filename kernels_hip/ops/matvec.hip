@@ -433,7 +433,7 @@ HE_KERNEL(kMatvecMaxThreads) matvec_gate_up(const he_u16* __restrict__ Wg, const
 // there, before the prologue's loads (measured −1.7% per-op at 1K, docs/perf-log.md v36). The monokernel
 // keeps the late loads (its position is &iota[pos], no device word; v34: a change in its QKV stream's live
 // state cost it 1.5% at 1K).
-template <bool kEarlyPos, bool kPosArg = false>
+template <bool kEarlyPos>
 struct HeMvQkvT {
   const float* x;
   const float* gamma;
@@ -448,7 +448,6 @@ struct HeMvQkvT {
   he_kv* k_cache;
   he_kv* v_cache;
   int max_ctx, q_dim, kv_dim, hd, rope;
-  int pos_arg;  // kPosArg: the position itself (the monokernel holds it in a register), not read through pos_p
   HE_INLINE int units() const { return (q_dim + 2 * kv_dim) / 2; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
     const int half = hd / 2, ra = (u / half) * hd + u % half;
@@ -465,7 +464,7 @@ struct HeMvQkvT {
     const int ra = (u / half) * hd + i, rb = ra + half;  // rows in the stacked matrix
     float a = acc[0] + (bias ? bias[ra] : 0.f), b = acc[1] + (bias ? bias[rb] : 0.f);
     if (!rope) { q_out[ra] = a; q_out[rb] = b; return; }
-    const int pos = kPosArg ? pos_arg : kEarlyPos ? (int)he_f32_as_u32(pv[0]) : *pos_p;
+    const int pos = kEarlyPos ? (int)he_f32_as_u32(pv[0]) : *pos_p;
     if (ra < q_dim + kv_dim) {  // q or k: rotate
       const float c = cos_t[(he_i64)pos * half + i], s = sin_t[(he_i64)pos * half + i];
       const float ra_v = a * c - b * s, rb_v = b * c + a * s;
@@ -480,14 +479,8 @@ struct HeMvQkvT {
   }
 };
 
-// The monokernel's. Experiment (v71, prepared in session 26, not yet measured: no device was lent): HE_QKV_POS_ARG=1
-// hands it the position by value, so a unit's epilogue starts with the cos/sin loads instead of an L2 round trip
-// for &iota[pos] (after the warp sum: 0.25 µs per unit at 1K in Nsight Compute); the cos/sin loads stay where
-// they are (v34 moved both to the unit's start and lost 1.5%). Same registers and code size; mk_sweep variant 15.
-#ifndef HE_QKV_POS_ARG
-#define HE_QKV_POS_ARG 0
-#endif
-using HeMvQkv = HeMvQkvT<false, HE_QKV_POS_ARG != 0>;
+// The monokernel's. (v71, the position by value instead of &iota[pos]: level on H200, removed; docs/perf-log.md.)
+using HeMvQkv = HeMvQkvT<false>;
 
 HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
                            const float* __restrict__ bias, const float* __restrict__ cos_t,
@@ -497,7 +490,7 @@ HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const floa
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvQkvT<true> op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
-                          max_ctx, q_dim, kv_dim, hd, rope, 0};
+                          max_ctx, q_dim, kv_dim, hd, rope};
   if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
   else he_matvec_run<false>(op, he_xs, scratch);
 }
