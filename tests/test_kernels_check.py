@@ -207,6 +207,18 @@ def test_lean_builds_compile(tmp_path, monkeypatch):
         assert r.ok, f"{r.file} {r.target}: {r.message}"
 
 
+def test_attn_early_build_compiles(tmp_path, monkeypatch):
+    """The opt-in build with the attention splits' first K/V requests before the QKV barrier's wait
+    (MK_ATTN_EARLY=1, v72: the split bodies' kEarly wait as a functor), on the Llama and the Qwen3 (q/k-norm)
+    paths, compiles warnings-as-errors for gfx942 and sm_90."""
+    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
+    unit = tmp_path / "decode_attn_early.hip"
+    unit.write_text('#define MK_ATTN_EARLY 1\n#define MK_QK_NORM 1\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n'
+                    '#include "monokernel/decode.hip"\n')
+    for r in check.check_all(_targets(), [unit]):
+        assert r.ok, f"{r.target}: {r.message}"
+
+
 def test_monokernel_profile_build_compiles(tmp_path, monkeypatch):
     """The stage-profile build (MK_PROFILE=1: HIPENGINE_MK_PROFILE, its sums in shared memory) is a build of its
     own; it compiles warnings-as-errors for gfx942 and sm_90."""

@@ -380,10 +380,12 @@ constexpr bool kMkDeferOD = !kMkTp;
 #define MK_FINE2 0
 #endif
 
-// MK_ATTN_EARLY=1 (experiment v72): the attention splits' first K/V requests go out between the QKV barrier's
-// arrival and its wait (mk_attention's kEarly), as the per-op split kernel's go out before its he_pdl_wait. At
-// the QKV barrier no weights are in flight (the O-proj's are requested after the splits, v24), so the window is
-// HBM-idle: 2 MB of K/V at 1K. Same loads, same sums.
+// MK_ATTN_EARLY=1 (v72, an opt-in build: HIPENGINE_MK_DEFINES=MK_ATTN_EARLY=1): the attention splits' first K/V
+// requests go out between the QKV barrier's arrival and its wait (mk_attention's kEarly), as the per-op split
+// kernel's go out before its he_pdl_wait. Same loads, same sums, same tokens. Measured on H200 against the default
+// in one process, five rounds over two calls: level at 1K (+0.2 / −0.3%), +0.8% at 8K, −0.1 / −0.2% at 32K — the
+// poll queues behind those K/V loads (in-order return) and the barrier's exit comes later by about what the split
+// saves (docs/perf-log.md v72). Not the default for that reason; 255 registers, +29 KB of code.
 #ifndef MK_ATTN_EARLY
 #define MK_ATTN_EARLY 0
 #endif
