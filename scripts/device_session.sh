@@ -102,6 +102,9 @@ env_runs() {
     i=$((i + 1))
   done
 }
+# mk_sweep's variants $ONLY at $AB_CONTEXTS after the trees $AB_TREES (when given), in one process, $AB_SWEEP_S s
+mk_sweep_ab() { run mk_sweep ${AB_SWEEP_S:-330} $PY scripts/mk_sweep.py --contexts "$(echo ${AB_CONTEXTS:-1024 8192 32768} | tr ' ' ,)" \
+                  --only "$ONLY" $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/mk_sweep.json"; }
 preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"; }
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
 engine_tests() { run engine_tests 120 $PY -m pytest tests/test_gpu_engine.py -q -rs -k "not 1b_preset"; }
@@ -175,16 +178,14 @@ case "$MODE" in
          # process, tokens compared with the first), then the monokernel's stage profile at 1K per word of
          # $AB_PROFILE_ENVS (VAR=V[,VAR=V] or -)
     run ops_tests_k 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs ${AB_TESTS:+-k "$AB_TESTS"}
-    run mk_sweep 330 $PY scripts/mk_sweep.py --contexts "$(echo ${AB_CONTEXTS:-1024 8192 32768} | tr ' ' ,)" \
-      --only "$ONLY" --json "$OUT/mk_sweep.json"
+    mk_sweep_ab
     env_runs mkprof 80 "${AB_PROFILE_ENVS:-}" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
       --profile ;;
   abmkt)  # monokernel variants with their correctness: mk_sweep's variants $ONLY after the trees $AB_TREES at
           # $AB_CONTEXTS (one process, tokens compared with the first), the monokernel GPU tests once per word of
           # $AB_TEST_ENVS (VAR=V[,VAR=V] or -: the variant builds on the tests' models), then the stage profile at 1K
           # per word of $AB_PROFILE_ENVS
-    run mk_sweep ${AB_SWEEP_S:-330} $PY scripts/mk_sweep.py --contexts "$(echo ${AB_CONTEXTS:-1024 8192 32768} | tr ' ' ,)" \
-      --only "$ONLY" $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/mk_sweep.json"
+    mk_sweep_ab
     i=0
     for e in ${AB_TEST_ENVS:--}; do
       [ "$e" = - ] && e=""
