@@ -6,8 +6,8 @@
 #   quick : op tests, stage profile + bench at 1K/8K, monokernel tests, bench_ops
 #   full  : quick's tests + profile, the 1B preset's 512-position check, the decode bench at 1K/8K/32K
 #   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
-#   exp   : the sweep's variants $ONLY (compile-time experiments) at 1K/8K/32K, then the monokernel tests and the
-#           stage profile built with $EXP_DEFINES
+#   exp   : the sweep's variants $ONLY (compile-time experiments) at 1K/8K/32K after the trees $AB_TREES, then the
+#           monokernel tests and the stage profile built with $EXP_DEFINES
 #   pdl   : GPU op tests, engine tests (programmatic dependent launch == stream order), bench_ops with and without
 #           it (+ the per-op decode), the decode bench at 1K/8K/32K (JSON + PNG)
 #   record: op, engine and monokernel GPU tests, bench_ops (+ per-op decode), the decode bench at 1K/8K/32K
@@ -17,8 +17,6 @@
 #   abenv : per-op A/B of environment settings $AB_ENVS on this tree, 1K/8K/32K; kernel timelines ($AB_PROFILE_ENVS)
 #   abboth: A/B of environment settings $AB_ENVS on both paths (decode bench, tokens compared), timelines, tests
 #   abmk  : monokernel variants (mk_sweep $ONLY) at $AB_CONTEXTS, stage profiles at 1K per word of $AB_PROFILE_ENVS
-#   abmkt : monokernel variants (mk_sweep $ONLY after the trees $AB_TREES), the monokernel tests per word of
-#           $AB_TEST_ENVS, stage profiles at 1K per word of $AB_PROFILE_ENVS
 #   recordmk: a shared default changed: op, engine, monokernel tests, the bench of record, timeline, mk_sweep $ONLY
 #   recordenv: after a change of per-op defaults: op tests, engine + monokernel tests, the decode bench of record,
 #              the per-op timeline, then per-op A/B runs of $AB_ENVS while the call has time
@@ -102,9 +100,10 @@ env_runs() {
     i=$((i + 1))
   done
 }
-# mk_sweep's variants $ONLY at $AB_CONTEXTS after the trees $AB_TREES (when given), in one process, $AB_SWEEP_S s
-mk_sweep_ab() { run mk_sweep ${AB_SWEEP_S:-330} $PY scripts/mk_sweep.py --contexts "$(echo ${AB_CONTEXTS:-1024 8192 32768} | tr ' ' ,)" \
-                  --only "$ONLY" $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/mk_sweep.json"; }
+# mk_sweep_ab NAME SECONDS: mk_sweep's variants $ONLY at $AB_CONTEXTS after the trees $AB_TREES (when given: e.g.
+# `git archive` of HEAD under .carry/, the record build), in one process, tokens compared with the first
+mk_sweep_ab() { run "$1" "$2" $PY scripts/mk_sweep.py --contexts "$(echo ${AB_CONTEXTS:-1024 8192 32768} | tr ' ' ,)" \
+                  --only "$ONLY" $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/$1.json"; }
 preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"; }
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
 engine_tests() { run engine_tests 120 $PY -m pytest tests/test_gpu_engine.py -q -rs -k "not 1b_preset"; }
@@ -178,21 +177,7 @@ case "$MODE" in
          # process, tokens compared with the first), then the monokernel's stage profile at 1K per word of
          # $AB_PROFILE_ENVS (VAR=V[,VAR=V] or -)
     run ops_tests_k 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs ${AB_TESTS:+-k "$AB_TESTS"}
-    mk_sweep_ab
-    env_runs mkprof 80 "${AB_PROFILE_ENVS:-}" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
-      --profile ;;
-  abmkt)  # monokernel variants with their correctness: mk_sweep's variants $ONLY after the trees $AB_TREES at
-          # $AB_CONTEXTS (one process, tokens compared with the first), the monokernel GPU tests once per word of
-          # $AB_TEST_ENVS (VAR=V[,VAR=V] or -: the variant builds on the tests' models), then the stage profile at 1K
-          # per word of $AB_PROFILE_ENVS
-    mk_sweep_ab
-    i=0
-    for e in ${AB_TEST_ENVS:--}; do
-      [ "$e" = - ] && e=""
-      echo "mk_tests_$i: ${e:-default}" | tee -a "$SUMMARY"
-      run "mk_tests_$i" 200 env ${e//,/ } $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
-      i=$((i + 1))
-    done
+    mk_sweep_ab mk_sweep 330
     env_runs mkprof 80 "${AB_PROFILE_ENVS:-}" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
       --profile ;;
   recordmk)  # after a change of a default both paths share: op tests ($AB_TESTS: a -k expression), engine and
@@ -289,13 +274,14 @@ case "$MODE" in
       --context 32768 --no-monokernel --json "$OUT/perop.json" ;;
   bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
-  exp)  # compile-time experiments: the sweep's variants $ONLY at 1K/8K/32K, then the monokernel tests and the
-        # stage profile of the build $EXP_DEFINES (HIPENGINE_MK_DEFINES syntax) — the expected winner
-    run exp_sweep 300 $PY scripts/mk_sweep.py --contexts 1024,8192,32768 --only "$ONLY" --json "$OUT/exp_sweep.json"
-    run exp_mk_tests 150 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
+  exp)  # compile-time experiments: the sweep's variants $ONLY at $AB_CONTEXTS (1K/8K/32K) after the trees $AB_TREES,
+        # then the monokernel tests (their builds may compile here: 200 s) and the stage profile of the build
+        # $EXP_DEFINES (HIPENGINE_MK_DEFINES syntax) — the expected winner
+    mk_sweep_ab exp_sweep 300
+    run exp_mk_tests 200 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|abmk|abmkt|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
