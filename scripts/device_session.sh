@@ -7,7 +7,7 @@
 #   full  : quick's tests + profile, the 1B preset's 512-position check, the decode bench at 1K/8K/32K
 #   final : monokernel + per-op bench at 1K/8K/32K (JSON + PNG), monokernel tests
 #   exp   : the sweep's variants $ONLY (compile-time experiments) at 1K/8K/32K after the trees $AB_TREES, then the
-#           monokernel tests and the stage profile built with $EXP_DEFINES
+#           monokernel tests and the stage profile built with $EXP_DEFINES, in the environment $EXP_ENV
 #   pdl   : GPU op tests, engine tests (programmatic dependent launch == stream order), bench_ops with and without
 #           it (+ the per-op decode), the decode bench at 1K/8K/32K (JSON + PNG)
 #   record: op, engine and monokernel GPU tests, bench_ops (+ per-op decode), the decode bench at 1K/8K/32K
@@ -276,10 +276,11 @@ case "$MODE" in
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
   exp)  # compile-time experiments: the sweep's variants $ONLY at $AB_CONTEXTS (1K/8K/32K) after the trees $AB_TREES,
         # then the monokernel tests (their builds may compile here: 200 s) and the stage profile of the build
-        # $EXP_DEFINES (HIPENGINE_MK_DEFINES syntax) — the expected winner
+        # $EXP_DEFINES (HIPENGINE_MK_DEFINES syntax) with the environment $EXP_ENV (NAME=VALUE ..., e.g.
+        # HIPENGINE_MK_CLUSTER=8) — the expected winner
     mk_sweep_ab exp_sweep 300
-    run exp_mk_tests 200 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
-    run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $PY -m hipengine bench decode --shape llama-3.2-1b \
+    run exp_mk_tests 200 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $EXP_ENV $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
+    run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $EXP_ENV $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
   *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;

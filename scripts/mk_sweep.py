@@ -51,6 +51,14 @@ VARIANTS = [  # name, build env, runtime attrs
     ("without the cold-branch hints (v68: 0.3% slower at 1K)", {"HIPENGINE_MK_DEFINES": "HE_COLD_HINTS=0"}, {}),
     # the attention splits' first K/V requests between the QKV barrier's arrival and its wait (v72)
     ("attention K/V requested before the QKV wait", {"HIPENGINE_MK_DEFINES": "MK_ATTN_EARLY=1"}, {}),
+    # the cluster-hierarchical grid barrier (sync.h HE_GRID_CLUSTER: one arrival and one poller per cluster on
+    # the counter, the cluster's hardware barrier for the rest; session 28's v74)
+    ("cluster barrier, 2 blocks per cluster", {"HIPENGINE_MK_CLUSTER": "2"}, {}),
+    ("cluster barrier, 4 blocks per cluster", {"HIPENGINE_MK_CLUSTER": "4"}, {}),
+    ("cluster barrier, 8 blocks per cluster", {"HIPENGINE_MK_CLUSTER": "8"}, {}),
+    # the attention plan aiming at half a (KV head, split) block per SM: 8 splits of 128 positions at 1K (session
+    # 20: +1% for the monokernel, -1.7% per-op at 1K; the same plan as the default's from 16K): its sums differ
+    ("attention plan at 0.5 blocks per SM", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5"}, {}),
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were
     # variants here, removed.)
     # (session 26's v69 / v69b — a fill's two batches at once, everywhere or per site; down's fill serialised —
@@ -61,7 +69,7 @@ VARIANTS = [  # name, build env, runtime attrs
 ]
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
                "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_FINE",
-               "HIPENGINE_MV_WHOLE_PAIRS")
+               "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_MK_CLUSTER", "HIPENGINE_ATTN_BLOCKS_PER_SM")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its
@@ -116,6 +124,7 @@ def main() -> int:
                          "first tree's (repeatable: each tree in turn)")
     ap.add_argument("--best-env", default=None, help="write the fastest variant's runtime knobs as shell exports")
     args = ap.parse_args()
+    from hipengine.errors import DeviceError, UnsupportedError
     from hipengine.gpu.monokernel import MonokernelBackend, grid_info
 
     model = preset_model("llama-3.2-1b", 0)
@@ -134,29 +143,41 @@ def main() -> int:
         print(f"baseline {tree} measured in {time.perf_counter() - t0:.1f} s", flush=True)
     for i in picks:
         name, env, attrs = VARIANTS[i]
-        if be is None or env != be_env:
+        try:
+            if be is None or env != be_env:
+                if be is not None:
+                    be.close()
+                    be = None
+                for k in BUILD_KNOBS:
+                    os.environ.pop(k, None)
+                os.environ.update(env)
+                t0 = time.perf_counter()
+                be, be_env = MonokernelBackend(model, max_context=max(min(contexts), args.max_context)), env
+                base = {"fine": be.fine, "poll_sleep_ns": be.poll_sleep_ns}
+                print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
+            for k, v in {**base, **attrs}.items():
+                setattr(be, k, v)
+            for r in measure(be, contexts, ["monokernel"], runs=args.runs, log=lambda m: None,
+                             max_context=args.max_context or None):
+                C = r["context"]
+                same = ref.setdefault(C, r["tokens"]) == r["tokens"]
+                rows.append({"variant": name, "env": env, "attrs": attrs, "context": C, "tok_s": r["tok_s"],
+                             "tok_s_runs": r["tok_s_runs"], "tokens_equal_first_variant": same,
+                             "grid": grid_info(be)})
+                print(f"{name:50s} {C:6d} {r['tok_s']:8.1f} tok/s  runs {[round(x, 1) for x in r['tok_s_runs']]}"
+                      f"{'' if same else '  TOKENS DIFFER from the first variant'}", flush=True)
+        except (DeviceError, UnsupportedError) as e:  # one variant's failure is its row; the sweep goes on
+            rows.append({"variant": name, "env": env, "attrs": attrs, "error": str(e)})
+            print(f"{name:50s} FAILED: {e}", flush=True)
             if be is not None:
-                be.close()
-            for k in BUILD_KNOBS:
-                os.environ.pop(k, None)
-            os.environ.update(env)
-            t0 = time.perf_counter()
-            be, be_env = MonokernelBackend(model, max_context=max(min(contexts), args.max_context)), env
-            base = {"fine": be.fine, "poll_sleep_ns": be.poll_sleep_ns}
-            print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
-        for k, v in {**base, **attrs}.items():
-            setattr(be, k, v)
-        for r in measure(be, contexts, ["monokernel"], runs=args.runs, log=lambda m: None,
-                         max_context=args.max_context or None):
-            C = r["context"]
-            same = ref.setdefault(C, r["tokens"]) == r["tokens"]
-            rows.append({"variant": name, "env": env, "attrs": attrs, "context": C, "tok_s": r["tok_s"],
-                         "tok_s_runs": r["tok_s_runs"], "tokens_equal_first_variant": same, "grid": grid_info(be)})
-            print(f"{name:50s} {C:6d} {r['tok_s']:8.1f} tok/s  runs {[round(x, 1) for x in r['tok_s_runs']]}"
-                  f"{'' if same else '  TOKENS DIFFER from the first variant'}", flush=True)
+                try:
+                    be.close()
+                except DeviceError:
+                    pass
+            be, be_env = None, None
     if be is not None:
         be.close()
-    ours = [r for r in rows if r["context"] == contexts[0] and not r["variant"].startswith("baseline tree")]
+    ours = [r for r in rows if r.get("context") == contexts[0] and not r["variant"].startswith("baseline tree")]
     if args.best_env and ours:  # the fastest of this tree's variants at the first context
         best = max(ours, key=lambda r: r["tok_s"])
         names = {"fine": "HIPENGINE_MK_FINE", "poll_sleep_ns": "HIPENGINE_MK_POLL_SLEEP_NS"}
@@ -170,7 +191,7 @@ def main() -> int:
                        "max_context": args.max_context or None,
                        "commit": git_commit(), "date": utc_now(), "gpu": os.environ.get("GPU_NAME") or gpu_name(),
                        "results": rows}, f, indent=1)
-    return 0
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -206,6 +206,32 @@ def test_extra_defines_parse_and_reach_the_build(monkeypatch):
             mk.extra_defines()
 
 
+def test_grid_cluster_knob(monkeypatch):
+    """HIPENGINE_MK_CLUSTER: 1 (default, no define) or 2 / 4 / 8 blocks per cluster (HE_GRID_CLUSTER in the
+    build); anything else is one clear error. A runtime without clusters says so instead of launching."""
+    from hipengine.errors import UnsupportedError
+    from hipengine.gpu.runtime import Runtime
+
+    monkeypatch.delenv("HIPENGINE_MK_CLUSTER", raising=False)
+    assert mk.grid_cluster() == 1 and "HE_GRID_CLUSTER" not in mk.compile_args("nvidia", False, 4)["defines"]
+    monkeypatch.setenv("HIPENGINE_MK_CLUSTER", "8")
+    assert mk.compile_args("nvidia", False, 4)["defines"]["HE_GRID_CLUSTER"] == 8
+    with pytest.raises(UnsupportedError, match="NVIDIA sm_90"):
+        mk.compile_args("amd", False, 4)
+    for bad in ("3", "16", "x"):
+        monkeypatch.setenv("HIPENGINE_MK_CLUSTER", bad)
+        with pytest.raises(UnsupportedError, match="HIPENGINE_MK_CLUSTER"):
+            mk.grid_cluster()
+
+    class NoClusters:
+        arch = "gfx942"
+
+    for call in (lambda: Runtime.max_active_clusters(NoClusters(), None, 256, 0, 8),
+                 lambda: Runtime.launch_cluster(NoClusters(), None, 128, 256, [], 8)):
+        with pytest.raises(UnsupportedError, match="thread-block clusters"):
+            call()
+
+
 def test_long_context_build_choice(monkeypatch):
     """KV caches from LONG_CONTEXT tokens get the build with the attention split's q in registers
     (HE_ATTN_Q_REGS), at any tp, on NVIDIA; HIPENGINE_MK_QREGS forces either way."""

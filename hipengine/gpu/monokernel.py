@@ -276,7 +276,15 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["MK_TP"] = 1
     if q_regs:
         defines["HE_ATTN_Q_REGS"] = 1
-    defines.update(extra_defines())
+    if grid_cluster() > 1:
+        if vendor != "nvidia":
+            raise UnsupportedError("HIPENGINE_MK_CLUSTER > 1: thread-block clusters exist on NVIDIA sm_90+ only")
+        defines["HE_GRID_CLUSTER"] = grid_cluster()
+    extra = extra_defines()
+    if "HE_GRID_CLUSTER" in extra:  # the launch must match the build: one knob sets both
+        raise UnsupportedError("HE_GRID_CLUSTER is set through HIPENGINE_MK_CLUSTER (it changes the launch too), "
+                               "not HIPENGINE_MK_DEFINES")
+    defines.update(extra)
     return {"defines": defines, "options": opts or None}
 
 
@@ -313,6 +321,18 @@ def ll_local() -> bool:
     """HIPENGINE_MK_LL=1: at tp = 1, publish the O-proj / down-proj results through the LL exchange instead
     of two grid barriers per layer (bit-identical output; measured slower on H200, docs/perf-log.md v15)."""
     return os.environ.get("HIPENGINE_MK_LL", "0") not in ("", "0")
+
+
+def grid_cluster() -> int:
+    """Blocks per thread-block cluster of the launch (HIPENGINE_MK_CLUSTER, default 1: no clusters). Above 1
+    (2, 4 or 8; NVIDIA sm_90+, tp = 1) the grid barriers are cluster-hierarchical (kernels_hip/sync.h
+    HE_GRID_CLUSTER: one arrival and one poller per cluster on the counter, the cluster's hardware barrier
+    for the rest) and the grid is the clusters that fit (cuOccupancyMaxActiveClusters) times their size.
+    Same results (the stages' sums do not depend on the grid): an experiment, measured in docs/perf-log.md."""
+    raw = os.environ.get("HIPENGINE_MK_CLUSTER", "1")
+    if raw not in ("1", "2", "4", "8"):
+        raise UnsupportedError(f"HIPENGINE_MK_CLUSTER={raw}: 1 (off), 2, 4 or 8 blocks per cluster")
+    return int(raw)
 
 
 def min_blocks() -> int:
@@ -476,6 +496,15 @@ class MonokernelBackend(GpuBackend):
         self.blocks_per_sm = min(occ, want)
         self.grid = rt.num_sms * self.blocks_per_sm
         self.occupancy = occ
+        self.cluster = grid_cluster()
+        if self.cluster > 1:
+            if self.mk_tp:
+                raise UnsupportedError("HIPENGINE_MK_CLUSTER > 1: the cluster barrier is built for tp = 1 "
+                                       "without the LL exchange")
+            fit = rt.max_active_clusters(self.fn, THREADS, self.smem, self.cluster)
+            if fit < 1:
+                raise UnsupportedError(f"monokernel: no cluster of {self.cluster} blocks can be resident")
+            self.grid = min(self.grid // self.cluster, fit) * self.cluster
 
     def _build_class(self) -> tuple[bool, bool]:
         """(q_regs_build, ops.attn_warp_max) for the current max_context: what selects the build."""
@@ -605,6 +634,10 @@ class MonokernelBackend(GpuBackend):
         self.host_words[:] = 0
 
     def _start(self) -> None:
+        if self.cluster > 1:
+            self.rt.launch_cluster(self.fn, self.grid, THREADS, [self._block], self.cluster, shared=self.smem,
+                                   stream=self.stream)
+            return
         self.rt.launch(self.fn, self.grid, THREADS, [self._block], shared=self.smem, stream=self.stream,
                        cooperative=True)
 
@@ -731,7 +764,8 @@ def grid_info(backend: MonokernelBackend) -> dict:
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1),
             "ll_exchange": backend._ll_on(), "q_regs": getattr(backend, "q_regs", False),
-            "attn_warp_max": getattr(backend, "warp_max", None)}
+            "attn_warp_max": getattr(backend, "warp_max", None), "cluster": getattr(backend, "cluster", 1),
+            "cluster_cooperative": getattr(backend.rt, "cluster_cooperative", None)}
 
 
 def ll_words(world: int, d: int) -> int:
