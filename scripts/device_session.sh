@@ -16,6 +16,7 @@
 #   abperop: per-op trees $AB_PEROP_TREES (commits $AB_PEROP_COMMITS) alternated, 1K/8K/32K; op tests, bench_ops
 #   abenv : per-op A/B of environment settings $AB_ENVS on this tree, 1K/8K/32K; kernel timelines ($AB_PROFILE_ENVS)
 #   abboth: A/B of environment settings $AB_ENVS on both paths (decode bench, tokens compared), timelines, tests
+#   sweepops: mk_sweep $ONLY at $AB_CONTEXTS (re-checks of knobs, no new kernel), then bench_ops
 #   abmk  : monokernel variants (mk_sweep $ONLY) at $AB_CONTEXTS, stage profiles at 1K per word of $AB_PROFILE_ENVS
 #   recordmk: a shared default changed: op, engine, monokernel tests, the bench of record, timeline, mk_sweep $ONLY
 #   recordenv: after a change of per-op defaults: op tests, engine + monokernel tests, the decode bench of record,
@@ -173,6 +174,8 @@ case "$MODE" in
     env_runs prof 60 "${AB_PROFILE_ENVS:-}" $PY scripts/profile_perop.py --context 1024
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run engine_tests $left env ${AB_TEST_ENV:-} $PY -m pytest \
       tests/test_gpu_engine.py -q -rs -k "not 1b_preset" ;;
+  sweepops)  # re-checks without a new build: mk_sweep's variants $ONLY at $AB_CONTEXTS (one process), then bench_ops
+    mk_sweep_ab mk_sweep 330; bench_ops ;;
   abmk)  # monokernel variants: op tests ($AB_TESTS: a -k expression), mk_sweep's variants $ONLY at $AB_CONTEXTS (one
          # process, tokens compared with the first), then the monokernel's stage profile at 1K per word of
          # $AB_PROFILE_ENVS (VAR=V[,VAR=V] or -)
@@ -279,10 +282,10 @@ case "$MODE" in
         # $EXP_DEFINES (HIPENGINE_MK_DEFINES syntax) with the environment $EXP_ENV (NAME=VALUE ..., e.g.
         # HIPENGINE_MK_CLUSTER=8) — the expected winner
     mk_sweep_ab exp_sweep 300
-    run exp_mk_tests 200 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $EXP_ENV $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
-    run exp_profile 80 env HIPENGINE_MK_DEFINES="$EXP_DEFINES" $EXP_ENV $PY -m hipengine bench decode --shape llama-3.2-1b \
+    run exp_mk_tests 200 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
+    run exp_profile 80 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

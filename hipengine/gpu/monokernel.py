@@ -439,6 +439,7 @@ class MonokernelBackend(GpuBackend):
     # every rank's region, the second residual buffer) is set up here for one rank and replaced at tp > 1.
     tp_world, tp_rank, vocab_off = 1, 0, 0
     mk_tp = False  # build with the LL exchange (MK_TP=1): TP ranks, or HIPENGINE_MK_LL=1
+    cluster = 1  # blocks per thread-block cluster of the launch (grid_cluster(), set by _size_launch)
 
     def __init__(self, loaded, max_context: int | None = None, tp: int = 1, monokernel: bool = True,
                  allreduce: str = "custom", device: int = 0):
