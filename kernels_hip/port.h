@@ -680,45 +680,6 @@ HE_INLINE void he_fence_proxy_async() { __builtin_trap(); }
 #endif
 
 // ------------------------------------------------------------------------------------------------------
-// Thread-block clusters (NVIDIA sm_90+: blocks of one cluster are co-scheduled on one GPC, share a hardware
-// barrier and can address each other's shared memory). kHasClusters says whether the target has them; AMD
-// gfx942 has none: kHasClusters is false and callers must not reach these (they trap). Used by sync.h's
-// cluster-hierarchical grid barrier (HE_GRID_CLUSTER > 1), which the host launches with a cluster dimension.
-//   he_cluster_rank()                 this block's rank in its cluster (0 .. cluster size - 1)
-//   he_cluster_arrive_release()       this thread arrives on the cluster barrier; its earlier memory
-//                                     accesses are released at cluster scope (non-blocking; on sm_90 a
-//                                     MEMBAR first, which waits for the warp's loads in flight)
-//   he_cluster_arrive_relaxed()       the same arrival, releasing nothing (no fence)
-//   he_cluster_wait_acquire()         waits until every thread of the cluster has arrived; acquire at
-//                                     cluster scope. Every thread of every block of the cluster calls the
-//                                     pair alternately, in the same order (.aligned: warp-uniform)
-//   he_cluster_store(p, rank, v)      a 32-bit store into block `rank`'s copy of the __shared__ word *p
-// ------------------------------------------------------------------------------------------------------
-#if HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-constexpr bool kHasClusters = true;
-HE_INLINE he_u32 he_cluster_rank() {
-  he_u32 r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-HE_INLINE void he_cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-HE_INLINE void he_cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-HE_INLINE void he_cluster_wait_acquire() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-HE_INLINE void he_cluster_store(he_u32* p, he_u32 rank, he_u32 v) {
-  he_u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((he_u32)__cvta_generic_to_shared(p)), "r"(rank));
-  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(v) : "memory");
-}
-#else
-constexpr bool kHasClusters = false;
-HE_INLINE he_u32 he_cluster_rank() { return 0u; }
-HE_INLINE void he_cluster_arrive_release() { __builtin_trap(); }
-HE_INLINE void he_cluster_arrive_relaxed() { __builtin_trap(); }
-HE_INLINE void he_cluster_wait_acquire() { __builtin_trap(); }
-HE_INLINE void he_cluster_store(he_u32*, he_u32, he_u32) { __builtin_trap(); }
-#endif
-
-// ------------------------------------------------------------------------------------------------------
 // Fences. A fence orders this thread's earlier accesses before its later ones, as seen at the scope:
 //   he_fence_acq_rel_device(): e.g. "write data, fence, relaxed-store flag" publishes data to other blocks.
 //   he_fence_acq_rel_system(): same, seen by peer GPUs and the host (NVLink / xGMI / PCIe-mapped memory).

@@ -102,70 +102,13 @@ HE_INLINE bool he_wait_geq_device(const HeWaitCtx& w, const he_u32* flag, he_u32
 // (docs/perf-log.md v22).
 HE_INLINE void he_arrive_add(he_u32* counter, he_u32 v) { he_red_add_release_device(counter, v); }
 
-// HE_GRID_CLUSTER > 1 (-D from the host; NVIDIA sm_90+, launched with clusters of that many blocks): the
-// cluster-hierarchical form. A block arrives on its cluster's hardware barrier (after a block barrier, warp 0
-// with a release at cluster scope, the other warps relaxed: one fence per block, as thread 0's release in
-// the flat form); the cluster's rank-0 block's warp 0 waits there at once, and its thread 0 makes the
-// cluster's one arrival on the counter (release at device scope, cumulative over the cluster's outputs its
-// cluster-scope acquire has seen) — before that block's next-stage requests, so the fence does not wait for
-// them. At the wait only that thread polls the counter — one arrival and one poller per cluster on the
-// counter's line instead of one per block — then hands the result to the cluster's blocks through their
-// shared memory and a second cluster barrier (the leader's warp 0 releases its flag stores, everyone else
-// arrives relaxed, everyone acquires at cluster scope: by causality every output published to the leaders is
-// visible to them, and the acquire empties each SM's L1 as the device-scope poll does). Barrier k is open
-// once count >= k * (nblocks / cluster). The waits stay bounded: only the leader spins, with the timeout, and
-// a failure reaches every block of its cluster (the flag), so all of a cluster's blocks leave together and
-// none is left in a hardware wait. Every thread alternates arrive / wait on the cluster barrier.
-#ifndef HE_GRID_CLUSTER
-#define HE_GRID_CLUSTER 1
-#endif
-constexpr int kGridCluster = HE_GRID_CLUSTER;
-static_assert(kGridCluster >= 1 && kGridCluster <= 16, "HE_GRID_CLUSTER: blocks per cluster, 1 (off) to 16");
-static_assert(kGridCluster == 1 || kHasClusters, "HE_GRID_CLUSTER > 1 needs thread-block clusters (NVIDIA sm_90+)");
-
-// Warp 0 of the cluster's rank-0 block: it makes the cluster's arrival and its thread 0 polls.
-HE_INLINE bool he_cluster_lead_warp() { return he_cluster_rank() == 0 && he_thread_idx() < kWarpSize; }
-
-// The cluster's leader (rank 0, thread 0) waits for *counter >= target; every block of the cluster returns
-// its result. Called by every thread of every block of the cluster (one arrive / wait each).
-HE_INLINE bool he_cluster_lead_wait(const HeWaitCtx& w, const he_u32* counter, he_u32 target, he_u32 code,
-                                    he_u32* ok_word) {
-  const bool lw = he_cluster_lead_warp();
-  if (lw && he_thread_idx() == 0) {
-    const he_u32 ok = he_wait_geq_device(w, counter, target, code) ? 1u : 0u;
-    for (int r = 0; r < kGridCluster; ++r) he_cluster_store(ok_word, (he_u32)r, ok);
-  }
-  if (lw) he_cluster_arrive_release();  // the flag stores, released
-  else he_cluster_arrive_relaxed();
-  he_cluster_wait_acquire();
-  return *(volatile he_u32*)ok_word != 0u;
-}
-
 HE_INLINE void he_grid_arrive(const HeWaitCtx& w) {
-  if constexpr (kGridCluster > 1) {
-    he_sync_block();  // every thread's stage outputs happen-before warp 0's release (block scope)
-    if (he_thread_idx() < kWarpSize) he_cluster_arrive_release();
-    else he_cluster_arrive_relaxed();
-    if (he_cluster_lead_warp()) {
-      he_cluster_wait_acquire();  // the whole cluster has arrived: its outputs are visible to this warp
-      if (he_thread_idx() == 0) he_arrive_add(&w.bar->count, 1u);  // the cluster's arrival (device release)
-    }
-    return;
-  }
   he_sync_block();  // every thread's stage outputs happen-before thread 0's release below (block scope)
   // release RMW at device scope: publishes this block's outputs to whoever acquires a later value.
   if (he_thread_idx() == 0) he_arrive_add(&w.bar->count, 1u);
 }
 
 HE_INLINE bool he_grid_wait(const HeWaitCtx& w, he_u32& epoch, int nblocks) {
-  if constexpr (kGridCluster > 1) {
-    // ok word: rewritten by the leader only after this block's next arrival (its warp 0's wait above)
-    __shared__ he_u32 he_cl_bar_ok;
-    if (!he_cluster_lead_warp()) he_cluster_wait_acquire();  // the arrival's wait (the leader's warp 0 made it)
-    const he_u32 target = (epoch + 1u) * (he_u32)(nblocks / kGridCluster);
-    ++epoch;
-    return he_cluster_lead_wait(w, &w.bar->count, target, kStatusBarrierTimeout, &he_cl_bar_ok);
-  }
   __shared__ int he_bar_ok;
   const he_u32 target = (epoch + 1u) * (he_u32)nblocks;
   if (he_thread_idx() == 0) he_bar_ok = he_wait_geq_device(w, &w.bar->count, target, kStatusBarrierTimeout);
@@ -183,14 +126,7 @@ HE_INLINE bool he_grid_barrier(const HeWaitCtx& w, he_u32& epoch, int nblocks) {
 
 // Wait (whole block) until *counter >= target; the counter's writers used device-scope releases after
 // publishing their data. Returns false if the kernel must end.
-// HE_GRID_CLUSTER > 1: the cluster's leader polls and hands the result on (he_cluster_lead_wait); every block
-// of the grid must call it (the monokernel's heads-combined wait). Its ok word is rewritten only after a grid
-// barrier (whose cluster waits order this block's read before it).
 HE_INLINE bool he_block_wait_geq(const HeWaitCtx& w, const he_u32* counter, he_u32 target) {
-  if constexpr (kGridCluster > 1) {
-    __shared__ he_u32 he_cl_wait_ok;
-    return he_cluster_lead_wait(w, counter, target, kStatusCounterTimeout, &he_cl_wait_ok);
-  }
   __shared__ int he_wait_ok;
   if (he_thread_idx() == 0) he_wait_ok = he_wait_geq_device(w, counter, target, kStatusCounterTimeout);
   he_sync_block();

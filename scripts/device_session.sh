@@ -17,6 +17,7 @@
 #   abenv : per-op A/B of environment settings $AB_ENVS on this tree, 1K/8K/32K; kernel timelines ($AB_PROFILE_ENVS)
 #   abboth: A/B of environment settings $AB_ENVS on both paths (decode bench, tokens compared), timelines, tests
 #   sweepops: mk_sweep $ONLY at $AB_CONTEXTS (re-checks of knobs, no new kernel), then bench_ops
+#   mkdefault: a monokernel default changed: mk_sweep $ONLY at $AB_CONTEXTS, monokernel tests, the bench of record
 #   abmk  : monokernel variants (mk_sweep $ONLY) at $AB_CONTEXTS, stage profiles at 1K per word of $AB_PROFILE_ENVS
 #   recordmk: a shared default changed: op, engine, monokernel tests, the bench of record, timeline, mk_sweep $ONLY
 #   recordenv: after a change of per-op defaults: op tests, engine + monokernel tests, the decode bench of record,
@@ -174,6 +175,9 @@ case "$MODE" in
     env_runs prof 60 "${AB_PROFILE_ENVS:-}" $PY scripts/profile_perop.py --context 1024
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run engine_tests $left env ${AB_TEST_ENV:-} $PY -m pytest \
       tests/test_gpu_engine.py -q -rs -k "not 1b_preset" ;;
+  mkdefault)  # a monokernel-only default changed: mk_sweep's variants $ONLY at $AB_CONTEXTS (the A/B), the monokernel
+              # tests, the decode bench of record at $BENCH_CONTEXTS (both paths, tokens compared)
+    mk_sweep_ab mk_sweep 120; mk_tests; bench ;;
   sweepops)  # re-checks without a new build: mk_sweep's variants $ONLY at $AB_CONTEXTS (one process), then bench_ops
     mk_sweep_ab mk_sweep 330; bench_ops ;;
   abmk)  # monokernel variants: op tests ($AB_TESTS: a -k expression), mk_sweep's variants $ONLY at $AB_CONTEXTS (one
@@ -280,12 +284,12 @@ case "$MODE" in
   exp)  # compile-time experiments: the sweep's variants $ONLY at $AB_CONTEXTS (1K/8K/32K) after the trees $AB_TREES,
         # then the monokernel tests (their builds may compile here: 200 s) and the stage profile of the build
         # $EXP_DEFINES (HIPENGINE_MK_DEFINES syntax) with the environment $EXP_ENV (NAME=VALUE ..., e.g.
-        # HIPENGINE_MK_CLUSTER=8) — the expected winner
+        # HIPENGINE_MK_FINE=2) — the expected winner
     mk_sweep_ab exp_sweep 300
     run exp_mk_tests 200 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

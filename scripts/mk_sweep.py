@@ -27,8 +27,9 @@ from hipengine.presets import preset_model
 
 
 VARIANTS = [  # name, build env, runtime attrs
-    ("default (1 blk/SM, unroll 4, fine 3)", {}, {}),
-    ("fine 2 (barrier + one head per block)", {"HIPENGINE_MK_FINE": "2"}, {}),
+    ("default (1 blk/SM, unroll 4, fine by context: mk_fine)", {}, {}),
+    ("fine 2 at every context (barrier + one head per block)", {"HIPENGINE_MK_FINE": "2"}, {}),
+    ("fine 3 at every context (last split block combines)", {"HIPENGINE_MK_FINE": "3"}, {}),
     ("poll sleep 100 ns", {}, {"poll_sleep_ns": 100}),
     ("LL exchange for O/down (no barrier after them)", {"HIPENGINE_MK_LL": "1"}, {}),
     ("long-context build at every context (q in registers)", {"HIPENGINE_MK_QREGS": "1"}, {}),
@@ -51,11 +52,6 @@ VARIANTS = [  # name, build env, runtime attrs
     ("without the cold-branch hints (v68: 0.3% slower at 1K)", {"HIPENGINE_MK_DEFINES": "HE_COLD_HINTS=0"}, {}),
     # the attention splits' first K/V requests between the QKV barrier's arrival and its wait (v72)
     ("attention K/V requested before the QKV wait", {"HIPENGINE_MK_DEFINES": "MK_ATTN_EARLY=1"}, {}),
-    # the cluster-hierarchical grid barrier (sync.h HE_GRID_CLUSTER: one arrival and one poller per cluster on
-    # the counter, the cluster's hardware barrier for the rest; session 28's v74)
-    ("cluster barrier, 2 blocks per cluster", {"HIPENGINE_MK_CLUSTER": "2"}, {}),
-    ("cluster barrier, 4 blocks per cluster", {"HIPENGINE_MK_CLUSTER": "4"}, {}),
-    ("cluster barrier, 8 blocks per cluster", {"HIPENGINE_MK_CLUSTER": "8"}, {}),
     # the attention plan aiming at half a (KV head, split) block per SM: 8 splits of 128 positions at 1K (session
     # 20: +1% for the monokernel, -1.7% per-op at 1K; the same plan as the default's from 16K): its sums differ
     ("attention plan at 0.5 blocks per SM", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5"}, {}),
@@ -69,7 +65,7 @@ VARIANTS = [  # name, build env, runtime attrs
 ]
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
                "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_FINE",
-               "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_MK_CLUSTER", "HIPENGINE_ATTN_BLOCKS_PER_SM")
+               "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_ATTN_BLOCKS_PER_SM")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its
@@ -153,7 +149,7 @@ def main() -> int:
                 os.environ.update(env)
                 t0 = time.perf_counter()
                 be, be_env = MonokernelBackend(model, max_context=max(min(contexts), args.max_context)), env
-                base = {"fine": be.fine, "poll_sleep_ns": be.poll_sleep_ns}
+                base = {"poll_sleep_ns": be.poll_sleep_ns}  # (fine is the build's: mk_fine / HIPENGINE_MK_FINE)
                 print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
             for k, v in {**base, **attrs}.items():
                 setattr(be, k, v)

@@ -219,31 +219,6 @@ def test_attn_early_build_compiles(tmp_path, monkeypatch):
         assert r.ok, f"{r.target}: {r.message}"
 
 
-@pytest.mark.skipif(not HAVE_NVRTC, reason="NVRTC not installed")
-def test_cluster_barrier_build_compiles(tmp_path, monkeypatch):
-    """The cluster-hierarchical grid barrier (HE_GRID_CLUSTER=8: sync.h's cluster form, v74) compiles
-    warnings-as-errors for sm_90, with the stage profile too (its arrive / wait halves)."""
-    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
-    units = []
-    for name, extra in (("decode_cluster.hip", ""), ("decode_cluster_prof.hip", "#define MK_PROFILE 1\n")):
-        unit = tmp_path / name
-        unit.write_text(f'#define HE_GRID_CLUSTER 8\n{extra}#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n'
-                        '#include "monokernel/decode.hip"\n')
-        units.append(unit)
-    for r in check.check_all(["sm_90"], units):
-        assert r.ok, f"{r.file} {r.target}: {r.message}"
-
-
-@pytest.mark.skipif(not (HAVE_CLANG or REQUIRE_CLANG), reason="clang-19 not installed")
-def test_cluster_barrier_build_refused_for_gfx942(tmp_path, monkeypatch):
-    """AMD has no thread-block clusters: the cluster build stops at sync.h's static_assert, never compiles."""
-    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
-    unit = tmp_path / "decode_cluster.hip"
-    unit.write_text('#define HE_GRID_CLUSTER 8\n#include "monokernel/decode.hip"\n')
-    (r,) = check.check_all(["gfx942"], [unit])
-    assert not r.ok and "thread-block clusters" in r.message
-
-
 def test_monokernel_profile_build_compiles(tmp_path, monkeypatch):
     """The stage-profile build (MK_PROFILE=1: HIPENGINE_MK_PROFILE, its sums in shared memory) is a build of its
     own; it compiles warnings-as-errors for gfx942 and sm_90."""

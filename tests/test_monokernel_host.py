@@ -206,30 +206,24 @@ def test_extra_defines_parse_and_reach_the_build(monkeypatch):
             mk.extra_defines()
 
 
-def test_grid_cluster_knob(monkeypatch):
-    """HIPENGINE_MK_CLUSTER: 1 (default, no define) or 2 / 4 / 8 blocks per cluster (HE_GRID_CLUSTER in the
-    build); anything else is one clear error. A runtime without clusters says so instead of launching."""
+def test_fine_follows_the_split_plan(monkeypatch):
+    """mk_fine: fine = 3 (the last split block combines its group) while the split plan has at most
+    ATTN_COMBINE_BATCH splits per KV head, 2 (a grid barrier, one head per block) above; llama-3.2-1b on 132
+    SMs: 16 splits up to 8K, 32 from 12K. The LL exchange builds keep 3; HIPENGINE_MK_FINE forces either, and
+    anything else is one clear error."""
     from hipengine.errors import UnsupportedError
-    from hipengine.gpu.runtime import Runtime
 
-    monkeypatch.delenv("HIPENGINE_MK_CLUSTER", raising=False)
-    assert mk.grid_cluster() == 1 and "HE_GRID_CLUSTER" not in mk.compile_args("nvidia", False, 4)["defines"]
-    monkeypatch.setenv("HIPENGINE_MK_CLUSTER", "8")
-    assert mk.compile_args("nvidia", False, 4)["defines"]["HE_GRID_CLUSTER"] == 8
-    with pytest.raises(UnsupportedError, match="NVIDIA sm_90"):
-        mk.compile_args("amd", False, 4)
-    for bad in ("3", "16", "x"):
-        monkeypatch.setenv("HIPENGINE_MK_CLUSTER", bad)
-        with pytest.raises(UnsupportedError, match="HIPENGINE_MK_CLUSTER"):
-            mk.grid_cluster()
-
-    class NoClusters:
-        arch = "gfx942"
-
-    for call in (lambda: Runtime.max_active_clusters(NoClusters(), None, 256, 0, 8),
-                 lambda: Runtime.launch_cluster(NoClusters(), None, 128, 256, [], 8)):
-        with pytest.raises(UnsupportedError, match="thread-block clusters"):
-            call()
+    monkeypatch.delenv("HIPENGINE_MK_FINE", raising=False)
+    assert [mk.mk_fine(c, 8, 132) for c in (1024, 4096, 8192, 12288, 16384, 32768)] == [3, 3, 3, 2, 2, 2]
+    assert mk.mk_fine(32768, 8, 132, tp=True) == 3
+    monkeypatch.setenv("HIPENGINE_MK_FINE", "3")
+    assert mk.mk_fine(32768, 8, 132) == 3
+    monkeypatch.setenv("HIPENGINE_MK_FINE", "2")
+    assert mk.mk_fine(1024, 8, 132) == 2
+    for bad in ("1", "x"):
+        monkeypatch.setenv("HIPENGINE_MK_FINE", bad)
+        with pytest.raises(UnsupportedError, match="HIPENGINE_MK_FINE"):
+            mk.mk_fine(1024, 8, 132)
 
 
 def test_long_context_build_choice(monkeypatch):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DeviceError, UnsupportedError
+from ..errors import DeviceError
 from . import compiler
 from .runtime import DeviceBuffer, HostBuffer, Runtime
 
@@ -508,65 +508,6 @@ class CudaRuntime(Runtime):
         cfg.attrs = [attr]
         cfg.numAttrs = 1
         return cfg
-
-    def _cluster_config(self, fn: Function, grid: int, block: int, shared: int, cluster: int, stream,
-                        cooperative: bool):
-        """Launch configuration in clusters of `cluster` blocks along x (CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
-        cooperative (all blocks resident: CU_LAUNCH_ATTRIBUTE_COOPERATIVE) when asked."""
-        if not self.pdl_launch:  # sm_90+, as clusters
-            raise UnsupportedError(f"thread-block clusters need compute capability 9.0 or later (this is {self.arch})")
-        if cluster < 1 or cluster > 8 or grid % cluster:
-            raise UnsupportedError(f"cluster of {cluster} blocks: 1 to 8 (portable sizes), dividing the grid of {grid}")
-        fn.fit_shared(shared)
-        attrs = []
-        a = cu.CUlaunchAttribute()
-        a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = int(cluster), 1, 1
-        attrs.append(a)
-        if cooperative:
-            c = cu.CUlaunchAttribute()
-            c.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-            c.value.cooperative = 1
-            attrs.append(c)
-        cfg = cu.CUlaunchConfig()
-        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = int(grid), 1, 1
-        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = int(block), 1, 1
-        cfg.sharedMemBytes = int(shared)
-        cfg.hStream = _stream(stream)
-        cfg.attrs = attrs
-        cfg.numAttrs = len(attrs)
-        return cfg
-
-    def max_active_clusters(self, fn: Function, block: int, shared: int, cluster: int) -> int:
-        self._current()
-        cfg = self._cluster_config(fn, cluster, block, shared, cluster, None, False)
-        return int(check(cu.cuOccupancyMaxActiveClusters(fn.handle, cfg),
-                         f"cuOccupancyMaxActiveClusters({fn.name}, cluster={cluster})"))
-
-    # Whether the driver took the cooperative attribute together with a cluster dimension (None: not tried yet).
-    # Where it refuses the pair, launch_cluster launches the same grid without it: the grid is sized from
-    # cuOccupancyMaxActiveClusters, so every block is resident all the same on an otherwise idle GPU, and the
-    # kernel's waits are bounded (a block that never started ends the launch with a timeout, not a hang).
-    cluster_cooperative: bool | None = None
-
-    def launch_cluster(self, fn: Function, grid: int, block: int, args: list, cluster: int, shared: int = 0,
-                       stream=None) -> None:
-        self._current()
-        params, keep = kernel_params(args)
-        what = f"({fn.name}, grid={grid}, block={block}, shared={shared})"
-        if self.cluster_cooperative is not False:
-            res = cu.cuLaunchKernelEx(self._cluster_config(fn, grid, block, shared, cluster, stream, True),
-                                      fn.handle, params, 0)
-            if int(res[0] if isinstance(res, tuple) else res) == 0:
-                self.cluster_cooperative = True
-                return
-            if self.cluster_cooperative:  # it worked before: a real failure
-                check(res, f"cuLaunchKernelEx(cooperative, cluster={cluster}){what}")
-            self.cluster_cooperative = False
-        res = cu.cuLaunchKernelEx(self._cluster_config(fn, grid, block, shared, cluster, stream, False),
-                                  fn.handle, params, 0)
-        del keep
-        check(res, f"cuLaunchKernelEx(cluster={cluster}){what}")
 
     def max_active_blocks(self, fn: Function, block: int, shared: int = 0) -> int:
         self._current()

@@ -15,7 +15,7 @@ error code into the mapped status word; the host raises it as ``DeviceError``.
 
 Knobs (environment; defaults from the H200 sweep in docs/perf-log.md): HIPENGINE_MK_MIN_BLOCKS (resident
 blocks per SM the kernel is compiled for, 1), HIPENGINE_MK_BLOCKS_PER_SM (grid, default = min blocks),
-HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation, 3), HIPENGINE_MK_UNROLL (4),
+HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation; default by the split plan, mk_fine), HIPENGINE_MK_UNROLL (4),
 HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
 builds the stage-profiling variant, read with read_profile()).
 """
@@ -276,15 +276,7 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["MK_TP"] = 1
     if q_regs:
         defines["HE_ATTN_Q_REGS"] = 1
-    if grid_cluster() > 1:
-        if vendor != "nvidia":
-            raise UnsupportedError("HIPENGINE_MK_CLUSTER > 1: thread-block clusters exist on NVIDIA sm_90+ only")
-        defines["HE_GRID_CLUSTER"] = grid_cluster()
-    extra = extra_defines()
-    if "HE_GRID_CLUSTER" in extra:  # the launch must match the build: one knob sets both
-        raise UnsupportedError("HE_GRID_CLUSTER is set through HIPENGINE_MK_CLUSTER (it changes the launch too), "
-                               "not HIPENGINE_MK_DEFINES")
-    defines.update(extra)
+    defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
 
 
@@ -323,16 +315,34 @@ def ll_local() -> bool:
     return os.environ.get("HIPENGINE_MK_LL", "0") not in ("", "0")
 
 
-def grid_cluster() -> int:
-    """Blocks per thread-block cluster of the launch (HIPENGINE_MK_CLUSTER, default 1: no clusters). Above 1
-    (2, 4 or 8; NVIDIA sm_90+, tp = 1) the grid barriers are cluster-hierarchical (kernels_hip/sync.h
-    HE_GRID_CLUSTER: one arrival and one poller per cluster on the counter, the cluster's hardware barrier
-    for the rest) and the grid is the clusters that fit (cuOccupancyMaxActiveClusters) times their size.
-    Same results (the stages' sums do not depend on the grid): an experiment, measured in docs/perf-log.md."""
-    raw = os.environ.get("HIPENGINE_MK_CLUSTER", "1")
-    if raw not in ("1", "2", "4", "8"):
-        raise UnsupportedError(f"HIPENGINE_MK_CLUSTER={raw}: 1 (off), 2, 4 or 8 blocks per cluster")
+def fine_override() -> int | None:
+    """HIPENGINE_MK_FINE=2|3 forces the attention -> O-proj scheme at every context (A/B sweeps); None: mk_fine's rule."""
+    raw = os.environ.get("HIPENGINE_MK_FINE", "")
+    if not raw:
+        return None
+    if raw not in ("2", "3"):
+        raise UnsupportedError(f"HIPENGINE_MK_FINE={raw}: 2 (a grid barrier, then one head per block) or 3 "
+                               "(the last split block of each KV head combines its group)")
     return int(raw)
+
+
+def mk_fine(max_context: int, num_kv_heads: int, num_sms: int, head_dim: int = 64, tp: bool = False) -> int:
+    """How the attention splits' partials reach the O-proj (decode.hip `fine`): 3 — the last split block of each
+    KV head combines its group's heads and counts them on the heads-combined counter, no grid barrier — while
+    the split plan (ops.attention_plan, the per-op path's) has at most ATTN_COMBINE_BATCH splits per head, so
+    the combine loads its partials in one round trip; 2 — a grid barrier after the splits, then one head per
+    block — above that (32+ splits: from 12K tokens of llama-3.2-1b's cache), where one block combining a group
+    over two or more rounds of partials is the stage's tail. Measured on H200, llama-3.2-1b, mk_sweep in one
+    process (docs/perf-log.md, session 28): fine 2 −2.1% at 1K and −2.0% at 8K (16 splits), **+3.1% at 32K**
+    (32 splits). Same sums either way (he_attention_combine per head): the same tokens. The LL exchange
+    builds (tp > 1, HIPENGINE_MK_LL) keep 3 (not measured there). HIPENGINE_MK_FINE forces either."""
+    forced = fine_override()
+    if forced is not None:
+        return forced
+    if tp:
+        return 3
+    nsplit, _ = O.attention_plan(max_context, num_kv_heads, num_sms, head_dim=head_dim)
+    return 2 if nsplit > O.ATTN_COMBINE_BATCH else 3
 
 
 def min_blocks() -> int:
@@ -366,7 +376,7 @@ def environ_set(values: dict):
 
 
 def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_dim: int = 64,
-               rows: tuple[int, ...] = (), qk_norm=(False,)) -> list[str]:
+               rows: tuple[int, ...] = (), qk_norm=(False,), fines=(3, 2)) -> list[str]:
     """Fill the compile cache for an NVIDIA arch without a GPU (NVRTC only): the per-op modules and the
     monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling.
     ``rows``: the model's hidden size, q_dim and ffn (compile_args), e.g. (2048, 2048, 8192) for
@@ -408,9 +418,10 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     jobs += [("ops/attention_decode.hip",
               {"defines": {**(kv_defines(f16) or {}), **attention_defines(head_dim, n, arch)}})
              for f16 in sorted(set(f16_variants)) for n in sizes]
+    # ... each with both attention -> O-proj schemes (mk_fine: which one a cache takes depends on its split plan)
     jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q_regs_build(n),
-                                   max_context=n, arch=arch, rows=rows, qk_norm=qn))
-             for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm]
+                                   max_context=n, arch=arch, rows=rows, qk_norm=qn, fine=fine))
+             for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm for fine in fines]
     # the decode-step modules' HE_PDL_LATE builds (Ops._late: the default trigger places or the env's)
     levels = O.pdl_trigger_levels()
     jobs += [(src, {**kw, "defines": {**(kw.get("defines") or {}), "HE_PDL_LATE": lv}}) for src, kw in jobs
@@ -439,7 +450,6 @@ class MonokernelBackend(GpuBackend):
     # every rank's region, the second residual buffer) is set up here for one rank and replaced at tp > 1.
     tp_world, tp_rank, vocab_off = 1, 0, 0
     mk_tp = False  # build with the LL exchange (MK_TP=1): TP ranks, or HIPENGINE_MK_LL=1
-    cluster = 1  # blocks per thread-block cluster of the launch (grid_cluster(), set by _size_launch)
 
     def __init__(self, loaded, max_context: int | None = None, tp: int = 1, monokernel: bool = True,
                  allreduce: str = "custom", device: int = 0):
@@ -458,12 +468,7 @@ class MonokernelBackend(GpuBackend):
                                    "use --no-monokernel for mixed-dtype models")
         self.ll_local = ll_local()
         self.w_f16 = f16.pop()
-        # Default from the H200 sweep (docs/perf-log.md): the last split block of each KV head combines its group.
-        # fine = 2 has a build of its own (MK_FINE2): set it before the build, not after.
-        self.fine = int(os.environ.get("HIPENGINE_MK_FINE", "3"))
-        if self.fine not in (2, 3):
-            raise UnsupportedError(f"HIPENGINE_MK_FINE={self.fine}: 2 (barrier, one head per block) or 3 "
-                                   "(last split block combines its group)")
+        fine_override()  # a bad HIPENGINE_MK_FINE is one clear error before anything is compiled
         self._build()
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
         self.poll_sleep_ns = int(os.environ.get("HIPENGINE_MK_POLL_SLEEP_NS", "0"))
@@ -497,26 +502,21 @@ class MonokernelBackend(GpuBackend):
         self.blocks_per_sm = min(occ, want)
         self.grid = rt.num_sms * self.blocks_per_sm
         self.occupancy = occ
-        self.cluster = grid_cluster()
-        if self.cluster > 1:
-            if self.mk_tp:
-                raise UnsupportedError("HIPENGINE_MK_CLUSTER > 1: the cluster barrier is built for tp = 1 "
-                                       "without the LL exchange")
-            fit = rt.max_active_clusters(self.fn, THREADS, self.smem, self.cluster)
-            if fit < 1:
-                raise UnsupportedError(f"monokernel: no cluster of {self.cluster} blocks can be resident")
-            self.grid = min(self.grid // self.cluster, fit) * self.cluster
 
-    def _build_class(self) -> tuple[bool, bool]:
-        """(q_regs_build, ops.attn_warp_max) for the current max_context: what selects the build."""
-        return q_regs_build(self.max_context, self.rt.vendor), O.attn_warp_max(self.max_context)
+    def _build_class(self) -> tuple[bool, bool, int]:
+        """(q_regs_build, ops.attn_warp_max, the attention -> O-proj scheme: mk_fine) for the current
+        max_context: what selects the build."""
+        cfg = self.config
+        fine = mk_fine(self.max_context, cfg.num_kv_heads, self.rt.num_sms, cfg.head_dim,
+                       tp=self.mk_tp or bool(self.ll_local))
+        return q_regs_build(self.max_context, self.rt.vendor), O.attn_warp_max(self.max_context), fine
 
     def _build(self) -> None:
         """Compile (or take from the cache) the build for the current max_context — the long-context build
         from LONG_CONTEXT tokens (q_regs_build), the attention split's softmax max (ops.attn_warp_max, as the
         per-op path's) — and load its kernel."""
         rt, cfg = self.rt, self.config
-        self.q_regs, self.warp_max = self._build_class()
+        self.q_regs, self.warp_max, self.fine = self._build_class()
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
                                                         max_context=self.max_context, arch=rt.arch,
@@ -635,10 +635,6 @@ class MonokernelBackend(GpuBackend):
         self.host_words[:] = 0
 
     def _start(self) -> None:
-        if self.cluster > 1:
-            self.rt.launch_cluster(self.fn, self.grid, THREADS, [self._block], self.cluster, shared=self.smem,
-                                   stream=self.stream)
-            return
         self.rt.launch(self.fn, self.grid, THREADS, [self._block], shared=self.smem, stream=self.stream,
                        cooperative=True)
 
@@ -735,8 +731,8 @@ class MonokernelBackend(GpuBackend):
         self._alloc_state()
         if self.hostmem is not None:
             self.hostmem.free()
-        if self._build_class() != (self.q_regs, self.warp_max):
-            self._build()  # the cache crossed LONG_CONTEXT / ops.ATTN_WARP_MAX_CTX: the other attention build
+        if self._build_class() != (self.q_regs, self.warp_max, self.built_fine):
+            self._build()  # the cache crossed LONG_CONTEXT / ops.ATTN_WARP_MAX_CTX / mk_fine's bound: another build
         self._size_launch()
         self._setup_buffers()
         self.pos = 0
@@ -765,8 +761,7 @@ def grid_info(backend: MonokernelBackend) -> dict:
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1),
             "ll_exchange": backend._ll_on(), "q_regs": getattr(backend, "q_regs", False),
-            "attn_warp_max": getattr(backend, "warp_max", None), "cluster": getattr(backend, "cluster", 1),
-            "cluster_cooperative": getattr(backend.rt, "cluster_cooperative", None)}
+            "attn_warp_max": getattr(backend, "warp_max", None)}
 
 
 def ll_words(world: int, d: int) -> int:

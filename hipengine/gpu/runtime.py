@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DeviceError, UnsupportedError
+from ..errors import DeviceError
 
 KERNELS_DIR = Path(__file__).resolve().parents[2] / "kernels_hip"
 
@@ -128,19 +128,6 @@ class Runtime(ABC):
     @abstractmethod
     def max_active_blocks(self, fn, block: int, shared: int = 0) -> int:
         """Occupancy: blocks of this kernel resident per SM/CU (sizes a persistent grid)."""
-
-    # Thread-block clusters (NVIDIA sm_90+; kernels_hip/port.h kHasClusters): the backend that has them
-    # overrides both; elsewhere they say so.
-    def max_active_clusters(self, fn, block: int, shared: int, cluster: int) -> int:
-        """Clusters of `cluster` blocks of this kernel that can be resident at once on the device."""
-        raise UnsupportedError(f"thread-block clusters need an NVIDIA GPU of compute capability 9.0 or later "
-                               f"(this is {self.arch})")
-
-    def launch_cluster(self, fn, grid: int, block: int, args: list, cluster: int, shared: int = 0,
-                       stream=None) -> None:
-        """A cooperative launch (all blocks resident) in clusters of `cluster` blocks along x."""
-        raise UnsupportedError(f"thread-block clusters need an NVIDIA GPU of compute capability 9.0 or later "
-                               f"(this is {self.arch})")
 
     @abstractmethod
     def stream(self): ...
