@@ -329,20 +329,23 @@ def fine_override() -> int | None:
 def mk_fine(max_context: int, num_kv_heads: int, num_sms: int, head_dim: int = 64, tp: bool = False) -> int:
     """How the attention splits' partials reach the O-proj (decode.hip `fine`): 3 — the last split block of each
     KV head combines its group's heads and counts them on the heads-combined counter, no grid barrier — while
-    the split plan (ops.attention_plan, the per-op path's) has at most ATTN_COMBINE_BATCH splits per head, so
-    the combine loads its partials in one round trip; 2 — a grid barrier after the splits, then one head per
-    block — above that (32+ splits: from 12K tokens of llama-3.2-1b's cache), where one block combining a group
-    over two or more rounds of partials is the stage's tail. Measured on H200, llama-3.2-1b, mk_sweep in one
-    process (docs/perf-log.md, session 28): fine 2 −2.1% at 1K and −2.0% at 8K (16 splits), **+3.1% at 32K**
-    (32 splits). Same sums either way (he_attention_combine per head): the same tokens. The LL exchange
-    builds (tp > 1, HIPENGINE_MK_LL) keep 3 (not measured there). HIPENGINE_MK_FINE forces either."""
+    the split plan's (kv head, split) items (ops.attention_plan, the per-op path's) fit in one round of the
+    grid (one block per SM, min_blocks()); 2 — a grid barrier after the splits, then one head per block — when
+    they take two rounds (llama-3.2-1b from 12K tokens: 8 x 32 = 256 items on 132 blocks), where the blocks that
+    finish a head's last split in the second round would each combine a whole group serially. Measured on H200
+    (docs/perf-log.md, session 28), fine 2 against 3: llama-3.2-1b −2.1% at 1K and −2.0% at 8K (128 items),
+    **+3.7% at 16K, +3.0 to +3.2% at 32K** (256 items); the default model's shape (smollm2-135m: 3 KV heads x 43
+    splits = 129 items in a 4K cache) −8.6% / −7.5% at 1K / 2K contexts — so the bound is the grid's round,
+    not the combine's rounds of partials. Same sums either way (he_attention_combine per head): the same
+    tokens. The LL exchange builds (tp > 1, HIPENGINE_MK_LL) keep 3 (not measured there). HIPENGINE_MK_FINE
+    forces either."""
     forced = fine_override()
     if forced is not None:
         return forced
     if tp:
         return 3
     nsplit, _ = O.attention_plan(max_context, num_kv_heads, num_sms, head_dim=head_dim)
-    return 2 if nsplit > O.ATTN_COMBINE_BATCH else 3
+    return 2 if num_kv_heads * nsplit > num_sms * min_blocks() else 3
 
 
 def min_blocks() -> int:
