@@ -53,7 +53,8 @@ VARIANTS = [  # name, build env, runtime attrs
     # the attention splits' first K/V requests between the QKV barrier's arrival and its wait (v72)
     ("attention K/V requested before the QKV wait", {"HIPENGINE_MK_DEFINES": "MK_ATTN_EARLY=1"}, {}),
     # the attention plan aiming at half a (KV head, split) block per SM: 8 splits of 128 positions at 1K (session
-    # 20: +1% for the monokernel, -1.7% per-op at 1K; the same plan as the default's from 16K): its sums differ
+    # 20: +1% for the monokernel, -1.7% per-op at 1K; session 28: -0.4% at 1K, -7% at 8K; the default's plan from
+    # 32K): its sums differ
     ("attention plan at 0.5 blocks per SM", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5"}, {}),
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were
     # variants here, removed.)

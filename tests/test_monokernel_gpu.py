@@ -57,6 +57,29 @@ def test_long_context_build_greedy_identical(tmp_path):
         be.close()
 
 
+@pytest.mark.parametrize("fine", ["2", "3"])
+def test_both_combine_schemes_greedy_identical(tmp_path, monkeypatch, fine):
+    """Both attention -> O-proj schemes (mk_fine picks one per split plan; HIPENGINE_MK_FINE forces it) give
+    the per-op path's tokens, here on a plan of two grid rounds' worth of items and of one."""
+    from hipengine.gpu.monokernel import MonokernelBackend
+    from hipengine.loader import load_model
+    from tiny_models import save_tiny_model
+
+    monkeypatch.setenv("HIPENGINE_MK_FINE", fine)
+    path, _ = save_tiny_model("llama", tmp_path, seed=11, max_position_embeddings=4096)
+    be = MonokernelBackend(load_model(path, progress=False), max_context=4096)
+    try:
+        assert be.fine == int(fine)
+        prompt = np.array([3, 41, 7, 99, 250, 12], np.int64)
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        assert _mono(be, prompt, params) == _per_op(be, prompt, params)
+        be.resize_context(1024)
+        assert be.fine == int(fine)
+        assert _mono(be, prompt, params) == _per_op(be, prompt, params)
+    finally:
+        be.close()
+
+
 def test_tiny_greedy_identical_256(tiny):
     prompt = np.array([5, 17, 99, 42, 7, 250, 31, 8, 64], np.int64)
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)

@@ -517,7 +517,7 @@ class MonokernelBackend(GpuBackend):
     def _build(self) -> None:
         """Compile (or take from the cache) the build for the current max_context — the long-context build
         from LONG_CONTEXT tokens (q_regs_build), the attention split's softmax max (ops.attn_warp_max, as the
-        per-op path's) — and load its kernel."""
+        per-op path's), the attention -> O-proj scheme (mk_fine) — and load its kernel."""
         rt, cfg = self.rt, self.config
         self.q_regs, self.warp_max, self.fine = self._build_class()
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
