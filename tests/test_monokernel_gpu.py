@@ -60,7 +60,7 @@ def test_long_context_build_greedy_identical(tmp_path):
 @pytest.mark.parametrize("fine", ["2", "3"])
 def test_both_combine_schemes_greedy_identical(tmp_path, monkeypatch, fine):
     """Both attention -> O-proj schemes (mk_fine picks one per split plan; HIPENGINE_MK_FINE forces it) give
-    the per-op path's tokens, here on a plan of two grid rounds' worth of items and of one."""
+    the per-op path's tokens, at a 4K and a 1K cache."""
     from hipengine.gpu.monokernel import MonokernelBackend
     from hipengine.loader import load_model
     from tiny_models import save_tiny_model
