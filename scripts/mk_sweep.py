@@ -56,6 +56,11 @@ VARIANTS = [  # name, build env, runtime attrs
     # 20: +1% for the monokernel, -1.7% per-op at 1K; session 28: -0.4% at 1K, -7% at 8K; the default's plan from
     # 32K): its sums differ
     ("attention plan at 0.5 blocks per SM", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5"}, {}),
+    # the long-context plans in one round of the grid (session 28's fine finding: two rounds of items cost a serial
+    # combine tail, fine 2 a barrier): 16 splits of 1,024 at 16K and of 2,048 at 32K (128 items; mk_fine picks 3)
+    # instead of 32 of 512 / 1,024 (256 items, fine 2); 1K / 8K unchanged. Its sums differ.
+    ("long-context plans in one round (16 splits)", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.96",
+                                                     "HIPENGINE_ATTN_MAX_CHUNK": "2048"}, {}),
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were
     # variants here, removed.)
     # (session 26's v69 / v69b — a fill's two batches at once, everywhere or per site; down's fill serialised —
