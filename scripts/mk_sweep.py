@@ -182,7 +182,7 @@ def main() -> int:
     ours = [r for r in rows if r.get("context") == contexts[0] and not r["variant"].startswith("baseline tree")]
     if args.best_env and ours:  # the fastest of this tree's variants at the first context
         best = max(ours, key=lambda r: r["tok_s"])
-        names = {"fine": "HIPENGINE_MK_FINE", "poll_sleep_ns": "HIPENGINE_MK_POLL_SLEEP_NS"}
+        names = {"poll_sleep_ns": "HIPENGINE_MK_POLL_SLEEP_NS"}
         with open(args.best_env, "w") as f:
             f.write(f"# fastest: {best['variant']} ({best['tok_s']:.1f} tok/s)\n")
             for k, v in {**best["env"], **best["attrs"]}.items():

@@ -525,7 +525,6 @@ class MonokernelBackend(GpuBackend):
                                                         max_context=self.max_context, arch=rt.arch,
                                                         rows=(cfg.hidden_size, cfg.q_dim, cfg.intermediate_size),
                                                         qk_norm=cfg.qk_norm, fine=self.fine))
-        self.built_fine = self.fine
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 
@@ -582,18 +581,10 @@ class MonokernelBackend(GpuBackend):
             ring_cap=self.ring_cap, top_k=int(sp.top_k), eps=float(cfg.rms_norm_eps),
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),
             rep_pen=float(sp.repetition_penalty), seed_lo=seed & 0xFFFFFFFF, seed_hi=(seed >> 32) & 0xFFFFFFFF,
-            fine=self._fine(), poll_sleep_ns=self.poll_sleep_ns,
+            fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
             prof=self.prof_buf.ptr if self.prof_buf is not None else 0,
             tp_ll=self.tp_ll_ptr if self._ll_on() else 0, xb=self.xb_ptr, tp_world=self.tp_world,
             tp_rank=self.tp_rank, vocab_off=self.vocab_off, embed_vocab=self.embed_vocab)
-
-    def _fine(self) -> int:
-        """The attention -> O-proj scheme of this launch: the build's (fine = 2's stage is compiled only into its
-        own build, MK_FINE2)."""
-        if self.fine != self.built_fine:
-            raise UnsupportedError(f"monokernel fine = {self.fine}, but it was built for {self.built_fine}: set "
-                                   "HIPENGINE_MK_FINE before loading")
-        return self.fine
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)
@@ -734,7 +725,7 @@ class MonokernelBackend(GpuBackend):
         self._alloc_state()
         if self.hostmem is not None:
             self.hostmem.free()
-        if self._build_class() != (self.q_regs, self.warp_max, self.built_fine):
+        if self._build_class() != (self.q_regs, self.warp_max, self.fine):
             self._build()  # the cache crossed LONG_CONTEXT / ops.ATTN_WARP_MAX_CTX / mk_fine's bound: another build
         self._size_launch()
         self._setup_buffers()
