@@ -6,7 +6,9 @@ Method: validate once (the op tests do the full job; here a spot check), warm up
 a graph (launch overhead from Python would otherwise dominate a 2 µs kernel), time graph replays with device
 events, report the median. Weight / KV buffers rotate over copies totalling > 240 MB so the 60 MB L2 never
 holds them. Each figure is taken as the engine launches (programmatic dependent launch where the runtime has
-it: consecutive kernels overlap, Ops.pdl) and with plain stream order (`*_no_pdl`).
+it: consecutive kernels overlap, Ops.pdl) and with plain stream order (`*_no_pdl`). "floor": the same chain of
+dependent launches with no weights (ops/probe.hip probe_chain) at the matvecs' grids — the boundary a launch
+pays however few bytes it reads.
 Usage: PYTHONPATH=. python3 scripts/bench_ops.py [--json out.json] [--skip-decode]
 """
 from __future__ import annotations
@@ -22,6 +24,8 @@ import numpy as np
 from hipengine.bench import git_commit
 from hipengine.gpu import ops as O
 from hipengine.gpu.runtime import get_runtime
+
+MATVEC_THREADS = O.MATVEC_THREADS
 
 ROTATE_BYTES = 240 * 2**20
 
@@ -140,6 +144,38 @@ def bench_matvecs(rt, ops, stream, hbm) -> list[dict]:
         for b in bufs:
             b.free()
     return rows_out
+
+
+# (grid, input length) of the per-op decode matvecs on 132 SMs (Ops._grid): O-proj and two-row down 1,024 units
+# / 8 warps, QKV 1,536 / 8, gate/up at the 2-blocks-per-SM cap, the one-row down 2,048 / 8.
+FLOOR_SHAPES = [(128, 2048), (192, 2048), (264, 2048), (128, 8192), (256, 8192)]
+
+
+def bench_floor(rt, ops, stream) -> list[dict]:
+    """The per-op matvec launch's dependent boundary without weights (ops/probe.hip probe_chain): back-to-back
+    launches, each staging the previous one's output, as the engine launches them (programmatic dependent
+    launch where the runtime has it) and in plain stream order. However few bytes a kernel of that grid reads,
+    a chain of them costs at least this per launch; its weight stream can hide behind it only where the next
+    kernel's blocks are resident early (the decode kernels' PDL trigger)."""
+    fn = rt.compile("ops/probe.hip").function("probe_chain")
+    n_max = max(n for _, n in FLOOR_SHAPES)
+    a = rt.upload(np.ones(n_max, np.float32))
+    b = rt.upload(np.ones(n_max, np.float32))
+    rows = []
+    from ctypes import c_int32
+    try:
+        for grid, n in FLOOR_SHAPES:
+            def launch(i, grid=grid, n=n):
+                src, dst = (a, b) if i % 2 == 0 else (b, a)
+                rt.launch(fn, grid, MATVEC_THREADS, [O._p(src), O._p(dst), c_int32(n)], shared=n * 4, stream=stream,
+                          pdl=ops.pdl)
+            t, t_plain = timed_pdl(rt, ops, stream, launch)
+            rows.append(dict(op=f"dependent launch, no weights ({grid} x {MATVEC_THREADS}, x[{n}])", grid=grid,
+                             inn=n, us=t * 1e6, pdl=ops.pdl, us_no_pdl=t_plain * 1e6))
+    finally:
+        a.free()
+        b.free()
+    return rows
 
 
 def bench_attention(rt, ops, stream, hbm) -> list[dict]:
@@ -298,6 +334,7 @@ def main(argv=None) -> int:
     res["commit"] = git_commit()  # $HIPENGINE_COMMIT first: the device's copy of the tree has a stale .git
     res["matvec"] = bench_matvecs(rt, ops, stream, hbm)
     res["attention"] = bench_attention(rt, ops, stream, hbm)
+    res["floor"] = bench_floor(rt, ops, stream)
     if not a.skip_decode:
         try:
             res["decode"] = bench_decode(rt, hbm)
@@ -313,6 +350,9 @@ def main(argv=None) -> int:
         if "combine_us" in r:
             extra += f"  (combine alone {r['combine_us']:.1f} us; one kernel {r['one_kernel_us']:.2f} us)"
         print(f"{r['op']:48s} {r['us']:9.2f} {r['gbps']:8.0f} {r['pct_hbm']:6.1f}{extra}")
+    for r in res["floor"]:
+        extra = f"  plain launches: {r['us_no_pdl']:.2f} us" if r["pdl"] else ""
+        print(f"{r['op']:48s} {r['us']:9.2f} {'':>8s} {'':>6s}{extra}")
     d = res.get("decode", {})
     if "tok_s" in d:
         print(f"decode 1B per-op graph: {d['tok_s']:.0f} tok/s ({d['pct_hbm']:.1f}% of HBM roofline "

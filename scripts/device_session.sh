@@ -16,7 +16,7 @@
 #   abperop: per-op trees $AB_PEROP_TREES (commits $AB_PEROP_COMMITS) alternated, 1K/8K/32K; op tests, bench_ops
 #   abenv : per-op A/B of environment settings $AB_ENVS on this tree, 1K/8K/32K; kernel timelines ($AB_PROFILE_ENVS)
 #   abboth: A/B of environment settings $AB_ENVS on both paths (decode bench, tokens compared), timelines, tests
-#   sweepops: mk_sweep $ONLY at $AB_CONTEXTS (re-checks of knobs, no new kernel), then bench_ops
+#   sweepops: mk_sweep $ONLY at $AB_CONTEXTS (re-checks of knobs, no new kernel), then bench_ops (and per $OPS_ENVS word)
 #   mkdefault: a monokernel default changed: mk_sweep $ONLY at $AB_CONTEXTS, monokernel tests, the bench of record
 #   abmk  : monokernel variants (mk_sweep $ONLY) at $AB_CONTEXTS, stage profiles at 1K per word of $AB_PROFILE_ENVS
 #   recordmk: a shared default changed: op, engine, monokernel tests, the bench of record, timeline, mk_sweep $ONLY
@@ -178,8 +178,10 @@ case "$MODE" in
   mkdefault)  # a monokernel-only default changed: mk_sweep's variants $ONLY at $AB_CONTEXTS (the A/B), the monokernel
               # tests, the decode bench of record at $BENCH_CONTEXTS (both paths, tokens compared)
     mk_sweep_ab mk_sweep 120; mk_tests; bench ;;
-  sweepops)  # re-checks without a new build: mk_sweep's variants $ONLY at $AB_CONTEXTS (one process), then bench_ops
-    mk_sweep_ab mk_sweep 330; bench_ops ;;
+  sweepops)  # re-checks without a new build: mk_sweep's variants $ONLY at $AB_CONTEXTS (one process), then bench_ops,
+             # then bench_ops once more per word of $OPS_ENVS (VAR=V[,VAR=V]), each its own process
+    mk_sweep_ab mk_sweep 330; bench_ops
+    [ -n "${OPS_ENVS:-}" ] && env_runs bench_ops_env 80 "$OPS_ENVS" $PY scripts/bench_ops.py --skip-decode ;;
   abmk)  # monokernel variants: op tests ($AB_TESTS: a -k expression), mk_sweep's variants $ONLY at $AB_CONTEXTS (one
          # process, tokens compared with the first), then the monokernel's stage profile at 1K per word of
          # $AB_PROFILE_ENVS (VAR=V[,VAR=V] or -)

@@ -7,6 +7,8 @@
 //   probe_pingpong  : one thread per GPU bouncing a counter through peer-mapped flags (one-way latency).
 //   probe_poll      : how long one flag poll (an L2 hit) takes while the SM streams weights the way the
 //                     monokernel's warps do at a grid barrier (the barrier's wait is such polls).
+//   probe_chain     : a per-op decode kernel's dependent boundary without its weights (scripts/bench_ops.py
+//                     "floor": what a chain of such launches costs per launch however few bytes it reads).
 //
 // The read kernel is a real reduction (a 32-bit wrapping sum of every word), so the compiler cannot drop
 // the loads and the host can check the grid-stride indexing against numpy.
@@ -93,6 +95,26 @@ HE_KERNEL(1024) probe_copy(const he_vec16* src, he_vec16* dst, he_u64 n_vec) {
 }
 
 HE_KERNEL(1024) probe_empty() {}
+
+// The skeleton of a per-op matvec launch with no weights: let the next launch start (programmatic dependent
+// launch, port.h), wait for the launch before it, stage its output x[0:n] in shared memory, then every warp
+// reads 8 words per lane and lane 0 stores the warp's sum at y[global warp] — the matvec's prologue, consume
+// and epilogue order. Launched back to back with x and y swapped (scripts/bench_ops.py bench_floor), each launch
+// depends on the one before through memory, as the decode step's kernels do. n: a multiple of 8·kWarpSize.
+HE_KERNEL(1024) probe_chain(const float* x, float* y, int n) {
+  extern __shared__ float xs[];
+  he_pdl_trigger();
+  he_pdl_wait();
+  for (int i = he_thread_idx(); i < n; i += he_block_dim()) xs[i] = x[i];
+  he_sync_block();
+  const int lane = he_lane_id();
+  float s = 0.f;
+  for (int c = lane * 8; c < n; c += kWarpSize * 8)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += xs[c + j];
+  s = he_warp_sum(s);
+  if (lane == 0) y[he_block_idx() * he_num_warps() + he_warp_id()] = s * (1.f / (float)n);
+}
 
 // Ping-pong between two GPUs, one thread each. `local` lives on this GPU (polled here), `remote` on the other
 // GPU (written from here through peer mapping). Round r: the initiator publishes r into the responder's flag
