@@ -146,9 +146,10 @@ def bench_matvecs(rt, ops, stream, hbm) -> list[dict]:
     return rows_out
 
 
-# (grid, input length) of the per-op decode matvecs on 132 SMs (Ops._grid): O-proj and two-row down 1,024 units
-# / 8 warps, QKV 1,536 / 8, gate/up at the 2-blocks-per-SM cap, the one-row down 2,048 / 8.
-FLOOR_SHAPES = [(128, 2048), (192, 2048), (264, 2048), (128, 8192), (256, 8192)]
+# (grid, input length, RMSNorm prologue) of the per-op decode matvecs on 132 SMs (Ops._grid): O-proj and two-row
+# down 1,024 units / 8 warps, QKV 1,536 / 8 and gate/up at the 2-blocks-per-SM cap (both with the norm), the
+# one-row down 2,048 / 8.
+FLOOR_SHAPES = [(128, 2048, False), (192, 2048, True), (264, 2048, True), (128, 8192, False), (256, 8192, False)]
 
 
 def bench_floor(rt, ops, stream) -> list[dict]:
@@ -158,23 +159,24 @@ def bench_floor(rt, ops, stream) -> list[dict]:
     a chain of them costs at least this per launch; its weight stream can hide behind it only where the next
     kernel's blocks are resident early (the decode kernels' PDL trigger)."""
     fn = rt.compile("ops/probe.hip").function("probe_chain")
-    n_max = max(n for _, n in FLOOR_SHAPES)
+    n_max = max(n for _, n, _ in FLOOR_SHAPES)
     a = rt.upload(np.ones(n_max, np.float32))
     b = rt.upload(np.ones(n_max, np.float32))
+    g = rt.upload(np.ones(n_max, np.float32))
     rows = []
     from ctypes import c_int32
     try:
-        for grid, n in FLOOR_SHAPES:
-            def launch(i, grid=grid, n=n):
+        for grid, n, norm in FLOOR_SHAPES:
+            def launch(i, grid=grid, n=n, norm=norm):
                 src, dst = (a, b) if i % 2 == 0 else (b, a)
-                rt.launch(fn, grid, MATVEC_THREADS, [O._p(src), O._p(dst), c_int32(n)], shared=n * 4, stream=stream,
-                          pdl=ops.pdl)
+                rt.launch(fn, grid, MATVEC_THREADS, [O._p(src), O._p(g if norm else None), O._p(dst), c_int32(n)],
+                          shared=n * 4, stream=stream, pdl=ops.pdl)
             t, t_plain = timed_pdl(rt, ops, stream, launch)
-            rows.append(dict(op=f"dependent launch, no weights ({grid} x {MATVEC_THREADS}, x[{n}])", grid=grid,
-                             inn=n, us=t * 1e6, pdl=ops.pdl, us_no_pdl=t_plain * 1e6))
+            name = f"dependent launch, no weights ({grid} x {MATVEC_THREADS}, x[{n}]{', norm' if norm else ''})"
+            rows.append(dict(op=name, grid=grid, inn=n, norm=norm, us=t * 1e6, pdl=ops.pdl, us_no_pdl=t_plain * 1e6))
     finally:
-        a.free()
-        b.free()
+        for buf in (a, b, g):
+            buf.free()
     return rows
 
 

@@ -331,7 +331,8 @@ def mk_fine(max_context: int, num_kv_heads: int, num_sms: int, head_dim: int = 6
     KV head combines its group's heads and counts them on the heads-combined counter, no grid barrier — while
     the split plan's (kv head, split) items (ops.attention_plan, the per-op path's) fit in one round of the
     grid (one block per SM, min_blocks()); 2 — a grid barrier after the splits, then one head per block — when
-    they take two rounds (llama-3.2-1b from 12K tokens: 8 x 32 = 256 items on 132 blocks), where the blocks that
+    they take two rounds (llama-3.2-1b at 48K: 8 x 48 = 384 items on 132 blocks; up to 32K its plan is one round
+    of 8 x 16 since session 29, before that 8 x 32 from 12K), where the blocks that
     finish a head's last split in the second round would each combine a whole group serially. Measured on H200
     (docs/perf-log.md, session 28), fine 2 against 3: llama-3.2-1b −2.1% at 1K and −2.0% at 8K (128 items),
     **+3.7% at 16K, +3.0 to +3.2% at 32K** (256 items); the default model's shape (smollm2-135m: 3 KV heads x 43

@@ -95,13 +95,19 @@ def attention_blocks_per_sm() -> float | None:
     return v
 
 
-def attention_max_chunk() -> int:
-    """Longest split of the attention plan (positions): 1,024, or HIPENGINE_ATTN_MAX_CHUNK (sweeps; a multiple
-    of 32). Long contexts hit it: 32K is 32 splits of 1,024 per KV head. Measured on H200 at 32K (llama-3.2-1b,
-    docs/perf-log.md v32): 512 → 1,024 took the monokernel from 575 to 694 tok/s (its 132 blocks score ~2
-    splits each instead of ~4, each split paying q staging, the merges and the partial's round trips once)
-    and the per-op path from 693 to 729; 2,048 lost on both (568 / 574: too few splits to fill the GPU)."""
-    v = int(os.environ.get("HIPENGINE_ATTN_MAX_CHUNK", "1024"))
+ATTN_MAX_CHUNK = 1024            # longest split of a two-round plan (v32)
+ATTN_ONE_ROUND_MAX_CHUNK = 2048  # longest split of a one-round plan (session 29)
+
+
+def attention_max_chunk(one_round: bool = False) -> int:
+    """Longest split of the attention plan (positions), or HIPENGINE_ATTN_MAX_CHUNK for every plan (sweeps; a
+    multiple of 32). Two-round plans: 1,024 — measured on H200 at 32K (llama-3.2-1b, docs/perf-log.md v32, two
+    rounds then): 512 → 1,024 took the monokernel from 575 to 694 tok/s (its 132 blocks score ~2 splits each
+    instead of ~4, each split paying q staging, the merges and the partial's round trips once) and the per-op
+    path from 693 to 729; 2,048 lost on both (568 / 574). One-round plans (attention_plan's default): 2,048, so
+    that llama-3.2-1b keeps one round of 16 splits per KV head up to 32K (session 29)."""
+    raw = os.environ.get("HIPENGINE_ATTN_MAX_CHUNK", "")
+    v = int(raw) if raw else (ATTN_ONE_ROUND_MAX_CHUNK if one_round else ATTN_MAX_CHUNK)
     if v < 32 or v % 32:
         raise UnsupportedError(f"HIPENGINE_ATTN_MAX_CHUNK={v}: a multiple of 32, at least 32")
     return v
@@ -113,16 +119,19 @@ ATTN_UNROLL = 4          # attention_decode.hip kAttnUnroll: rows per lane group
 
 def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm: float | None = None,
                    head_dim: int = 64) -> tuple[int, int]:
-    """(nsplit, chunk): enough (kv head, split) blocks to cover ~blocks_per_sm blocks per SM at full context,
-    chunks a multiple of 32 positions between 32 and 1,024 (attention_max_chunk). Fixed per max_ctx so a captured graph stays valid;
-    the per-op path and the monokernel use the same plan (their results are then bit-identical).
+    """(nsplit, chunk): the decode attention's split plan for a KV cache of max_ctx positions — chunks a multiple
+    of 32 positions, at least 32. Fixed per max_ctx so a captured graph stays valid; the per-op path and the
+    monokernel use the same plan (their results are then bit-identical).
 
-    blocks_per_sm (default: attention_blocks_per_sm(), else this rule): 1 — one round of split blocks on the
-    monokernel's grid of one block per SM — unless that plan has more blocks than SMs anyway (a 16K cache of
-    llama-3.2-1b: 17 splits x 8 KV heads = 136 blocks, so 4 SMs take a second round), then 2: two full rounds
-    of half-length splits. Measured on H200 at 16K (docs/perf-log.md v48): per-op 812 → 931 tok/s, monokernel
-    732 → 827. (At 8K two per SM are faster for the per-op path only — 967 → 1,033 — and cost the monokernel
-    its one round, 983 → 899, so the shared plan keeps one there.)
+    Default: one round — as many splits per KV head as one round of (kv head, split) blocks on the SMs holds
+    (num_sms // num_kv_heads: llama-3.2-1b on 132 SMs, 16 splits = 128 blocks), splits up to 2,048 positions
+    (attention_max_chunk(one_round=True)); where that does not cover the cache, two full rounds of splits up to
+    1,024 (blocks_per_sm 2). Measured on H200, llama-3.2-1b (docs/perf-log.md, session 29), against v48's rule
+    (one round of ceil(num_sms / num_kv_heads) = 17 splits of at most 1,024, which spilled past the SMs from 12K
+    and so took two rounds of 32 splits): monokernel +5.9% at 16K, +4.5% at 32K (one round of 16 splits of
+    1,024 / 2,048 with fine 3); 1K / 4K / 8K have the same plan under both rules. HIPENGINE_ATTN_ONE_ROUND=0 keeps
+    v48's rule (A/B); blocks_per_sm (or HIPENGINE_ATTN_BLOCKS_PER_SM, sweeps) asks for ~that many blocks per SM
+    instead (ceil).
 
     Then fewer, longer splits where that is free: if the plan has more splits than the combine loads in one
     round trip (ATTN_COMBINE_BATCH) but 16 splits still give each warp a single batch of rows (chunk <= the
@@ -131,13 +140,20 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
     the 1K plan was 32 splits of 32 positions). HIPENGINE_ATTN_SPLIT_CAP=0 keeps the first plan (A/B)."""
     bps = blocks_per_sm or attention_blocks_per_sm()
     if bps is None:
-        plan = attention_plan(max_ctx, num_kv_heads, num_sms, 1.0, head_dim)
+        if _env_switch("HIPENGINE_ATTN_ONE_ROUND") is False:  # v48's rule
+            plan = _split_plan(max_ctx, math.ceil(num_sms / num_kv_heads), attention_max_chunk(), head_dim)
+        else:
+            plan = _split_plan(max_ctx, num_sms // num_kv_heads, attention_max_chunk(one_round=True), head_dim)
         if num_kv_heads * plan[0] <= num_sms:
             return plan
         bps = 2.0
-    want = max(1, math.ceil(bps * num_sms / num_kv_heads))
-    chunk = math.ceil(max_ctx / want)
-    chunk = min(attention_max_chunk(), max(32, (chunk + 31) // 32 * 32))
+    return _split_plan(max_ctx, math.ceil(bps * num_sms / num_kv_heads), attention_max_chunk(), head_dim)
+
+
+def _split_plan(max_ctx: int, want: int, max_chunk: int, head_dim: int) -> tuple[int, int]:
+    """attention_plan for ~`want` splits per KV head, splits of at most max_chunk positions."""
+    chunk = math.ceil(max_ctx / max(1, want))
+    chunk = min(max_chunk, max(32, (chunk + 31) // 32 * 32))
     nsplit = math.ceil(max_ctx / chunk)
     if nsplit > ATTN_COMBINE_BATCH and os.environ.get("HIPENGINE_ATTN_SPLIT_CAP", "1") != "0":
         one_batch = ATTN_THREADS // attn_lanes(head_dim) * ATTN_UNROLL

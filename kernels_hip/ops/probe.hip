@@ -13,6 +13,7 @@
 // The read kernel is a real reduction (a 32-bit wrapping sum of every word), so the compiler cannot drop
 // the loads and the host can check the grid-stride indexing against numpy.
 #include "port.h"
+#include "ops/rmsnorm.hip"
 
 // Vectors loaded per thread per iteration: independent loads in flight hide HBM latency (Little's law);
 // 4 x 16 B per thread with a few blocks per SM/CU saturates HBM3/HBM3e on H200 and MI300X.
@@ -97,16 +98,18 @@ HE_KERNEL(1024) probe_copy(const he_vec16* src, he_vec16* dst, he_u64 n_vec) {
 HE_KERNEL(1024) probe_empty() {}
 
 // The skeleton of a per-op matvec launch with no weights: let the next launch start (programmatic dependent
-// launch, port.h), wait for the launch before it, stage its output x[0:n] in shared memory, then every warp
-// reads 8 words per lane and lane 0 stores the warp's sum at y[global warp] — the matvec's prologue, consume
-// and epilogue order. Launched back to back with x and y swapped (scripts/bench_ops.py bench_floor), each launch
-// depends on the one before through memory, as the decode step's kernels do. n: a multiple of 8·kWarpSize.
-HE_KERNEL(1024) probe_chain(const float* x, float* y, int n) {
+// launch, port.h), wait for the launch before it, stage its output x[0:n] in shared memory with the matvecs'
+// own prologue (ops/rmsnorm.hip he_rmsnorm_stage: a plain copy, or RMSNorm by gamma as QKV's and gate/up's),
+// then every warp reads 8 words per lane and lane 0 stores the warp's sum at y[global warp] — the matvec's
+// prologue, consume and epilogue order. Launched back to back with x and y swapped (scripts/bench_ops.py
+// bench_floor), each launch depends on the one before through memory, as the decode step's kernels do.
+// n % 4 == 0; dynamic shared memory n * 4 bytes.
+HE_KERNEL(1024) probe_chain(const float* x, const float* __restrict__ gamma, float* y, int n) {
   extern __shared__ float xs[];
+  __shared__ float scratch[kMaxWarpsPerBlock];
   he_pdl_trigger();
   he_pdl_wait();
-  for (int i = he_thread_idx(); i < n; i += he_block_dim()) xs[i] = x[i];
-  he_sync_block();
+  he_rmsnorm_stage<true>(x, gamma, 1e-5f, n, xs, scratch);
   const int lane = he_lane_id();
   float s = 0.f;
   for (int c = lane * 8; c < n; c += kWarpSize * 8)
