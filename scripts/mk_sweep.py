@@ -56,10 +56,10 @@ VARIANTS = [  # name, build env, runtime attrs
     # 20: +1% for the monokernel, -1.7% per-op at 1K; session 28: -0.4% at 1K, -7% at 8K; the default's plan from
     # 32K): its sums differ
     ("attention plan at 0.5 blocks per SM", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5"}, {}),
-    # v48's plan rule (session 29 made one round the default: 16 splits of 1,024 at 16K and of 2,048 at 32K, fine
-    # 3, +5.9 / +4.5% on the monokernel): 32 splits of 512 / 1,024 there (256 items, fine 2); 1K / 8K unchanged.
-    # Its sums differ.
-    ("v48's plan rule (two rounds from 12K)", {"HIPENGINE_ATTN_ONE_ROUND": "0"}, {}),
+    # the per-op path's split plan (session 29 gave the monokernel its own one-round plan: 16 splits of 1,024 at 16K
+    # and of 2,048 at 32K, fine 3, +5.7 / +4.4%): 32 splits of 512 / 1,024 there (256 items, fine 2); 1K / 8K
+    # unchanged. Its sums differ from the default's there (and equal the per-op path's).
+    ("the per-op path's split plan (two rounds from 12K)", {"HIPENGINE_MK_ONE_ROUND": "0"}, {}),
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were
     # variants here, removed.)
     # (session 26's v69 / v69b — a fill's two batches at once, everywhere or per site; down's fill serialised —
@@ -70,7 +70,7 @@ VARIANTS = [  # name, build env, runtime attrs
 ]
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
                "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_FINE",
-               "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_ATTN_ONE_ROUND")
+               "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_MK_ONE_ROUND")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its

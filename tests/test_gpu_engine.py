@@ -187,7 +187,7 @@ def test_attention_plan_caps_splits_when_free():
     assert ops.attention_plan(1024, 4, 132, head_dim=128) == (16, 64)  # 64 rows per batch at hd 128: fits
     assert ops.attention_plan(2048, 4, 132, head_dim=128) == (32, 64)  # 128 rows would not: kept
     assert ops.attention_plan(2048, 2, 132) == (16, 128)
-    assert ops.attention_plan(32768, 8, 132) == (16, 2048)    # llama-3.2-1b at 32K: one round (session 29)
+    assert ops.attention_plan(32768, 8, 132) == (32, 1024)    # llama-3.2-1b at 32K (v32; was 64 x 512)
     assert ops.attention_plan(32768, 4, 132) == (32, 1024)    # its TP=2 rank: one split per block
 
 
@@ -258,41 +258,37 @@ def test_prefill_build_knobs(monkeypatch):
         ops.ap_defines(64)
 
 
-def test_attention_plan_one_round_else_two(monkeypatch):
-    """Session 29: one round of (KV head, split) blocks — num_sms // num_kv_heads splits per head, up to 2,048
-    positions each (llama-3.2-1b on 132 SMs: 16 splits at every cache up to 32K) — else two full rounds of splits
-    up to 1,024; HIPENGINE_ATTN_ONE_ROUND=0 keeps v48's rule (ceil: 17 splits of at most 1,024, which spilled past
-    the SMs from 12K and took two rounds); HIPENGINE_ATTN_BLOCKS_PER_SM overrides both; bad values are one clear
-    error."""
+def test_attention_plan_two_rounds_where_one_spills(monkeypatch):
+    """The per-op plan (v48): one (KV head, split) block per SM unless that plan spills past one round of the
+    SMs, then two full rounds (llama-3.2-1b on 132 SMs: 16K takes 32 splits of 512 instead of 17 of 992; 8K, 1K
+    and 32K keep their plans, and so does every cache of a TP=2 rank). The monokernel's (one_round, session 29):
+    one round of num_sms // num_kv_heads splits of up to 2,048 positions first (llama-3.2-1b: 16 splits at every
+    cache up to 32K). HIPENGINE_ATTN_BLOCKS_PER_SM overrides both; bad values are one clear error."""
     from hipengine.errors import UnsupportedError
     from hipengine.gpu import ops
 
-    for var in ("HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_ATTN_SPLIT_CAP", "HIPENGINE_ATTN_MAX_CHUNK",
-                "HIPENGINE_ATTN_ONE_ROUND"):
+    for var in ("HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_ATTN_SPLIT_CAP", "HIPENGINE_ATTN_MAX_CHUNK"):
         monkeypatch.delenv(var, raising=False)
-    assert ops.attention_plan(1024, 8, 132) == (16, 64)
-    assert ops.attention_plan(8192, 8, 132) == (16, 512)
-    assert ops.attention_plan(8704, 8, 132) == (16, 544)
-    assert ops.attention_plan(12288, 8, 132) == (16, 768)
-    assert ops.attention_plan(16384, 8, 132) == (16, 1024)
-    assert ops.attention_plan(32768, 8, 132) == (16, 2048)
-    assert ops.attention_plan(49152, 8, 132) == (48, 1024)  # 2,048-position splits would need 24: two rounds
-    assert ops.attention_plan(4096, 3, 132) == (43, 96)     # the default model (3 KV heads): 129 blocks
-    for ctx in (1024, 4096, 8192, 16384, 32768, 65536):
-        nsplit, chunk = ops.attention_plan(ctx, 8, 132)
-        assert chunk <= 2048 and (8 * nsplit <= 132 or chunk <= 1024)
-    monkeypatch.setenv("HIPENGINE_ATTN_ONE_ROUND", "0")
     assert ops.attention_plan(16384, 8, 132) == (32, 512)
     assert ops.attention_plan(12288, 8, 132) == (32, 384)
     assert ops.attention_plan(8192, 8, 132) == (16, 512)
     assert ops.attention_plan(8704, 8, 132) == (31, 288)  # 17 splits of 512 would spill
+    assert ops.attention_plan(1024, 8, 132) == (16, 64)
     assert ops.attention_plan(32768, 8, 132) == (32, 1024)
-    monkeypatch.setenv("HIPENGINE_ATTN_ONE_ROUND", "2")
-    with pytest.raises(UnsupportedError, match="HIPENGINE_ATTN_ONE_ROUND"):
-        ops.attention_plan(8192, 8, 132)
-    monkeypatch.delenv("HIPENGINE_ATTN_ONE_ROUND")
+    for ctx in (1024, 4096, 8192, 16384, 32768):
+        assert ops.attention_plan(ctx, 4, 132) == ops.attention_plan(ctx, 4, 132, blocks_per_sm=1.0)
+    one = lambda ctx, nkv=8: ops.attention_plan(ctx, nkv, 132, one_round=True)  # noqa: E731
+    assert [one(c) for c in (1024, 8192, 8704, 12288, 16384, 32768)] == [
+        (16, 64), (16, 512), (16, 544), (16, 768), (16, 1024), (16, 2048)]
+    assert one(49152) == (48, 1024)  # 2,048-position splits would need 24: the per-op plan's two rounds
+    for ctx in (1024, 4096, 8192, 16384, 32768):  # the same where the KV heads divide the SMs
+        for nkv in (2, 3, 4):
+            assert one(ctx, nkv) == ops.attention_plan(ctx, nkv, 132), (ctx, nkv)
+    for ctx in (1, 100, 1024, 12288, 32768, 49152, 65536, 131072):  # never more splits (monokernel.mk_plan)
+        for nkv in (1, 2, 3, 4, 8, 16):
+            assert one(ctx, nkv)[0] <= ops.attention_plan(ctx, nkv, 132)[0], (ctx, nkv)
     monkeypatch.setenv("HIPENGINE_ATTN_BLOCKS_PER_SM", "1")
-    assert ops.attention_plan(16384, 8, 132) == (17, 992)
+    assert ops.attention_plan(16384, 8, 132) == (17, 992) == one(16384)
     monkeypatch.setenv("HIPENGINE_ATTN_BLOCKS_PER_SM", "2")
     assert ops.attention_plan(8192, 8, 132) == (32, 256)
     for bad in ("0", "-1", "two"):
@@ -343,16 +339,14 @@ def test_pdl_late_roles(monkeypatch):
 
 def test_attention_one_kernel_rule(monkeypatch):
     """Decode attention runs as one kernel when its grid puts more than 1.5 blocks on an SM (v36, llama-3.2-1b
-    on 132 SMs: it loses at 1K / 8K with 128 blocks and at 16K with 136, wins at 32K with 256; since session 29
-    the plans up to 32K are one round of 128 blocks, 48K two rounds); the knob forces either form; a bad value
-    is one clear error."""
+    on 132 SMs: it loses at 1K / 8K with 128 blocks and at 16K with 136, wins at 32K with 256; since v48 the
+    16K plan has 256 blocks too); the knob forces either form; a bad value is one clear error."""
     from hipengine.errors import UnsupportedError
     from hipengine.gpu import ops
 
     monkeypatch.delenv("HIPENGINE_ATTN_ONE_KERNEL", raising=False)
     monkeypatch.delenv("HIPENGINE_ATTN_BLOCKS_PER_SM", raising=False)
-    monkeypatch.delenv("HIPENGINE_ATTN_ONE_ROUND", raising=False)
-    for ctx, one in ((1024, False), (8192, False), (16384, False), (32768, False), (49152, True)):
+    for ctx, one in ((1024, False), (8192, False), (16384, True), (32768, True)):
         nsplit, _ = ops.attention_plan(ctx, 8, 132)
         assert ops.attention_one_kernel(8 * nsplit, 132) == one, ctx
     monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", "1")

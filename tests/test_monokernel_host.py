@@ -209,19 +209,24 @@ def test_extra_defines_parse_and_reach_the_build(monkeypatch):
 def test_fine_follows_the_split_plan(monkeypatch):
     """mk_fine: fine = 3 (the last split block combines its group) while the split plan's (kv head, split)
     items fit in one round of the grid, 2 (a grid barrier, one head per block) when they take two; llama-3.2-1b
-    on 132 SMs: 8 x 16 = 128 items up to 32K (ops.attention_plan's one round), 8 x 48 = 384 at 48K (under v48's
-    plan rule, HIPENGINE_ATTN_ONE_ROUND=0: 8 x 32 = 256 from 12K); smollm2-135m (3 KV heads) in a 4K cache:
+    on 132 SMs: 8 x 16 = 128 items up to 32K (its one-round plan, mk_plan), 8 x 48 = 384 at 48K (with the
+    per-op plan, HIPENGINE_MK_ONE_ROUND=0: 8 x 32 = 256 from 12K); smollm2-135m (3 KV heads) in a 4K cache:
     3 x 43 = 129. The LL exchange builds keep 3; HIPENGINE_MK_FINE forces either, and anything else is one
     clear error."""
     from hipengine.errors import UnsupportedError
 
     monkeypatch.delenv("HIPENGINE_MK_FINE", raising=False)
     monkeypatch.delenv("HIPENGINE_MK_MIN_BLOCKS", raising=False)
-    monkeypatch.delenv("HIPENGINE_ATTN_ONE_ROUND", raising=False)
+    monkeypatch.delenv("HIPENGINE_MK_ONE_ROUND", raising=False)
     assert [mk.mk_fine(c, 8, 132) for c in (1024, 8192, 12288, 16384, 32768, 49152)] == [3, 3, 3, 3, 3, 2]
-    monkeypatch.setenv("HIPENGINE_ATTN_ONE_ROUND", "0")
+    assert mk.mk_plan(32768, 8, 132) == (16, 2048)
+    monkeypatch.setenv("HIPENGINE_MK_ONE_ROUND", "0")
     assert [mk.mk_fine(c, 8, 132) for c in (1024, 4096, 8192, 12288, 16384, 32768)] == [3, 3, 3, 2, 2, 2]
-    monkeypatch.delenv("HIPENGINE_ATTN_ONE_ROUND")
+    assert mk.mk_plan(32768, 8, 132) == (32, 1024)
+    monkeypatch.setenv("HIPENGINE_MK_ONE_ROUND", "yes")
+    with pytest.raises(UnsupportedError, match="HIPENGINE_MK_ONE_ROUND"):
+        mk.mk_plan(1024, 8, 132)
+    monkeypatch.delenv("HIPENGINE_MK_ONE_ROUND")
     assert mk.mk_fine(4096, 3, 132) == 3
     assert mk.mk_fine(32768, 8, 132, tp=True) == 3
     monkeypatch.setenv("HIPENGINE_MK_FINE", "3")

@@ -155,6 +155,10 @@ def measure(be, contexts, paths, runs: int = RUNS, gen: int = GEN, log=print,
                          "attn_warp_max": O.attn_warp_max(be.max_context),
                          "attn_mma": O.attn_mma(be.rt.arch, cfg.head_dim),
                          "q_regs": bool(getattr(be, "q_regs", False)),
+                         # the attention split plan (nsplit, chunk) this path took: the monokernel's one-round
+                         # plan and the per-op one differ at some caches (monokernel.mk_plan), and then so may
+                         # the tokens (other split sums, other rounding)
+                         "split_plan": list(_split_plan(be, path)),
                          "prompt": "real" if real else "synthetic-kv",
                          "ttft_ms": statistics.median(ttfts) * 1e3 if real else None,
                          "tok_s": statistics.median(rates), "tok_s_runs": rates, "tokens": first})
@@ -167,6 +171,12 @@ def measure(be, contexts, paths, runs: int = RUNS, gen: int = GEN, log=print,
             for r in same:
                 r["identical_to_other_path"] = same[0]["tokens"] == same[1]["tokens"]
     return rows
+
+
+def _split_plan(be, path: str) -> tuple[int, int]:
+    if path == "monokernel" and hasattr(be, "mk_nsplit"):
+        return be.mk_nsplit, be.mk_chunk
+    return be.nsplit, be.chunk
 
 
 def run(args) -> int:

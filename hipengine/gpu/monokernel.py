@@ -17,7 +17,8 @@ Knobs (environment; defaults from the H200 sweep in docs/perf-log.md): HIPENGINE
 blocks per SM the kernel is compiled for, 1), HIPENGINE_MK_BLOCKS_PER_SM (grid, default = min blocks),
 HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation; default by the split plan, mk_fine), HIPENGINE_MK_UNROLL (4),
 HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
-builds the stage-profiling variant, read with read_profile()).
+builds the stage-profiling variant, read with read_profile()), HIPENGINE_MK_ONE_ROUND (1: the monokernel's own
+one-round attention split plan, mk_plan; 0: the per-op path's).
 """
 from __future__ import annotations
 
@@ -345,8 +346,25 @@ def mk_fine(max_context: int, num_kv_heads: int, num_sms: int, head_dim: int = 6
         return forced
     if tp:
         return 3
-    nsplit, _ = O.attention_plan(max_context, num_kv_heads, num_sms, head_dim=head_dim)
+    nsplit, _ = mk_plan(max_context, num_kv_heads, num_sms, head_dim)
     return 2 if num_kv_heads * nsplit > num_sms * min_blocks() else 3
+
+
+def mk_one_round() -> bool:
+    """Whether the monokernel takes the one-round split plan (ops.attention_plan one_round; default) or the
+    per-op path's (HIPENGINE_MK_ONE_ROUND=0: the same plan as the per-op path, hence its bits at every cache)."""
+    raw = os.environ.get("HIPENGINE_MK_ONE_ROUND", "")
+    if raw not in ("", "0", "1"):
+        raise UnsupportedError(f"HIPENGINE_MK_ONE_ROUND must be 0 or 1, not {raw!r}")
+    return raw != "0"
+
+
+def mk_plan(max_context: int, num_kv_heads: int, num_sms: int, head_dim: int = 64) -> tuple[int, int]:
+    """The monokernel's attention split plan (nsplit, chunk): ops.attention_plan's one-round rule (mk_one_round).
+    It has at most the per-op plan's splits (the one-round try asks for floor(SMs / KV heads) splits of up to
+    2,048 positions where the per-op one asks for the ceiling of up to 1,024, and both fall back to the same two
+    rounds), so the partials buffer sized for the per-op plan holds it (MonokernelBackend checks)."""
+    return O.attention_plan(max_context, num_kv_heads, num_sms, head_dim=head_dim, one_round=mk_one_round())
 
 
 def min_blocks() -> int:
@@ -486,6 +504,15 @@ class MonokernelBackend(GpuBackend):
         self._size_launch()
         self._setup_buffers()
 
+    def _alloc_state(self) -> None:
+        """GpuBackend's buffers and per-op split plan, then the monokernel's own split plan (mk_plan)."""
+        super()._alloc_state()
+        cfg = self.config
+        self.mk_nsplit, self.mk_chunk = mk_plan(self.max_context, cfg.num_kv_heads, self.rt.num_sms, cfg.head_dim)
+        if self.mk_nsplit > self.nsplit:  # mk_plan's bound: the partials buffer is sized for the per-op plan
+            raise DeviceError(f"monokernel split plan {self.mk_nsplit} x {self.mk_chunk} has more splits than the "
+                              f"per-op plan {self.nsplit} x {self.chunk} its partials buffer is sized for")
+
     def _size_launch(self) -> None:
         """Shared memory, occupancy and grid for the current max_context (the combine's shared memory grows
         with the attention split count)."""
@@ -577,7 +604,7 @@ class MonokernelBackend(GpuBackend):
             host=hd, ring=hd + 4 * len(MK_HOST_WORDS), timeout_ns=self.timeout_ns,
             vocab=cfg.vocab_size, d=cfg.hidden_size, ffn=cfg.intermediate_size, nh=cfg.num_heads,
             nkv=cfg.num_kv_heads, hd=cfg.head_dim, n_layers=cfg.num_layers, max_ctx=self.max_context,
-            nsplit=self.nsplit, chunk=self.chunk, embed_f16=int(self.embed_f16), head_f16=int(self.head_f16),
+            nsplit=self.mk_nsplit, chunk=self.mk_chunk, embed_f16=int(self.embed_f16), head_f16=int(self.head_f16),
             qk_norm=int(cfg.qk_norm), n_eos=len(eos), mode=mode, max_tokens=int(sp.max_tokens),
             ring_cap=self.ring_cap, top_k=int(sp.top_k), eps=float(cfg.rms_norm_eps),
             temperature=float(sp.temperature), top_p=float(sp.top_p), min_p=float(sp.min_p),

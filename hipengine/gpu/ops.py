@@ -104,8 +104,8 @@ def attention_max_chunk(one_round: bool = False) -> int:
     multiple of 32). Two-round plans: 1,024 — measured on H200 at 32K (llama-3.2-1b, docs/perf-log.md v32, two
     rounds then): 512 → 1,024 took the monokernel from 575 to 694 tok/s (its 132 blocks score ~2 splits each
     instead of ~4, each split paying q staging, the merges and the partial's round trips once) and the per-op
-    path from 693 to 729; 2,048 lost on both (568 / 574). One-round plans (attention_plan's default): 2,048, so
-    that llama-3.2-1b keeps one round of 16 splits per KV head up to 32K (session 29)."""
+    path from 693 to 729; 2,048 lost on both (568 / 574). The monokernel's one-round plans (attention_plan
+    one_round): 2,048, so that llama-3.2-1b keeps one round of 16 splits per KV head up to 32K (session 29)."""
     raw = os.environ.get("HIPENGINE_ATTN_MAX_CHUNK", "")
     v = int(raw) if raw else (ATTN_ONE_ROUND_MAX_CHUNK if one_round else ATTN_MAX_CHUNK)
     if v < 32 or v % 32:
@@ -118,20 +118,27 @@ ATTN_UNROLL = 4          # attention_decode.hip kAttnUnroll: rows per lane group
 
 
 def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm: float | None = None,
-                   head_dim: int = 64) -> tuple[int, int]:
+                   head_dim: int = 64, one_round: bool = False) -> tuple[int, int]:
     """(nsplit, chunk): the decode attention's split plan for a KV cache of max_ctx positions — chunks a multiple
-    of 32 positions, at least 32. Fixed per max_ctx so a captured graph stays valid; the per-op path and the
-    monokernel use the same plan (their results are then bit-identical).
+    of 32 positions, at least 32. Fixed per max_ctx so a captured graph stays valid. Two paths taking the same
+    plan give bit-identical results.
 
-    Default: one round — as many splits per KV head as one round of (kv head, split) blocks on the SMs holds
-    (num_sms // num_kv_heads: llama-3.2-1b on 132 SMs, 16 splits = 128 blocks), splits up to 2,048 positions
-    (attention_max_chunk(one_round=True)); where that does not cover the cache, two full rounds of splits up to
-    1,024 (blocks_per_sm 2). Measured on H200, llama-3.2-1b (docs/perf-log.md, session 29), against v48's rule
-    (one round of ceil(num_sms / num_kv_heads) = 17 splits of at most 1,024, which spilled past the SMs from 12K
-    and so took two rounds of 32 splits): monokernel +5.9% at 16K, +4.5% at 32K (one round of 16 splits of
-    1,024 / 2,048 with fine 3); 1K / 4K / 8K have the same plan under both rules. HIPENGINE_ATTN_ONE_ROUND=0 keeps
-    v48's rule (A/B); blocks_per_sm (or HIPENGINE_ATTN_BLOCKS_PER_SM, sweeps) asks for ~that many blocks per SM
-    instead (ceil).
+    The per-op path's (v48's rule): one round of ceil(num_sms / num_kv_heads) splits per KV head, splits up to
+    1,024 positions, unless that plan has more (kv head, split) blocks than SMs (a 16K cache of llama-3.2-1b:
+    17 splits x 8 KV heads = 136 blocks, so 4 SMs would take a second round), then two full rounds of
+    half-length splits (blocks_per_sm 2). Measured on H200 at 16K (docs/perf-log.md v48): per-op 812 → 931
+    tok/s. (At 8K two per SM are faster for the per-op path only — 967 → 1,033 — and cost the monokernel its
+    one round, so the per-op plan keeps one there.)
+
+    one_round (the monokernel's plan, monokernel.mk_plan): first one round of num_sms // num_kv_heads splits
+    (llama-3.2-1b on 132 SMs: 16, 128 blocks) of up to 2,048 positions (attention_max_chunk(one_round=True)),
+    then the same two rounds. Measured on H200, llama-3.2-1b, both paths on each plan (docs/perf-log.md,
+    session 29): monokernel 940.9 → 994.1 tok/s at 16K (+5.7%), 802.4 → 837.9 at 32K (+4.4%: no second round
+    of split items and no fine-2 barrier); per-op 1,031.1 → 899.3 (−12.8%) and 873.1 → 695.0 (−20.4%: its
+    split kernel runs two blocks per SM, and 128 blocks leave half of them empty) — so each path keeps its own.
+    The two rules give the same plan at 1K / 4K / 8K and wherever num_kv_heads divides num_sms up to the
+    one-round bound (the default model's 3 KV heads, a TP=2 rank's 4, on 132 SMs). blocks_per_sm (or
+    HIPENGINE_ATTN_BLOCKS_PER_SM, sweeps) asks for ~that many blocks per SM instead, for either path.
 
     Then fewer, longer splits where that is free: if the plan has more splits than the combine loads in one
     round trip (ATTN_COMBINE_BATCH) but 16 splits still give each warp a single batch of rows (chunk <= the
@@ -140,10 +147,10 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
     the 1K plan was 32 splits of 32 positions). HIPENGINE_ATTN_SPLIT_CAP=0 keeps the first plan (A/B)."""
     bps = blocks_per_sm or attention_blocks_per_sm()
     if bps is None:
-        if _env_switch("HIPENGINE_ATTN_ONE_ROUND") is False:  # v48's rule
-            plan = _split_plan(max_ctx, math.ceil(num_sms / num_kv_heads), attention_max_chunk(), head_dim)
-        else:
+        if one_round:
             plan = _split_plan(max_ctx, num_sms // num_kv_heads, attention_max_chunk(one_round=True), head_dim)
+        else:
+            plan = _split_plan(max_ctx, math.ceil(num_sms / num_kv_heads), attention_max_chunk(), head_dim)
         if num_kv_heads * plan[0] <= num_sms:
             return plan
         bps = 2.0
