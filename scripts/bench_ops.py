@@ -159,6 +159,9 @@ def bench_floor(rt, ops, stream) -> list[dict]:
     a chain of them costs at least this per launch; its weight stream can hide behind it only where the next
     kernel's blocks are resident early (the decode kernels' PDL trigger)."""
     fn = rt.compile("ops/probe.hip").function("probe_chain")
+    # at most two blocks per SM, as the matvecs (128 registers x 256 threads: half the register file): padded
+    # shared memory, so that launches do not become resident several kernels deep while they wait
+    two_per_sm = rt.max_shared_per_block // 2 - 8192
     n_max = max(n for _, n, _ in FLOOR_SHAPES)
     a = rt.upload(np.ones(n_max, np.float32))
     b = rt.upload(np.ones(n_max, np.float32))
@@ -170,7 +173,7 @@ def bench_floor(rt, ops, stream) -> list[dict]:
             def launch(i, grid=grid, n=n, norm=norm):
                 src, dst = (a, b) if i % 2 == 0 else (b, a)
                 rt.launch(fn, grid, MATVEC_THREADS, [O._p(src), O._p(g if norm else None), O._p(dst), c_int32(n)],
-                          shared=n * 4, stream=stream, pdl=ops.pdl)
+                          shared=max(n * 4, two_per_sm), stream=stream, pdl=ops.pdl)
             t, t_plain = timed_pdl(rt, ops, stream, launch)
             name = f"dependent launch, no weights ({grid} x {MATVEC_THREADS}, x[{n}]{', norm' if norm else ''})"
             rows.append(dict(op=name, grid=grid, inn=n, norm=norm, us=t * 1e6, pdl=ops.pdl, us_no_pdl=t_plain * 1e6))

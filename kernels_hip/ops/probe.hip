@@ -103,7 +103,8 @@ HE_KERNEL(1024) probe_empty() {}
 // then every warp reads 8 words per lane and lane 0 stores the warp's sum at y[global warp] — the matvec's
 // prologue, consume and epilogue order. Launched back to back with x and y swapped (scripts/bench_ops.py
 // bench_floor), each launch depends on the one before through memory, as the decode step's kernels do.
-// n % 4 == 0; dynamic shared memory n * 4 bytes.
+// n % 4 == 0; dynamic shared memory at least n * 4 bytes (the host pads it to keep two blocks per SM, as the
+// matvecs' registers do).
 HE_KERNEL(1024) probe_chain(const float* x, const float* __restrict__ gamma, float* y, int n) {
   extern __shared__ float xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
