@@ -1,8 +1,10 @@
 """The monokernel (kernels_hip/monokernel/decode.hip) against the per-op GPU path on the same weights.
 
-Both paths run the same __device__ op bodies with the same block size and attention split plan, so greedy
-output must be identical token for token (not just close). The per-op path is GpuBackend.generate_ids
-called on the MonokernelBackend instance itself: one weight upload, two decode paths.
+Both paths run the same __device__ op bodies with the same block size and, at the caches tested here for
+identity (up to 8K), the same attention split plan (the monokernel's one-round plan, monokernel.mk_plan,
+equals the per-op one there), so greedy output must be identical token for token (not just close). The
+per-op path is GpuBackend.generate_ids called on the MonokernelBackend instance itself: one weight upload, two
+decode paths.
 """
 import threading
 
@@ -53,6 +55,43 @@ def test_long_context_build_greedy_identical(tmp_path):
         be.resize_context(1024)
         assert not be.q_regs
         assert _mono(be, prompt, params) == _per_op(be, prompt, params)
+    finally:
+        be.close()
+
+
+def test_own_split_plan_at_a_long_cache(tmp_path, monkeypatch):
+    """An 8-KV-head model in a 16K cache: the monokernel takes its one-round split plan (mk_plan — 16 splits of
+    1,024 on 132 SMs) where the per-op path takes two rounds (32 of 512), so the attention sums differ and the
+    decode logits agree to rounding, not bit for bit; with HIPENGINE_MK_ONE_ROUND=0 the monokernel takes the
+    per-op plan and its logits are the per-op path's bits again."""
+    from hipengine.gpu.executor import GpuBackend
+    from hipengine.gpu.monokernel import MonokernelBackend
+    from hipengine.loader import load_model
+    from tiny_models import save_tiny_model
+
+    monkeypatch.delenv("HIPENGINE_MK_ONE_ROUND", raising=False)
+    path, _ = save_tiny_model("llama", tmp_path, seed=13, max_position_embeddings=16384, num_attention_heads=16,
+                              num_key_value_heads=8, head_dim=64)
+    be = MonokernelBackend(load_model(path, progress=False), max_context=16384)
+    try:
+        assert be.mk_nsplit <= be.nsplit
+        if be.rt.num_sms == 132:
+            assert (be.mk_nsplit, be.mk_chunk, be.fine) == (16, 1024, 3) and (be.nsplit, be.chunk) == (32, 512)
+        ids = np.random.default_rng(3).integers(3, be.config.vocab_size, 2500)
+
+        def steps(decode):
+            be.reset()
+            be.prefill(ids)
+            return [decode(t) for t in (4, 5, 6)]
+
+        want = steps(lambda t: GpuBackend.decode(be, t))
+        for x, y in zip(want, steps(be.decode)):
+            assert np.isfinite(y).all() and np.abs(y - x).max() <= 1e-2 * np.abs(x).max()
+        monkeypatch.setenv("HIPENGINE_MK_ONE_ROUND", "0")
+        be.resize_context(16384)
+        assert (be.mk_nsplit, be.mk_chunk) == (be.nsplit, be.chunk)
+        for x, y in zip(want, steps(be.decode)):
+            assert np.array_equal(x, y)
     finally:
         be.close()
 

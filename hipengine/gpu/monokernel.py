@@ -330,7 +330,7 @@ def fine_override() -> int | None:
 def mk_fine(max_context: int, num_kv_heads: int, num_sms: int, head_dim: int = 64, tp: bool = False) -> int:
     """How the attention splits' partials reach the O-proj (decode.hip `fine`): 3 — the last split block of each
     KV head combines its group's heads and counts them on the heads-combined counter, no grid barrier — while
-    the split plan's (kv head, split) items (ops.attention_plan, the per-op path's) fit in one round of the
+    the split plan's (kv head, split) items (mk_plan: the monokernel's own plan) fit in one round of the
     grid (one block per SM, min_blocks()); 2 — a grid barrier after the splits, then one head per block — when
     they take two rounds (llama-3.2-1b at 48K: 8 x 48 = 384 items on 132 blocks; up to 32K its plan is one round
     of 8 x 16 since session 29, before that 8 x 32 from 12K), where the blocks that
