@@ -230,11 +230,12 @@ ATTN_CASES = [  # nh, nkv, hd, seq, max_ctx, T
     (32, 8, 64, 1024, 1088, 64), (32, 8, 64, 64, 4160, 64), (8, 2, 128, 4100, 8192, 37), (12, 2, 128, 300, 512, 20)]
 
 
-def _run_attention(gpu, nh, nkv, hd, seq, max_ctx, T):
+def _run_attention(gpu, nh, nkv, hd, seq, max_ctx, T, one_round=False):
     """Ops.attention of T random queries at pos0 = seq - T over a random bf16 cache, outputs poisoned:
-    (output [T][nh·hd], q, K and V as float64, pos0)."""
+    (output [T][nh·hd], q, K and V as float64, pos0). one_round: the monokernel's split plan (monokernel.mk_plan)
+    instead of the per-op path's."""
     rt, ops, O = gpu
-    nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd)
+    nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd, one_round=one_round)
     k = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32) * 2)
     v = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32))
     q = RNG.standard_normal((T, nh * hd)).astype(np.float32)
@@ -264,6 +265,19 @@ def test_attention(gpu, nh, nkv, hd, seq, max_ctx, T, split_mma, monkeypatch):
     for t in range(T):
         ref = O.ref_attention(q[t].reshape(nh, hd).astype(np.float64), kf, vf, pos0 + t + 1)
         close(got[t], ref, 1e-3 if mma else 1e-4, 1e-4 if mma else 1e-5)
+
+
+@pytest.mark.parametrize("seq", [32768, 20000])
+@pytest.mark.parametrize("split_mma", ["0", "1"])
+def test_attention_one_round_plan(gpu, seq, split_mma, monkeypatch):
+    """The split body on the monokernel's plan for llama-3.2-1b's 32K cache (16 splits of 2,048 on 132 SMs: the
+    longest split either path takes), full and partial, either split body, against float64."""
+    rt, ops, O = gpu
+    monkeypatch.setenv("HIPENGINE_ATTN_MMA", split_mma)
+    got, q, kf, vf, pos0 = _run_attention(gpu, 32, 8, 64, seq, 32768, 1, one_round=True)
+    mma = O.attn_mma(rt.arch, 64)
+    ref = O.ref_attention(q[0].reshape(32, 64).astype(np.float64), kf, vf, pos0 + 1)
+    close(got[0], ref, 1e-3 if mma else 1e-4, 1e-4 if mma else 1e-5)
 
 
 @pytest.fixture(scope="module")
