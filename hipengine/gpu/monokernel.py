@@ -353,10 +353,7 @@ def mk_fine(max_context: int, num_kv_heads: int, num_sms: int, head_dim: int = 6
 def mk_one_round() -> bool:
     """Whether the monokernel takes the one-round split plan (ops.attention_plan one_round; default) or the
     per-op path's (HIPENGINE_MK_ONE_ROUND=0: the same plan as the per-op path, hence its bits at every cache)."""
-    raw = os.environ.get("HIPENGINE_MK_ONE_ROUND", "")
-    if raw not in ("", "0", "1"):
-        raise UnsupportedError(f"HIPENGINE_MK_ONE_ROUND must be 0 or 1, not {raw!r}")
-    return raw != "0"
+    return O._env_switch("HIPENGINE_MK_ONE_ROUND") is not False
 
 
 def mk_plan(max_context: int, num_kv_heads: int, num_sms: int, head_dim: int = 64) -> tuple[int, int]:
