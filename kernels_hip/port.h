@@ -159,6 +159,26 @@ HE_INLINE float he_neg_inf() { return he_u32_as_f32(0xff800000u); }
 HE_INLINE float he_nan() { return he_u32_as_f32(0x7fc00000u); }
 
 // ------------------------------------------------------------------------------------------------------
+// 64-bit fixed point with 32 fraction bits: the fused MLP's split-K sums (ops/mlp.hip). Integer addition is
+// associative, so partial sums added by any number of blocks in any order give the same bits every run — a
+// float atomic add would not. Range ±2^31, resolution 2^-32 (2.3e-10). Conversion rounds to nearest; values
+// beyond the range saturate, NaN becomes the most negative value (a NaN'd step shows as garbage, not zeros).
+// ------------------------------------------------------------------------------------------------------
+constexpr float kFxOne = 4294967296.f;           // 2^32
+constexpr float kFxUnit = 2.3283064365386963e-10f;  // 2^-32
+#if HE_AMD
+HE_INLINE he_i64 he_fx_from_f32(float v) {
+  const float s = __builtin_rintf(v * kFxOne);
+  return !(s > -9.2e18f) ? (he_i64)(-0x7fffffffffffffffll - 1) : s < 9.2e18f ? (he_i64)s : 0x7fffffffffffffffll;
+}
+#else
+HE_INLINE he_i64 he_fx_from_f32(float v) {  // cvt.rni.s64.f32 saturates; NaN -> the most negative value as on AMD
+  return v == v ? __float2ll_rn(v * kFxOne) : (he_i64)(-0x7fffffffffffffffll - 1);
+}
+#endif
+HE_INLINE float he_fx_to_f32(he_i64 v) { return (float)v * kFxUnit; }  // int64 -> fp32 rounds to nearest
+
+// ------------------------------------------------------------------------------------------------------
 // bf16 / fp16 stored as raw 16-bit integers (no vendor bf16 type: the headers differ and NVRTC would need
 // cuda_bf16.h). bf16 is the top half of an fp32, so widening is a shift.
 // ------------------------------------------------------------------------------------------------------
@@ -785,6 +805,18 @@ HE_INLINE void he_fence_seq_cst_system() { asm volatile("fence.sc.sys;" ::: "mem
 HE_DEFINE_ATOMICS(device)
 HE_DEFINE_ATOMICS(system)
 #undef HE_DEFINE_ATOMICS
+
+// Relaxed 64-bit add without the old value (the fused MLP's fixed-point partial sums, ops/mlp.hip): ordered for
+// readers by the grid barrier / kernel boundary that follows, like a plain store.
+#if HE_AMD
+HE_INLINE void he_red_add_i64_relaxed_device(he_i64* p, he_i64 v) {
+  (void)__hip_atomic_fetch_add((unsigned long long*)p, (unsigned long long)v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+#else
+HE_INLINE void he_red_add_i64_relaxed_device(he_i64* p, he_i64 v) {
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+#endif
 
 // Relaxed atomic OR on a block-shared word (bitmaps built cooperatively inside one block; the following
 // he_sync_block() orders them for the readers).

@@ -41,6 +41,8 @@
 #            the prefill benchmark with its op breakdown, the decode bench of record (TTFT included), and the
 #            1B preset's 512-position check in the time that is left (the call stays under 575 s)
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
+#   fusedmlp: the fused MLP (session 30): its op tests, mk_sweep $ONLY (0,19) at $AB_CONTEXTS, the decode bench of
+#           both paths per word of $AB_ENVS, the monokernel tests in the time left
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
 #           a $AB_MAXCTX-token cache when given), op tests, monokernel tests, stage profile at 1K/8K
@@ -281,6 +283,14 @@ case "$MODE" in
     ops_tests; engine_tests
     run perop 150 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
       --context 32768 --no-monokernel --json "$OUT/perop.json" ;;
+  fusedmlp)  # session 30 (v75, ops/mlp.hip): the fused MLP's op tests, then mk_sweep's variants $ONLY (default 0,19:
+             # fused / gate/up-barrier-down) at $AB_CONTEXTS, then the decode bench of both paths (tokens compared)
+             # per word of $AB_ENVS (default: the fused default), then the monokernel tests in the time left
+    run ops_mlp 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "${AB_TESTS:-mlp_fused or fixed_point or embedding}"
+    ONLY=${ONLY:-0,19} mk_sweep_ab mk_sweep 220
+    env_runs abboth 150 "${AB_ENVS:--}" $PY -m hipengine bench decode --shape llama-3.2-1b \
+      $(for c in ${AB_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done)
+    left=$((575 - SECONDS)); [ $left -gt 40 ] && run mk_tests $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
   bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
   exp)  # compile-time experiments: the sweep's variants $ONLY at $AB_CONTEXTS (1K/8K/32K) after the trees $AB_TREES,
@@ -291,7 +301,7 @@ case "$MODE" in
     run exp_mk_tests 200 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -673,31 +673,48 @@ class EmulatedRuntime:
         name = re.sub(r"^(attention_split|attention_decode|attention_prefill)_g\d+$", r"\1", name)
         getattr(self, "_k_" + re.sub(r"^matmul_mma_m\d+$", "matmul_mma", name))(grid, *v)
 
-    def _k_embedding(self, grid, table, tokens, vocab, hidden, out, f16):
+    def _k_embedding(self, grid, table, tokens, vocab, hidden, out, f16, fx=0):
         T = grid[0]
         tok = self.view(tokens, np.int32, T)
         tab = self._w(table, vocab, hidden, f16)
         self._f32(out, T * hidden)[:] = np.stack([tab[t] for t in tok]).reshape(-1)
+        if fx:
+            self.view(fx, np.int64, hidden)[:] = 0
+
+    def _plus_fx(self, x, fx, n):  # x + the fused MLP's fixed-point addend (ops/mlp.hip), in fp32 as the kernels
+        if not fx:
+            return x
+        return (np.asarray(x, np.float32) + self.view(fx, np.int64, n).astype(np.float32) * np.float32(2.0 ** -32))
 
     def _k_rmsnorm(self, grid, x, gamma, eps, n, y):
         rows = grid[0]
         xs = self._f32(x, rows * n).reshape(rows, n).astype(np.float64)
         self._f32(y, rows * n)[:] = self._norm(xs, gamma, eps, n).reshape(-1)
 
-    def _k_matvec(self, grid, W, x, gamma, eps, residual, y, rows, inn, f16):
-        r = self._w(W, rows, inn, f16) @ self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
+    def _k_matvec(self, grid, W, x, gamma, eps, residual, y, rows, inn, f16, x_fx=0, res_fx=0):
+        xe = self._plus_fx(self._f32(x, inn), x_fx, inn)
+        r = self._w(W, rows, inn, f16) @ self._norm(np.asarray(xe, np.float64), gamma, eps, inn)
         if residual:
-            r = r + self._f32(residual, rows)
+            r = r + self._plus_fx(self._f32(residual, rows), res_fx, rows)
+        if res_fx:
+            self.view(res_fx, np.int64, rows)[:] = 0
         self._f32(y, rows)[:] = r
+
+    def _k_mlp_fused(self, grid, Wg, Wu, WdT, x, gamma, eps, y_fx, d, F, n_slices, f16):
+        xn = self._norm(self._f32(x, d).astype(np.float64), gamma, eps, d)
+        h = O.ref_silu(self._w(Wg, F, d, f16) @ xn) * (self._w(Wu, F, d, f16) @ xn)
+        out = self._w(WdT, F, d, f16).T @ h
+        self.view(y_fx, np.int64, d)[:] += np.round(out * 2.0 ** 32).astype(np.int64)
 
     def _k_matvec_gate_up(self, grid, Wg, Wu, x, gamma, eps, y, rows, inn, f16):
         xn = self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
         self._f32(y, rows)[:] = O.ref_silu(self._w(Wg, rows, inn, f16) @ xn) * (self._w(Wu, rows, inn, f16) @ xn)
 
     def _k_matvec_qkv(self, grid, W, x, gamma, eps, bias, cos, sin, pos, q_out, kc, vc, max_ctx, q_dim, kv_dim, hd,
-                      inn, rope, f16):
+                      inn, rope, f16, x_fx=0):
         rows = q_dim + 2 * kv_dim
-        qkv = self._w(W, rows, inn, f16) @ self._norm(self._f32(x, inn).astype(np.float64), gamma, eps, inn)
+        xe = self._plus_fx(self._f32(x, inn), x_fx, inn)
+        qkv = self._w(W, rows, inn, f16) @ self._norm(np.asarray(xe, np.float64), gamma, eps, inn)
         if bias:
             qkv = qkv + self._f32(bias, rows)
         if not rope:

@@ -142,6 +142,58 @@ def test_matvec_gate_up(gpu, rows, inn, f16):
     close(rt.download(y, rows, np.float32), ref, 1e-4, 1e-5)
 
 
+FX = 2.0 ** 32  # ops/mlp.hip's fixed point: 32 fraction bits
+
+
+@pytest.mark.parametrize("d,F,slices", [(2048, 8192, None), (576, 1536, None), (64, 96, 7), (256, 40, 64),
+                                        (4096, 1024, 5)])
+@pytest.mark.parametrize("f16", [False, True])
+def test_mlp_fused(gpu, d, F, slices, f16):
+    """The fused MLP (gate/up of each block's hidden rows, then its slice of down, fixed-point partial sums)
+    against float64, added onto an existing addend; and the same bits on a second run."""
+    rt, ops, O = gpu
+    bg, Wg = weights(O, F, d, f16, scale=2.0)
+    bu, Wu = weights(O, F, d, f16)
+    bd, Wd = weights(O, d, F, f16)
+    x = RNG.standard_normal(d).astype(np.float32)
+    g = (1 + 0.3 * RNG.standard_normal(d)).astype(np.float32)
+    xn = O.ref_rmsnorm(x, g, 1e-6)
+    ref = Wd @ (O.ref_silu(Wg @ xn) * (Wu @ xn))
+    start = np.round(RNG.standard_normal(d) * FX).astype(np.int64)  # a pending addend: the kernel adds to it
+    outs = []
+    for _ in range(2):
+        fx = rt.upload(start)
+        ops.mlp_fused(rt.upload(bg), rt.upload(bu), rt.upload(np.ascontiguousarray(bd.reshape(d, F).T)),
+                      rt.upload(x), fx, d, F, gamma=rt.upload(g), eps=1e-6, f16=f16, n_slices=slices)
+        outs.append(rt.download(fx, d, np.int64))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    close((outs[0] - start) / FX, ref, 1e-4, 1e-5)
+
+
+@pytest.mark.parametrize("inn", [2048, 576, 72])
+def test_matvec_fixed_point_addend(gpu, inn):
+    """x_fx: the LM head's / QKV's prologue normalises x + addend; res_fx: the O-proj adds the addend to its
+    residual rows, writes them complete and clears their addend."""
+    rt, ops, O = gpu
+    rows = 130
+    bw, W = weights(O, rows, inn, False)
+    x = RNG.standard_normal(inn).astype(np.float32)
+    fx = np.round(RNG.standard_normal(inn) * FX).astype(np.int64)
+    g = (1 + 0.3 * RNG.standard_normal(inn)).astype(np.float32)
+    xe = (x + (fx.astype(np.float32) * np.float32(1 / FX))).astype(np.float32)
+    y = poisoned(rt, rows)
+    ops.matvec(rt.upload(bw), rt.upload(x), y, rows, inn, gamma=rt.upload(g), eps=1e-6, x_fx=rt.upload(fx))
+    close(rt.download(y, rows, np.float32), W @ O.ref_rmsnorm(xe, g, 1e-6), 1e-4, 1e-5)
+    # O-proj form: residual x (rows long) plus its addend
+    res = RNG.standard_normal(rows).astype(np.float32)
+    rfx = np.round(RNG.standard_normal(rows) * FX).astype(np.int64)
+    xb, rb = rt.upload(res), rt.upload(rfx)
+    ops.matvec(rt.upload(bw), rt.upload(x), xb, rows, inn, residual=xb, res_fx=rb)
+    want = W @ x + (res + rfx.astype(np.float32) * np.float32(1 / FX)).astype(np.float32)
+    close(rt.download(xb, rows, np.float32), want, 1e-4, 1e-5)
+    assert not rt.download(rb, rows, np.int64).any(), "the O-proj form must clear the addend it folded in"
+
+
 QKV_CASES = [  # nh, nkv, hd, inn
     (4, 2, 24, 64), (6, 2, 16, 96), (32, 8, 64, 2048), (12, 2, 128, 264), (8, 8, 32, 72)]
 

@@ -86,6 +86,10 @@ class GpuBackend(Backend):
         # bf16 cache alone puts the logits 2.7e-2 from the fp32 reference, an fp16 one 2.7e-3 (measured on the
         # CPU by rounding the reference's cache, docs/perf-log.md). bf16 elsewhere: its range is fp32's.
         self.kv_f16 = self.prefer_f16
+        # The MLP as one stage on both decode paths (ops/mlp.hip; HIPENGINE_FUSED_MLP=0: gate/up, then down).
+        # Not on tensor-parallel ranks (their down-proj output is a partial sum for the all-reduce) nor with the
+        # monokernel's LL exchange at tp = 1 (mk_tp builds keep the two stages).
+        self.fused_mlp = O.fused_mlp() and self.fused_mlp_ok()
         self.ops = O.Ops(rt, defines=kv_defines(self.kv_f16))
         self._check_fits(loaded)
         self.stream = rt.stream()
@@ -98,10 +102,17 @@ class GpuBackend(Backend):
         self.pos = 0
 
     # ---- setup ----------------------------------------------------------------------------------------------
+    def fused_mlp_ok(self) -> bool:
+        """Whether this backend's decode may run the fused MLP (tp = 1 ranks that own the whole residual)."""
+        return True
+
     def _check_fits(self, loaded) -> None:
         cfg = self.config
-        # decode_bytes_per_token counts the LM head; an untied model also holds the embedding table
+        # decode_bytes_per_token counts the LM head; an untied model also holds the embedding table; the fused
+        # MLP keeps W_down transposed beside the prefill's row-major copy
         w_bytes = cfg.decode_bytes_per_token(2.0) + (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
+        if self.fused_mlp:
+            w_bytes += cfg.num_layers * cfg.hidden_size * cfg.intermediate_size * 2
         kv_bytes = 2 * cfg.num_layers * cfg.kv_dim * self.max_context * 2
         state = self._state_bytes()
         need = w_bytes + kv_bytes + state + 64 * 2**20
@@ -164,7 +175,11 @@ class GpuBackend(Backend):
             L["wo"], _ = self._up_w([weights[p + "wo"]])
             L["w_gate"], _ = self._up_w([weights[p + "w_gate"]])
             L["w_up"], _ = self._up_w([weights[p + "w_up"]])
-            L["w_down"], _ = self._up_w([weights[p + "w_down"]])
+            w_down = weights[p + "w_down"]
+            L["w_down"], _ = self._up_w([w_down])
+            # the fused MLP's down half reads W_down transposed ([F, d]: a slice of hidden rows is contiguous)
+            L["w_down_t"] = self._up_w([np.asarray(w_down).T])[0] if self.fused_mlp else None
+            del w_down
             L["attn_norm"] = self._up(f32(weights[p + "attn_norm"]))
             L["ffn_norm"] = self._up(f32(weights[p + "ffn_norm"]))
             L["bqkv"] = (self._up(np.concatenate([f32(weights[p + n]) for n in ("bq", "bk", "bv")]))
@@ -192,6 +207,9 @@ class GpuBackend(Backend):
         self.nsplit, self.chunk = O.attention_plan(C, cfg.num_kv_heads, self.rt.num_sms, head_dim=cfg.head_dim)
         for name, nbytes in self._state_sizes().items():  # x, xn, qkv, q, att, h, partial, logits, mm_part, ...
             setattr(self, name, self._buf(nbytes))
+        # the fused MLP's fixed-point residual addend [d] int64 (ops/mlp.hip): zero between steps
+        self.x_fx = self._buf(cfg.hidden_size * 8)
+        self.rt.copy_htod(self.x_fx, np.zeros(cfg.hidden_size, np.int64))
         self.attn_count = self._buf(cfg.num_kv_heads * 4)  # decode attention's arrival counters (Ops.attention)
         self.rt.copy_htod(self.attn_count, np.zeros(cfg.num_kv_heads, np.uint32))
         self.mm_count = self._buf(self.rt.num_sms * 4)  # the matrix-core prefill's arrival counters
@@ -223,32 +241,40 @@ class GpuBackend(Backend):
         out, res = self._proj_out()
         d, qd, kvd, hd, F = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.intermediate_size
         eps = cfg.rms_norm_eps
-        ops.embedding(self.embed, self.tokens, 1, self.embed_vocab, d, self.x, self.embed_f16, stream=s)
+        # fused MLP: its output is the fixed-point addend fx, which the next norms add to x and the O-proj folds in
+        fx = self.x_fx if self.fused_mlp else None
+        ops.embedding(self.embed, self.tokens, 1, self.embed_vocab, d, self.x, self.embed_f16, stream=s, x_fx=fx)
         for i, L in enumerate(self.layers):
             f16 = L["f16"]
             if cfg.qk_norm:
                 ops.matvec_qkv(L["wqkv"], self.x, self.qkv, self._kc(i), self._vc(i), self.cos, self.sin,
                                self.pos_buf, max_ctx=self.max_context, q_dim=qd, kv_dim=kvd, hd=hd, inn=d,
-                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=False, f16=f16, stream=s)
+                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=False, f16=f16, stream=s,
+                               x_fx=fx)
                 ops.qk_norm_rope(self.qkv, self.q, self._kc(i), self._vc(i), self.cos, self.sin, self.pos_buf,
                                  T=1, nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                                  q_norm=L["q_norm"], k_norm=L["k_norm"], eps=eps, stream=s)
             else:
                 ops.matvec_qkv(L["wqkv"], self.x, self.q, self._kc(i), self._vc(i), self.cos, self.sin,
                                self.pos_buf, max_ctx=self.max_context, q_dim=qd, kv_dim=kvd, hd=hd, inn=d,
-                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=True, f16=f16, stream=s)
+                               gamma=L["attn_norm"], eps=eps, bias=L["bqkv"], rope=True, f16=f16, stream=s,
+                               x_fx=fx)
             ops.attention(self.q, self._kc(i), self._vc(i), self.partial, self.att, self.pos_buf, T=1,
                           nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                           nsplit=self.nsplit, chunk=self.chunk, count=self.attn_count,
                           early=self._capturing, stream=s)
-            ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s, role="o")
+            ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s, role="o", res_fx=fx)
             yield 1
-            ops.matvec_gate_up(L["w_gate"], L["w_up"], self.x, self.h, F, d, gamma=L["ffn_norm"], eps=eps,
-                               f16=f16, stream=s)
-            ops.matvec(L["w_down"], self.h, out, d, F, residual=res, f16=f16, stream=s, role="down")
+            if fx is not None:
+                ops.mlp_fused(L["w_gate"], L["w_up"], L["w_down_t"], self.x, fx, d, F, gamma=L["ffn_norm"], eps=eps,
+                              f16=f16, stream=s)
+            else:
+                ops.matvec_gate_up(L["w_gate"], L["w_up"], self.x, self.h, F, d, gamma=L["ffn_norm"], eps=eps,
+                                   f16=f16, stream=s)
+                ops.matvec(L["w_down"], self.h, out, d, F, residual=res, f16=f16, stream=s, role="down")
             yield 1
         ops.matvec(self.lm_head, self.x, self.logits, cfg.vocab_size, d, gamma=self.final_norm, eps=eps,
-                   f16=self.head_f16, stream=s, role="lm_head")
+                   f16=self.head_f16, stream=s, role="lm_head", x_fx=fx)
 
     def _capture(self, launches: Callable[[], None]):
         """A graph of what launches() enqueues on self.stream; if it raises, the capture ends and nothing is

@@ -61,6 +61,7 @@ LAYER_FIELDS = [
     ("v_cache", "he_kv*"),          # [nkv, max_ctx, hd]
     ("w_f16", "he_i32"),            # weights are fp16 (else bf16)
     ("pad0", "he_i32"),
+    ("w_down_t", "const he_u16*"),  # [ffn, d] W_down transposed (the fused MLP, ops/mlp.hip) or null
 ]
 
 PARAM_FIELDS = [
@@ -124,6 +125,9 @@ PARAM_FIELDS = [
     ("tp_rank", "he_i32"),
     ("vocab_off", "he_i32"),        # first global token id of this rank's LM-head slice
     ("embed_vocab", "he_i32"),      # rows of the embedding (all token ids; `vocab` is the LM head's slice)
+    ("x_fx", "he_i64*"),            # [d] the fused MLP's fixed-point residual addend (ops/mlp.hip), or null
+    ("mlp_slices", "he_i32"),       # the fused MLP's slices of hidden rows (ops.mlp_slices: one per SM)
+    ("pad2", "he_i32"),
 ]
 
 STATE_FIELDS = [
@@ -242,7 +246,7 @@ def write_layout(path=None) -> None:
 
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
                  tp: bool = False, q_regs: bool = False, max_context: int = 4096, arch: str | None = None,
-                 rows: tuple[int, ...] = (), qk_norm: bool = False, fine: int = 3) -> dict:
+                 rows: tuple[int, ...] = (), qk_norm: bool = False, fine: int = 3, fused_mlp: bool = False) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row and
     head_dim itself, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
     parallelism — ``tp`` or HIPENGINE_MK_LL=1 — the long-context build ``q_regs``: q_regs_build — the
@@ -275,6 +279,7 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["HE_KV_F16"] = 1
     if tp or ll_local():
         defines["MK_TP"] = 1
+    defines["MK_FUSED_MLP"] = int(fused_mlp and not (tp or ll_local()))
     if q_regs:
         defines["HE_ATTN_Q_REGS"] = 1
     defines.update(extra_defines())
@@ -439,7 +444,8 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
              for f16 in sorted(set(f16_variants)) for n in sizes]
     # ... each with both attention -> O-proj schemes (mk_fine: which one a cache takes depends on its split plan)
     jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q_regs_build(n),
-                                   max_context=n, arch=arch, rows=rows, qk_norm=qn, fine=fine))
+                                   max_context=n, arch=arch, rows=rows, qk_norm=qn, fine=fine,
+                                   fused_mlp=O.fused_mlp()))
              for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm for fine in fines]
     # the decode-step modules' HE_PDL_LATE builds (Ops._late: the default trigger places or the env's)
     levels = O.pdl_trigger_levels()
@@ -480,6 +486,9 @@ class MonokernelBackend(GpuBackend):
             self.close()  # the weights are on the GPU already: free them before a caller falls back to per-op
             raise
 
+    def fused_mlp_ok(self) -> bool:
+        return not self.mk_tp and not ll_local()  # the LL exchange builds keep gate/up, then down
+
     def _init_monokernel(self) -> None:
         f16 = {bool(L["f16"]) for L in self.layers} | {bool(self.embed_f16), bool(self.head_f16)}
         if len(f16) != 1:
@@ -518,7 +527,9 @@ class MonokernelBackend(GpuBackend):
         mma = O.attn_mma(rt.arch, cfg.head_dim)
         self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),      # matvec x staging
                         O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma),   # attention (ops.attention)
-                        4 * ((cfg.vocab_size + 31) // 32))                               # sampling history bitmap
+                        4 * ((cfg.vocab_size + 31) // 32),                               # sampling history bitmap
+                        O.mlp_shared_bytes(cfg.hidden_size, cfg.intermediate_size,       # the fused MLP
+                                           O.mlp_slices(rt.num_sms), THREADS) if self.fused_mlp else 0)
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
@@ -549,7 +560,8 @@ class MonokernelBackend(GpuBackend):
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
                                                         max_context=self.max_context, arch=rt.arch,
                                                         rows=(cfg.hidden_size, cfg.q_dim, cfg.intermediate_size),
-                                                        qk_norm=cfg.qk_norm, fine=self.fine))
+                                                        qk_norm=cfg.qk_norm, fine=self.fine,
+                                                        fused_mlp=self.fused_mlp))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 
@@ -572,7 +584,8 @@ class MonokernelBackend(GpuBackend):
             p = lambda b: b.ptr if b is not None else 0  # noqa: E731
             layers[i] = MkLayer(p(L["wqkv"]), p(L["wo"]), p(L["w_gate"]), p(L["w_up"]), p(L["w_down"]),
                                 p(L["attn_norm"]), p(L["ffn_norm"]), p(L["bqkv"]), p(L.get("q_norm")),
-                                p(L.get("k_norm")), self._kc(i), self._vc(i), int(L["f16"]), 0)
+                                p(L.get("k_norm")), self._kc(i), self._vc(i), int(L["f16"]), 0,
+                                p(L.get("w_down_t")))
         self.layer_buf = self._up(np.frombuffer(bytes(layers), np.uint8))
         self.iota = self._up(np.arange(self.max_context, dtype=np.int32))
         self.state_buf = self._buf(ctypes.sizeof(MkState))
@@ -609,7 +622,8 @@ class MonokernelBackend(GpuBackend):
             fine=self.fine, poll_sleep_ns=self.poll_sleep_ns,
             prof=self.prof_buf.ptr if self.prof_buf is not None else 0,
             tp_ll=self.tp_ll_ptr if self._ll_on() else 0, xb=self.xb_ptr, tp_world=self.tp_world,
-            tp_rank=self.tp_rank, vocab_off=self.vocab_off, embed_vocab=self.embed_vocab)
+            tp_rank=self.tp_rank, vocab_off=self.vocab_off, embed_vocab=self.embed_vocab,
+            x_fx=self.x_fx.ptr if self.fused_mlp else 0, mlp_slices=O.mlp_slices(self.rt.num_sms), pad2=0)
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)

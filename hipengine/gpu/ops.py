@@ -501,6 +501,29 @@ def fused_pick() -> bool:
     return _env_switch("HIPENGINE_FUSED_PICK") is not False
 
 
+def fused_mlp() -> bool:
+    """The MLP as one stage (ops/mlp.hip: gate/up and down split by hidden rows, no grid-wide wait between them,
+    fixed-point partial sums) on both decode paths at tp = 1; HIPENGINE_FUSED_MLP=0: gate/up, then down."""
+    return _env_switch("HIPENGINE_FUSED_MLP") is not False
+
+
+def _fx_defines(x_fx=None, res_fx=None) -> dict:
+    """The matvec module's build for the fixed-point addends given (ops/matvec.hip HE_MV_X_FX / HE_MV_RES_FX)."""
+    return {**({"HE_MV_X_FX": 1} if x_fx is not None else {}), **({"HE_MV_RES_FX": 1} if res_fx is not None else {})}
+
+
+def mlp_slices(num_sms: int) -> int:
+    """Slices of the fused MLP: one per SM — the monokernel's grid (one block per SM) and the per-op launch's,
+    so both paths sum the same slices."""
+    return int(num_sms)
+
+
+def mlp_shared_bytes(d: int, F: int, n_slices: int, threads: int = MATVEC_THREADS) -> int:
+    """Shared memory of the fused MLP stage (ops/mlp.hip): x̂ [d] | the slice's hidden values | 8 per thread."""
+    rows = -(-F // n_slices)
+    return 4 * (d + -(-rows // 4) * 4 + 8 * threads)
+
+
 def pdl_enabled(rt) -> bool:
     """Whether the per-op kernels launch with programmatic dependent launch: where the runtime has it (NVIDIA
     sm_90+: Runtime.pdl_launch), unless HIPENGINE_PDL=0 (A/B benchmarks; docs/perf-log.md v29)."""
@@ -685,10 +708,13 @@ class Ops:
                                    f"allows {self.rt.max_shared_per_block}")
 
     # ---- embedding / norms ------------------------------------------------------------------------------
-    def embedding(self, table, tokens, T: int, vocab: int, hidden: int, out, f16=False, stream=None):
+    def embedding(self, table, tokens, T: int, vocab: int, hidden: int, out, f16=False, stream=None, x_fx=None):
+        """out[t] = table[tokens[t]]; x_fx (one token): the fused MLP's residual addend [hidden] int64, cleared."""
+        if x_fx is not None and T != 1:
+            raise ValueError("embedding: x_fx is one token's residual addend")
         self.rt.launch(self.fn("embedding", "embedding"), T, 256,
-                       [_p(table), _p(tokens), c_int32(vocab), c_int32(hidden), _p(out), c_int32(int(f16))],
-                       stream=stream, pdl=self.pdl)
+                       [_p(table), _p(tokens), c_int32(vocab), c_int32(hidden), _p(out), c_int32(int(f16)),
+                        _p(x_fx)], stream=stream, pdl=self.pdl)
 
     def rmsnorm(self, x, gamma, eps: float, n: int, y, rows: int = 1, stream=None):
         self.rt.launch(self.fn("rmsnorm", "rmsnorm"), rows, 256,
@@ -697,22 +723,29 @@ class Ops:
     # ---- matvecs ------------------------------------------------------------------------------------------
     def matvec(self, W, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, residual=None, f16=False,
                stream=None, grid: int | None = None, threads: int = MATVEC_THREADS, role: str = "",
-               rows1: bool | None = None):
+               rows1: bool | None = None, x_fx=None, res_fx=None):
         """y = W·x (+ residual), RMSNorm(x; gamma) first when gamma is given. rows1: the one-row-unit kernel
-        (default: matvec_rows1(...) decides; an explicit grid keeps the two-row kernel unless rows1=True)."""
+        (default: matvec_rows1(...) decides; an explicit grid keeps the two-row kernel unless rows1=True).
+        x_fx / res_fx: the fused MLP's residual addend (mlp_fused), added to x (the LM head's input) or to the
+        residual rows, which are then complete in y and their addend cleared (the O-proj)."""
         self._check_in(inn)
+        if (x_fx is not None or res_fx is not None) and rows1:
+            raise ValueError("matvec: the one-row kernel takes no fixed-point addend")
         if rows1 is None:
-            rows1 = grid is None and matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms)
+            rows1 = (grid is None and x_fx is None and res_fx is None
+                     and matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms))
         if rows1:
             fn = self.fn("matvec", "matvec_rows1", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL, **self._late(role),
                                                     **self._whole(inn, MATVEC_ROWS1_UNROLL)})
             g = grid or self._grid(rows, threads)
         else:
-            fn = self.fn("matvec", "matvec", {**self._late(role), **self._whole(inn)})
+            fn = self.fn("matvec", "matvec", {**self._late(role), **self._whole(inn), **_fx_defines(x_fx, res_fx)})
             g = grid or self._grid((rows + 1) // 2, threads)
-        self.rt.launch(fn, g, threads,
-                       [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
-                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl(role))
+        args = [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
+                c_int32(int(f16))]
+        if not rows1:
+            args += [_p(x_fx), _p(res_fx)]
+        self.rt.launch(fn, g, threads, args, shared=inn * 4, stream=stream, pdl=self._pdl(role))
 
     def matvec_gate_up(self, Wg, Wu, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
                        stream=None, grid: int | None = None, threads: int = MATVEC_THREADS):
@@ -724,14 +757,26 @@ class Ops:
 
     def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,
                    hd: int, inn: int, gamma=None, eps: float = 0.0, bias=None, rope: bool = True, f16=False,
-                   stream=None, threads: int = MATVEC_THREADS):
+                   stream=None, threads: int = MATVEC_THREADS, x_fx=None):
         self._check_in(inn)
         g = self._grid((q_dim + 2 * kv_dim) // 2, threads)
-        self.rt.launch(self.fn("matvec", "matvec_qkv", {**self._late("qkv"), **self._whole(inn)}), g, threads,
+        self.rt.launch(self.fn("matvec", "matvec_qkv", {**self._late("qkv"), **self._whole(inn), **_fx_defines(x_fx)}),
+                       g, threads,
                        [_p(W), _p(x), _p(gamma), c_float(eps), _p(bias), _p(cos), _p(sin), _p(pos), _p(q_out),
                         _p(k_cache), _p(v_cache), c_int32(max_ctx), c_int32(q_dim), c_int32(kv_dim), c_int32(hd),
-                        c_int32(inn), c_int32(int(rope)), c_int32(int(f16))], shared=inn * 4, stream=stream,
+                        c_int32(inn), c_int32(int(rope)), c_int32(int(f16)), _p(x_fx)], shared=inn * 4, stream=stream,
                        pdl=self._pdl("qkv"))
+
+    def mlp_fused(self, Wg, Wu, WdT, x, y_fx, d: int, F: int, gamma=None, eps: float = 0.0, f16=False,
+                  n_slices: int | None = None, stream=None):
+        """The MLP as one launch (ops/mlp.hip): y_fx += fx(W_down · (silu(Wg·x̂) * (Wu·x̂))), x̂ = RMSNorm(x;
+        gamma), with WdT = W_down transposed [F, d]; n_slices blocks (default mlp_slices(): the monokernel's)."""
+        self._check_in(d)
+        n = n_slices or mlp_slices(self.rt.num_sms)
+        self.rt.launch(self.fn("mlp", "mlp_fused", {**self._late("gate_up"), **self._whole(d)}), n, MATVEC_THREADS,
+                       [_p(Wg), _p(Wu), _p(WdT), _p(x), _p(gamma), c_float(eps), _p(y_fx), c_int32(d), c_int32(F),
+                        c_int32(n), c_int32(int(f16))], shared=mlp_shared_bytes(d, F, n),
+                       stream=stream, pdl=self._pdl("gate_up"))
 
     def matmul_small_m(self, W, X, Y, M: int, rows: int, inn: int, mode: int = 0, W2=None, bias=None, f16=False,
                        stream=None):

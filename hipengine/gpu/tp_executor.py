@@ -81,6 +81,9 @@ class TpRank(GpuBackend):
         self.rank = rank
         super().__init__(model, max_context=max_context, tp=1, device=device)
 
+    def fused_mlp_ok(self) -> bool:
+        return False  # the down-proj's output is this rank's partial sum for the all-reduce
+
     def _alloc_state(self) -> None:
         super()._alloc_state()
         # rank > 0: the partial-sum buffer [prefill_m, hidden] that the all-reduce adds into x

@@ -17,6 +17,8 @@
 //               O-proj + residual (HeMvPlain)                    ── barrier ──
 //               gate/up + SiLU·mul, RMSNorm prologue (HeMvGateUp) ── barrier ──
 //               down + residual (HeMvPlain)                      ── barrier ──
+//               (MK_FUSED_MLP, the tp = 1 default: gate/up of the block's hidden rows ── block barrier ──
+//                its slice of down, added in fixed point to p.x_fx (ops/mlp.hip) ── barrier ──)
 //   LM head with the final-norm prologue (HeMvPlain)             ── barrier ──
 //
 // Tensor parallelism (-DMK_TP=1, monokernel/tp_exchange.h): every rank runs this kernel on its shard; the
@@ -55,6 +57,7 @@
 #endif
 #include "ops/embedding.hip"
 #include "ops/matvec.hip"
+#include "ops/mlp.hip"
 #ifndef MK_PROFILE
 #define MK_PROFILE 0
 #endif
@@ -96,8 +99,9 @@ struct MkLayer {
   he_kv* v_cache;
   he_i32 w_f16;
   he_i32 pad0;
+  const he_u16* w_down_t;
 };
-static_assert(sizeof(MkLayer) == 104, "MkLayer size (Python table)");
+static_assert(sizeof(MkLayer) == 112, "MkLayer size (Python table)");
 MK_OFFSET_CHECK(MkLayer, wqkv, 0)
 MK_OFFSET_CHECK(MkLayer, wo, 8)
 MK_OFFSET_CHECK(MkLayer, w_gate, 16)
@@ -112,6 +116,7 @@ MK_OFFSET_CHECK(MkLayer, k_cache, 80)
 MK_OFFSET_CHECK(MkLayer, v_cache, 88)
 MK_OFFSET_CHECK(MkLayer, w_f16, 96)
 MK_OFFSET_CHECK(MkLayer, pad0, 100)
+MK_OFFSET_CHECK(MkLayer, w_down_t, 104)
 struct MkState {
   he_i32 token;
   he_i32 pos;
@@ -190,8 +195,11 @@ struct MkParams {
   he_i32 tp_rank;
   he_i32 vocab_off;
   he_i32 embed_vocab;
+  he_i64* x_fx;
+  he_i32 mlp_slices;
+  he_i32 pad2;
 };
-static_assert(sizeof(MkParams) == 344, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 360, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -250,6 +258,9 @@ MK_OFFSET_CHECK(MkParams, tp_world, 328)
 MK_OFFSET_CHECK(MkParams, tp_rank, 332)
 MK_OFFSET_CHECK(MkParams, vocab_off, 336)
 MK_OFFSET_CHECK(MkParams, embed_vocab, 340)
+MK_OFFSET_CHECK(MkParams, x_fx, 344)
+MK_OFFSET_CHECK(MkParams, mlp_slices, 352)
+MK_OFFSET_CHECK(MkParams, pad2, 356)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -272,76 +283,80 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[12] = (he_u64)((const char*)&vMkLayer.v_cache - (const char*)&vMkLayer);
   out[13] = (he_u64)((const char*)&vMkLayer.w_f16 - (const char*)&vMkLayer);
   out[14] = (he_u64)((const char*)&vMkLayer.pad0 - (const char*)&vMkLayer);
+  out[15] = (he_u64)((const char*)&vMkLayer.w_down_t - (const char*)&vMkLayer);
   MkState vMkState{};
-  out[15] = sizeof(MkState);
-  out[16] = (he_u64)((const char*)&vMkState.token - (const char*)&vMkState);
-  out[17] = (he_u64)((const char*)&vMkState.pos - (const char*)&vMkState);
-  out[18] = (he_u64)((const char*)&vMkState.hist_len - (const char*)&vMkState);
-  out[19] = (he_u64)((const char*)&vMkState.n_out - (const char*)&vMkState);
-  out[20] = (he_u64)((const char*)&vMkState.stop - (const char*)&vMkState);
-  out[21] = (he_u64)((const char*)&vMkState.steps - (const char*)&vMkState);
-  out[22] = (he_u64)((const char*)&vMkState.cancel - (const char*)&vMkState);
-  out[23] = (he_u64)((const char*)&vMkState.pad1 - (const char*)&vMkState);
+  out[16] = sizeof(MkState);
+  out[17] = (he_u64)((const char*)&vMkState.token - (const char*)&vMkState);
+  out[18] = (he_u64)((const char*)&vMkState.pos - (const char*)&vMkState);
+  out[19] = (he_u64)((const char*)&vMkState.hist_len - (const char*)&vMkState);
+  out[20] = (he_u64)((const char*)&vMkState.n_out - (const char*)&vMkState);
+  out[21] = (he_u64)((const char*)&vMkState.stop - (const char*)&vMkState);
+  out[22] = (he_u64)((const char*)&vMkState.steps - (const char*)&vMkState);
+  out[23] = (he_u64)((const char*)&vMkState.cancel - (const char*)&vMkState);
+  out[24] = (he_u64)((const char*)&vMkState.pad1 - (const char*)&vMkState);
   MkParams vMkParams{};
-  out[24] = sizeof(MkParams);
-  out[25] = (he_u64)((const char*)&vMkParams.layers - (const char*)&vMkParams);
-  out[26] = (he_u64)((const char*)&vMkParams.embed - (const char*)&vMkParams);
-  out[27] = (he_u64)((const char*)&vMkParams.lm_head - (const char*)&vMkParams);
-  out[28] = (he_u64)((const char*)&vMkParams.final_norm - (const char*)&vMkParams);
-  out[29] = (he_u64)((const char*)&vMkParams.cos_t - (const char*)&vMkParams);
-  out[30] = (he_u64)((const char*)&vMkParams.sin_t - (const char*)&vMkParams);
-  out[31] = (he_u64)((const char*)&vMkParams.iota - (const char*)&vMkParams);
-  out[32] = (he_u64)((const char*)&vMkParams.x - (const char*)&vMkParams);
-  out[33] = (he_u64)((const char*)&vMkParams.qkv - (const char*)&vMkParams);
-  out[34] = (he_u64)((const char*)&vMkParams.q - (const char*)&vMkParams);
-  out[35] = (he_u64)((const char*)&vMkParams.att - (const char*)&vMkParams);
-  out[36] = (he_u64)((const char*)&vMkParams.h - (const char*)&vMkParams);
-  out[37] = (he_u64)((const char*)&vMkParams.partial - (const char*)&vMkParams);
-  out[38] = (he_u64)((const char*)&vMkParams.logits - (const char*)&vMkParams);
-  out[39] = (he_u64)((const char*)&vMkParams.z - (const char*)&vMkParams);
-  out[40] = (he_u64)((const char*)&vMkParams.history - (const char*)&vMkParams);
-  out[41] = (he_u64)((const char*)&vMkParams.eos - (const char*)&vMkParams);
-  out[42] = (he_u64)((const char*)&vMkParams.state - (const char*)&vMkParams);
-  out[43] = (he_u64)((const char*)&vMkParams.bar - (const char*)&vMkParams);
-  out[44] = (he_u64)((const char*)&vMkParams.attn_count - (const char*)&vMkParams);
-  out[45] = (he_u64)((const char*)&vMkParams.cand - (const char*)&vMkParams);
-  out[46] = (he_u64)((const char*)&vMkParams.host - (const char*)&vMkParams);
-  out[47] = (he_u64)((const char*)&vMkParams.ring - (const char*)&vMkParams);
-  out[48] = (he_u64)((const char*)&vMkParams.timeout_ns - (const char*)&vMkParams);
-  out[49] = (he_u64)((const char*)&vMkParams.vocab - (const char*)&vMkParams);
-  out[50] = (he_u64)((const char*)&vMkParams.d - (const char*)&vMkParams);
-  out[51] = (he_u64)((const char*)&vMkParams.ffn - (const char*)&vMkParams);
-  out[52] = (he_u64)((const char*)&vMkParams.nh - (const char*)&vMkParams);
-  out[53] = (he_u64)((const char*)&vMkParams.nkv - (const char*)&vMkParams);
-  out[54] = (he_u64)((const char*)&vMkParams.hd - (const char*)&vMkParams);
-  out[55] = (he_u64)((const char*)&vMkParams.n_layers - (const char*)&vMkParams);
-  out[56] = (he_u64)((const char*)&vMkParams.max_ctx - (const char*)&vMkParams);
-  out[57] = (he_u64)((const char*)&vMkParams.nsplit - (const char*)&vMkParams);
-  out[58] = (he_u64)((const char*)&vMkParams.chunk - (const char*)&vMkParams);
-  out[59] = (he_u64)((const char*)&vMkParams.embed_f16 - (const char*)&vMkParams);
-  out[60] = (he_u64)((const char*)&vMkParams.head_f16 - (const char*)&vMkParams);
-  out[61] = (he_u64)((const char*)&vMkParams.qk_norm - (const char*)&vMkParams);
-  out[62] = (he_u64)((const char*)&vMkParams.n_eos - (const char*)&vMkParams);
-  out[63] = (he_u64)((const char*)&vMkParams.mode - (const char*)&vMkParams);
-  out[64] = (he_u64)((const char*)&vMkParams.max_tokens - (const char*)&vMkParams);
-  out[65] = (he_u64)((const char*)&vMkParams.ring_cap - (const char*)&vMkParams);
-  out[66] = (he_u64)((const char*)&vMkParams.top_k - (const char*)&vMkParams);
-  out[67] = (he_u64)((const char*)&vMkParams.eps - (const char*)&vMkParams);
-  out[68] = (he_u64)((const char*)&vMkParams.temperature - (const char*)&vMkParams);
-  out[69] = (he_u64)((const char*)&vMkParams.top_p - (const char*)&vMkParams);
-  out[70] = (he_u64)((const char*)&vMkParams.min_p - (const char*)&vMkParams);
-  out[71] = (he_u64)((const char*)&vMkParams.rep_pen - (const char*)&vMkParams);
-  out[72] = (he_u64)((const char*)&vMkParams.seed_lo - (const char*)&vMkParams);
-  out[73] = (he_u64)((const char*)&vMkParams.seed_hi - (const char*)&vMkParams);
-  out[74] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
-  out[75] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
-  out[76] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
-  out[77] = (he_u64)((const char*)&vMkParams.tp_ll - (const char*)&vMkParams);
-  out[78] = (he_u64)((const char*)&vMkParams.xb - (const char*)&vMkParams);
-  out[79] = (he_u64)((const char*)&vMkParams.tp_world - (const char*)&vMkParams);
-  out[80] = (he_u64)((const char*)&vMkParams.tp_rank - (const char*)&vMkParams);
-  out[81] = (he_u64)((const char*)&vMkParams.vocab_off - (const char*)&vMkParams);
-  out[82] = (he_u64)((const char*)&vMkParams.embed_vocab - (const char*)&vMkParams);
+  out[25] = sizeof(MkParams);
+  out[26] = (he_u64)((const char*)&vMkParams.layers - (const char*)&vMkParams);
+  out[27] = (he_u64)((const char*)&vMkParams.embed - (const char*)&vMkParams);
+  out[28] = (he_u64)((const char*)&vMkParams.lm_head - (const char*)&vMkParams);
+  out[29] = (he_u64)((const char*)&vMkParams.final_norm - (const char*)&vMkParams);
+  out[30] = (he_u64)((const char*)&vMkParams.cos_t - (const char*)&vMkParams);
+  out[31] = (he_u64)((const char*)&vMkParams.sin_t - (const char*)&vMkParams);
+  out[32] = (he_u64)((const char*)&vMkParams.iota - (const char*)&vMkParams);
+  out[33] = (he_u64)((const char*)&vMkParams.x - (const char*)&vMkParams);
+  out[34] = (he_u64)((const char*)&vMkParams.qkv - (const char*)&vMkParams);
+  out[35] = (he_u64)((const char*)&vMkParams.q - (const char*)&vMkParams);
+  out[36] = (he_u64)((const char*)&vMkParams.att - (const char*)&vMkParams);
+  out[37] = (he_u64)((const char*)&vMkParams.h - (const char*)&vMkParams);
+  out[38] = (he_u64)((const char*)&vMkParams.partial - (const char*)&vMkParams);
+  out[39] = (he_u64)((const char*)&vMkParams.logits - (const char*)&vMkParams);
+  out[40] = (he_u64)((const char*)&vMkParams.z - (const char*)&vMkParams);
+  out[41] = (he_u64)((const char*)&vMkParams.history - (const char*)&vMkParams);
+  out[42] = (he_u64)((const char*)&vMkParams.eos - (const char*)&vMkParams);
+  out[43] = (he_u64)((const char*)&vMkParams.state - (const char*)&vMkParams);
+  out[44] = (he_u64)((const char*)&vMkParams.bar - (const char*)&vMkParams);
+  out[45] = (he_u64)((const char*)&vMkParams.attn_count - (const char*)&vMkParams);
+  out[46] = (he_u64)((const char*)&vMkParams.cand - (const char*)&vMkParams);
+  out[47] = (he_u64)((const char*)&vMkParams.host - (const char*)&vMkParams);
+  out[48] = (he_u64)((const char*)&vMkParams.ring - (const char*)&vMkParams);
+  out[49] = (he_u64)((const char*)&vMkParams.timeout_ns - (const char*)&vMkParams);
+  out[50] = (he_u64)((const char*)&vMkParams.vocab - (const char*)&vMkParams);
+  out[51] = (he_u64)((const char*)&vMkParams.d - (const char*)&vMkParams);
+  out[52] = (he_u64)((const char*)&vMkParams.ffn - (const char*)&vMkParams);
+  out[53] = (he_u64)((const char*)&vMkParams.nh - (const char*)&vMkParams);
+  out[54] = (he_u64)((const char*)&vMkParams.nkv - (const char*)&vMkParams);
+  out[55] = (he_u64)((const char*)&vMkParams.hd - (const char*)&vMkParams);
+  out[56] = (he_u64)((const char*)&vMkParams.n_layers - (const char*)&vMkParams);
+  out[57] = (he_u64)((const char*)&vMkParams.max_ctx - (const char*)&vMkParams);
+  out[58] = (he_u64)((const char*)&vMkParams.nsplit - (const char*)&vMkParams);
+  out[59] = (he_u64)((const char*)&vMkParams.chunk - (const char*)&vMkParams);
+  out[60] = (he_u64)((const char*)&vMkParams.embed_f16 - (const char*)&vMkParams);
+  out[61] = (he_u64)((const char*)&vMkParams.head_f16 - (const char*)&vMkParams);
+  out[62] = (he_u64)((const char*)&vMkParams.qk_norm - (const char*)&vMkParams);
+  out[63] = (he_u64)((const char*)&vMkParams.n_eos - (const char*)&vMkParams);
+  out[64] = (he_u64)((const char*)&vMkParams.mode - (const char*)&vMkParams);
+  out[65] = (he_u64)((const char*)&vMkParams.max_tokens - (const char*)&vMkParams);
+  out[66] = (he_u64)((const char*)&vMkParams.ring_cap - (const char*)&vMkParams);
+  out[67] = (he_u64)((const char*)&vMkParams.top_k - (const char*)&vMkParams);
+  out[68] = (he_u64)((const char*)&vMkParams.eps - (const char*)&vMkParams);
+  out[69] = (he_u64)((const char*)&vMkParams.temperature - (const char*)&vMkParams);
+  out[70] = (he_u64)((const char*)&vMkParams.top_p - (const char*)&vMkParams);
+  out[71] = (he_u64)((const char*)&vMkParams.min_p - (const char*)&vMkParams);
+  out[72] = (he_u64)((const char*)&vMkParams.rep_pen - (const char*)&vMkParams);
+  out[73] = (he_u64)((const char*)&vMkParams.seed_lo - (const char*)&vMkParams);
+  out[74] = (he_u64)((const char*)&vMkParams.seed_hi - (const char*)&vMkParams);
+  out[75] = (he_u64)((const char*)&vMkParams.fine - (const char*)&vMkParams);
+  out[76] = (he_u64)((const char*)&vMkParams.poll_sleep_ns - (const char*)&vMkParams);
+  out[77] = (he_u64)((const char*)&vMkParams.prof - (const char*)&vMkParams);
+  out[78] = (he_u64)((const char*)&vMkParams.tp_ll - (const char*)&vMkParams);
+  out[79] = (he_u64)((const char*)&vMkParams.xb - (const char*)&vMkParams);
+  out[80] = (he_u64)((const char*)&vMkParams.tp_world - (const char*)&vMkParams);
+  out[81] = (he_u64)((const char*)&vMkParams.tp_rank - (const char*)&vMkParams);
+  out[82] = (he_u64)((const char*)&vMkParams.vocab_off - (const char*)&vMkParams);
+  out[83] = (he_u64)((const char*)&vMkParams.embed_vocab - (const char*)&vMkParams);
+  out[84] = (he_u64)((const char*)&vMkParams.x_fx - (const char*)&vMkParams);
+  out[85] = (he_u64)((const char*)&vMkParams.mlp_slices - (const char*)&vMkParams);
+  out[86] = (he_u64)((const char*)&vMkParams.pad2 - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -379,6 +394,17 @@ constexpr bool kMkDeferOD = !kMkTp;
 #ifndef MK_FINE2
 #define MK_FINE2 0
 #endif
+
+// The MLP as one stage (-DMK_FUSED_MLP=1, the host's default at tp = 1: ops/mlp.hip, hipengine/gpu/ops.py
+// fused_mlp): each block computes gate/up for its slice of hidden rows and then that slice's share of the
+// down-projection, adding it into p.x_fx (the residual stream's fixed-point addend) — no grid barrier between
+// the halves. Readers of x add p.x_fx (the QKV / LM head prologues); the O-proj folds it into x and clears it;
+// every embedding of a token clears it. The LL exchange builds (MK_TP) keep gate/up ── barrier ── down.
+#ifndef MK_FUSED_MLP
+#define MK_FUSED_MLP (!MK_TP)
+#endif
+static_assert(!(MK_FUSED_MLP && MK_TP), "the fused MLP is a tp = 1 build (its output is not an LL exchange)");
+constexpr bool kMkFusedMlp = MK_FUSED_MLP != 0;
 
 // MK_ATTN_EARLY=1 (v72, an opt-in build: HIPENGINE_MK_DEFINES=MK_ATTN_EARLY=1): the attention splits' first K/V
 // requests go out between the QKV barrier's arrival and its wait (mk_attention's kEarly), as the per-op split
@@ -486,11 +512,19 @@ struct MkProf {
 // `x`: the stage's input — p.x, or with the LL exchange on (p.tp_ll: always at tp > 1, a knob at tp = 1) the
 // block's gathered copy in shared memory (monokernel/tp_exchange.h). O-proj / down-proj then push LL words of
 // epoch `ep` instead of writing x; rank 0 adds the residual (p.x through attention, p.xb through the MLP).
+// The fixed-point addend of the fused MLP's builds, known non-null there, so the prologues that add it carry
+// no path without it (and a literal nullptr in the other builds, where they carry none with it).
+HE_INLINE he_i64* mk_fx(const MkParams& p) {
+  if constexpr (!kMkFusedMlp) return nullptr;
+  he_i64* f = p.x_fx;
+  __builtin_assume(f != nullptr);
+  return f;
+}
 HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const float* x) {
   // qk_norm models write raw q|k|v (rope = 0); the per-head norm stage rotates and appends.
   return HeMvQkv{x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
                  p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
-                 p.qk_norm ? 0 : 1};
+                 p.qk_norm ? 0 : 1, mk_fx(p)};
 }
 #if MK_TP
 HE_INLINE MkMvOut mk_o_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
@@ -504,17 +538,25 @@ HE_INLINE MkMvOut mk_down_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
 }
 #else  // the plain op descriptors: the PTX of the tp = 1 build stays v12's (see kMkTp)
 HE_INLINE HeMvPlain mk_o_op(const MkParams& p, const MkLayer& L, he_u32) {
-  return HeMvPlain{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, p.x, p.x, p.d};
+  return HeMvPlain{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, p.x, p.x, p.d, nullptr, mk_fx(p)};
 }
 HE_INLINE HeMvPlain mk_down_op(const MkParams& p, const MkLayer& L, he_u32) {
   return HeMvPlain{p.h, nullptr, 0.f, p.ffn, L.w_down, p.x, p.x, p.d};
 }
 #endif
-HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x) {
+#if MK_FUSED_MLP
+// this block's slice of the MLP (ops/mlp.hip); its hidden values in shared memory after the staged x
+HE_INLINE HeMvGateUpSlice mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x, float* smem) {
+  return he_mlp_gate_up_op(x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, smem + he_mlp_hs_offset(p.d), p.ffn,
+                           he_block_idx(), p.mlp_slices);
+}
+#else
+HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x, float*) {
   return HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
 }
+#endif
 HE_INLINE HeMvPlain mk_head_op(const MkParams& p, const float* x) {
-  return HeMvPlain{x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab};
+  return HeMvPlain{x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab, mk_fx(p)};
 }
 
 // ---- attention --------------------------------------------------------------------------------------------
@@ -690,7 +732,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   };
 
   if (!sample_now) {
-    if (lead) he_embedding_row<kMkF16>(p.embed, st->token, p.embed_vocab, p.d, p.x);
+    if (lead) he_embedding_row<kMkF16>(p.embed, st->token, p.embed_vocab, p.d, p.x, mk_fx(p));
     if (!barrier(kProfSelect)) return;
   }
   for (;;) {
@@ -728,7 +770,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
           mk_token = tok;
         }
         he_sync_block();
-        he_embedding_row<kMkF16>(p.embed, mk_token, p.embed_vocab, p.d, p.x);  // harmless when stopping
+        he_embedding_row<kMkF16>(p.embed, mk_token, p.embed_vocab, p.d, p.x,  // harmless when stopping
+                                 mk_fx(p));
       }
       prof.work(kProfSelect);
       he_grid_arrive(w);
@@ -795,7 +838,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(MK_FINE2 && p.fine == 2 ? kProfCombine : kProfAttn);
       ++ep_o;
-      he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
+      he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x, he_mk_smem));
       // gate/up's input: tp > 1, the O-proj's sum over ranks gathered by every block (no grid barrier; block
       // 0 keeps it in p.xb for the down-proj's residual); else x, published by the barrier.
       const float* gx = p.x;
@@ -804,12 +847,25 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         gx = he_mk_smem;
       } else if (kMkDeferOD) {
         arrive(kProfO);
-        he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
+        he_mv_fill_next(mk_gate_up_op(p, L, p.x, he_mk_smem), s);
         if (!wait(kProfO)) return;
       } else if (!barrier(kProfO)) {
         return;
       }
-      he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
+#if MK_FUSED_MLP
+      {  // the MLP in one stage: this block's gate/up rows, a block barrier, its slice of down (ops/mlp.hip)
+        const HeMvGateUpSlice gu = mk_gate_up_op(p, L, gx, he_mk_smem);
+        if (l + 1 < p.n_layers) he_mv_finish<kMkF16, true>(gu, s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
+        else he_mv_finish<kMkF16, true>(gu, s, he_mk_smem, scratch, mk_head_op(p, p.x));
+        he_mlp_down<kMkF16>(L.w_down_t, gu.hs, gu.r0, gu.r1 - gu.r0, p.d, p.x_fx,
+                            he_mk_smem + he_mlp_part_offset(p.d, p.ffn, p.mlp_slices));
+        arrive(kProfDown);
+        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+        else he_mv_fill_next(mk_head_op(p, p.x), s);
+        if (!wait(kProfDown)) return;
+      }
+#else
+      he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx, he_mk_smem), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       arrive(kProfGateUp);
       he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
       if (!wait(kProfGateUp)) return;
@@ -826,6 +882,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
       }
+#endif
     }
     const float* hx = p.x;
     if (tp) {

@@ -6,24 +6,26 @@
 #define HE_OPS_EMBEDDING_HIP
 #include "port.h"
 
+// fx (optional): the residual stream's fixed-point addend (ops/mlp.hip), cleared with the new row.
 template <bool kF16>
 HE_INLINE void he_embedding_row(const he_u16* __restrict__ table, int token, int vocab, int hidden,
-                                float* __restrict__ out) {
+                                float* __restrict__ out, he_i64* fx = nullptr) {
   const bool ok = token >= 0 && token < vocab;
   const he_u16* row = table + (he_i64)(ok ? token : 0) * hidden;
   for (int i = he_thread_idx(); i < hidden; i += he_block_dim()) {
     const float v = kF16 ? he_f16_to_f32(row[i]) : he_bf16_to_f32(row[i]);
     out[i] = ok ? v : 0.f;
+    if (fx != nullptr) fx[i] = 0;
   }
 }
 
-// grid.x = number of tokens.
+// grid.x = number of tokens. fx: as he_embedding_row's (one token only).
 HE_KERNEL(1024) embedding(const he_u16* __restrict__ table, const int* tokens, int vocab, int hidden,
-                          float* __restrict__ out, int w_f16) {
+                          float* __restrict__ out, int w_f16, he_i64* fx) {
   he_pdl_trigger();
   he_pdl_wait();  // port.h: everything below reads or writes step data
   const int t = he_block_idx();
-  if (w_f16) he_embedding_row<true>(table, tokens[t], vocab, hidden, out + (he_i64)t * hidden);
-  else he_embedding_row<false>(table, tokens[t], vocab, hidden, out + (he_i64)t * hidden);
+  if (w_f16) he_embedding_row<true>(table, tokens[t], vocab, hidden, out + (he_i64)t * hidden, fx);
+  else he_embedding_row<false>(table, tokens[t], vocab, hidden, out + (he_i64)t * hidden, fx);
 }
 #endif

@@ -132,6 +132,19 @@ struct HeMvStream {
   HeMvPos p;
 };
 
+HE_INLINE int he_mv_stride() { return he_grid_dim() * he_num_warps(); }
+HE_INLINE int he_mv_first() { return he_block_idx() * he_num_warps() + he_warp_id(); }
+
+// Which units a warp takes: by default units first, first + stride, ... below units() with the grid-wide
+// first / stride above. An op may instead give each warp its own sequence (he_mv_unit_first / _step / _has
+// overloads: HeMvGateUpSlice in ops/mlp.hip takes a block-local slice of rows); the stream asks these three.
+template <class Op>
+HE_INLINE int he_mv_unit_first(const Op&) { return he_mv_first(); }
+template <class Op>
+HE_INLINE int he_mv_unit_step(const Op&) { return he_mv_stride(); }
+template <class Op>
+HE_INLINE bool he_mv_unit_has(const Op& op, int u) { return u < op.units(); }
+
 // The op after the last one (per-op kernels, or a chain's end): no units.
 struct HeMvNone {
   int in;
@@ -142,8 +155,6 @@ struct HeMvNone {
   }
 };
 
-HE_INLINE int he_mv_stride() { return he_grid_dim() * he_num_warps(); }
-HE_INLINE int he_mv_first() { return he_block_idx() * he_num_warps() + he_warp_id(); }
 
 template <int kRows>
 HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
@@ -156,7 +167,7 @@ HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
 // Load batch columns [c0, c0 + B) of unit u of `op` (zeros past the rows' end or when there is no unit).
 template <class Op, int kRows>
 HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
-  if (u >= op.units()) { he_mv_zero(w); return; }
+  if (!he_mv_unit_has(op, u)) { he_mv_zero(w); return; }
   const he_u16* rp[kRows];
   op.rows(u, rp);
   he_matvec_load<kRows>(rp, op.in, c0, w);
@@ -175,23 +186,23 @@ HE_INLINE void he_mv_fill_b(const Op& op, const Next& nxt, const HeMvPos& p, HeM
 }
 
 // p past op's last unit -> the first pair of nxt.
-template <class Op>
-HE_INLINE void he_mv_norm(HeMvPos& p, const Op& op) {
-  if (!p.nx && p.u >= op.units()) { p.u = he_mv_first(); p.c0 = 0; p.nx = true; }
+template <class Op, class Next>
+HE_INLINE void he_mv_norm(HeMvPos& p, const Op& op, const Next& nxt) {
+  if (!p.nx && !he_mv_unit_has(op, p.u)) { p.u = he_mv_unit_first(nxt); p.c0 = 0; p.nx = true; }
 }
 
 // The pair after p: next 2B columns, then the warp's next unit, then nxt's first pair.
 template <class Op, class Next>
 HE_INLINE void he_mv_advance(HeMvPos& p, const Op& op, const Next& nxt) {
   p.c0 += 2 * kMatvecBatch;
-  if (p.c0 >= (p.nx ? nxt.in : op.in)) { p.c0 = 0; p.u += he_mv_stride(); }
-  he_mv_norm(p, op);
+  if (p.c0 >= (p.nx ? nxt.in : op.in)) { p.c0 = 0; p.u += p.nx ? he_mv_unit_step(nxt) : he_mv_unit_step(op); }
+  he_mv_norm(p, op, nxt);
 }
 
 template <class Op, class Next, int kRows>
 HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) {
-  s.p = HeMvPos{he_mv_first(), 0, false};
-  he_mv_norm(s.p, op);
+  s.p = HeMvPos{he_mv_unit_first(op), 0, false};
+  he_mv_norm(s.p, op, nxt);
   he_mv_fill_a(op, nxt, s.p, s);
   he_mv_fill_b(op, nxt, s.p, s);
 }
@@ -231,8 +242,8 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
 // (the monokernel: after its barrier arrival, whose release fence would otherwise wait for those loads).
 template <bool kF16, bool kDefer = false, class Op, class Next, int kRows>
 HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt) {
-  if (HE_UNLIKELY(!s.p.nx && s.p.u >= op.units())) {  // no unit of op for this warp
-    s.p.u = he_mv_first();
+  if (HE_UNLIKELY(!s.p.nx && !he_mv_unit_has(op, s.p.u))) {  // no unit of op for this warp
+    s.p.u = he_mv_unit_first(nxt);
     s.p.c0 = 0;
     s.p.nx = true;
     he_mv_fill_a(op, nxt, s.p, s);
@@ -242,7 +253,7 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   if (!s.p.nx) op.pre(s.p.u, pv);
   // whole-pair rows have n % 4 == 0: the norm's scalar path is dropped with the cold-branch hints (the measured
   // v68 build; the per-op modules, built without the hints, keep it)
-  he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS>(op.x, op.gamma, op.eps, op.in, xs, scratch);
+  he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS>(op.x, op.gamma, op.eps, op.in, xs, scratch, op.x_fx);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
   float acc[kRows][2];
 #pragma unroll
@@ -287,6 +298,10 @@ HE_INLINE float he_silu(float g) { return g / (1.f + he_exp(-g)); }
 // Two rows per unit (more loads in flight per warp). residual may alias y: each y[r] is read then written by
 // the same lane. gamma != nullptr fuses RMSNorm(x; gamma, eps) as the prologue. Odd `rows`: the last unit
 // computes the last row twice and writes it once.
+// x_fx (optional, the fused MLP's builds): the residual stream's pending 64-bit fixed-point addend (ops/mlp.hip),
+// added to x in the prologue. res_fx (optional, the O-proj of those builds): the same addend of the residual
+// rows — added to each residual row (as the prologue adds it: the same float sum) and cleared by the epilogue,
+// which writes the completed row.
 struct HeMvPlain {
   const float* x;
   const float* gamma;
@@ -296,6 +311,8 @@ struct HeMvPlain {
   const float* residual;
   float* y;
   int n_rows;
+  const he_i64* x_fx;
+  he_i64* res_fx;
   HE_INLINE int units() const { return (n_rows + 1) / 2; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
     const int r0 = 2 * u, r1 = r0 + 1 < n_rows ? r0 + 1 : r0;
@@ -310,12 +327,20 @@ struct HeMvPlain {
     const int r0 = 2 * u, r1 = r0 + 1;
     pv[0] = residual[r0];
     if (r1 < n_rows) pv[1] = residual[r1];
+    if (res_fx != nullptr) {
+      pv[0] = pv[0] + he_fx_to_f32(res_fx[r0]);
+      if (r1 < n_rows) pv[1] = pv[1] + he_fx_to_f32(res_fx[r1]);
+    }
   }
   HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
     if (he_lane_id() != 0) return;
     const int r0 = 2 * u, r1 = r0 + 1;
     y[r0] = acc[0] + pv[0];
     if (r1 < n_rows) y[r1] = acc[1] + pv[1];
+    if (res_fx != nullptr) {
+      res_fx[r0] = 0;
+      if (r1 < n_rows) res_fx[r1] = 0;
+    }
   }
 };
 
@@ -336,6 +361,7 @@ struct HeMvPlain1 {
   const float* residual;
   float* y;
   int n_rows;
+  const he_i64* x_fx;  // as HeMvPlain's (no res_fx: the per-op path's one-row down is not the fused MLP's)
   HE_INLINE int units() const { return n_rows; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[1]) const { rp[0] = W + (he_i64)u * in; }
   HE_INLINE void pre(int u, float (&pv)[1]) const {  // as HeMvPlain::pre
@@ -363,11 +389,32 @@ HE_INLINE void he_matvec_run(const Op& op, float* xs, float* scratch) {
   he_mv_finish<kF16>(op, s, xs, scratch, none);
 }
 
+// The per-op kernels' fixed-point addends (HeMvPlain x_fx / res_fx) are build choices: -DHE_MV_X_FX=1 /
+// -DHE_MV_RES_FX=1 (hipengine/gpu/ops.py picks the module by the arguments given) take the pointer as non-null,
+// the default drops it, so neither build carries the other's path (with both at run time ptxas spilled 12 bytes
+// in the stream of the matvec kernel).
+#ifndef HE_MV_X_FX
+#define HE_MV_X_FX 0
+#endif
+#ifndef HE_MV_RES_FX
+#define HE_MV_RES_FX 0
+#endif
+template <bool kOn, class T>
+HE_INLINE T* he_mv_fx_arg(T* p) {
+  if constexpr (!kOn) return nullptr;
+  __builtin_assume(p != nullptr);
+  return p;
+}
+
+// x_fx / res_fx: HeMvPlain's (the fused MLP's residual addend: the LM head's / the O-proj's), used in the
+// HE_MV_X_FX / HE_MV_RES_FX builds.
 HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma, float eps,
-                       const float* residual, float* y, int rows, int in, int w_f16) {
+                       const float* residual, float* y, int rows, int in, int w_f16, const he_i64* x_fx,
+                       he_i64* res_fx) {
   extern __shared__ float he_xs[];  // [in]
   __shared__ float scratch[kMaxWarpsPerBlock];
-  const HeMvPlain op{x, gamma, eps, in, W, residual, y, rows};
+  const HeMvPlain op{x, gamma, eps, in, W, residual, y, rows, he_mv_fx_arg<HE_MV_X_FX != 0>(x_fx),
+                     he_mv_fx_arg<HE_MV_RES_FX != 0>(res_fx)};
   if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
   else he_matvec_run<false>(op, he_xs, scratch);
 }
@@ -396,6 +443,7 @@ struct HeMvGateUp {
   const he_u16* Wu;
   float* y;
   int n_rows;
+  const he_i64* x_fx;  // as HeMvPlain's
   HE_INLINE int units() const { return n_rows; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
     rp[0] = Wg + (he_i64)u * in;
@@ -448,6 +496,7 @@ struct HeMvQkvT {
   he_kv* k_cache;
   he_kv* v_cache;
   int max_ctx, q_dim, kv_dim, hd, rope;
+  const he_i64* x_fx;  // as HeMvPlain's
   HE_INLINE int units() const { return (q_dim + 2 * kv_dim) / 2; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const {
     const int half = hd / 2, ra = (u / half) * hd + u % half;
@@ -486,11 +535,11 @@ HE_KERNEL(kMatvecMaxThreads) matvec_qkv(const he_u16* __restrict__ W, const floa
                            const float* __restrict__ bias, const float* __restrict__ cos_t,
                            const float* __restrict__ sin_t, const int* pos_p, float* __restrict__ q_out,
                            he_kv* __restrict__ k_cache, he_kv* __restrict__ v_cache, int max_ctx, int q_dim,
-                           int kv_dim, int hd, int in, int rope, int w_f16) {
+                           int kv_dim, int hd, int in, int rope, int w_f16, const he_i64* x_fx) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
   const HeMvQkvT<true> op{x, gamma, eps, in, W, bias, cos_t, sin_t, pos_p, q_out, k_cache, v_cache,
-                          max_ctx, q_dim, kv_dim, hd, rope};
+                          max_ctx, q_dim, kv_dim, hd, rope, he_mv_fx_arg<HE_MV_X_FX != 0>(x_fx)};
   if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
   else he_matvec_run<false>(op, he_xs, scratch);
 }

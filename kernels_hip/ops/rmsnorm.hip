@@ -31,9 +31,20 @@ HE_INLINE void he_load4f(const float* p, float (&v)[4]) {
   v[3] = he_u32_as_f32(w.w);
 }
 
+// v[0..3] += the fixed-point addend fx[0..3] (two 16-byte loads; the fused MLP's residual, ops/mlp.hip).
+HE_INLINE void he_add_fx4(const he_i64* fx, float (&v)[4]) {
+  const he_vec16 a = he_load16(fx), b = he_load16(fx + 2);
+  v[0] = v[0] + he_fx_to_f32((he_i64)(((he_u64)a.y << 32) | a.x));
+  v[1] = v[1] + he_fx_to_f32((he_i64)(((he_u64)a.w << 32) | a.z));
+  v[2] = v[2] + he_fx_to_f32((he_i64)(((he_u64)b.y << 32) | b.x));
+  v[3] = v[3] + he_fx_to_f32((he_i64)(((he_u64)b.w << 32) | b.z));
+}
+
 // dst[4i..4i+3] = x[...] (· scale · gamma[...]) for this thread's float4 indices, kB loads in flight.
+// fx != nullptr: x + fx (he_add_fx4) instead of x.
 template <int kB, bool kGamma>
-HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, int n4, float* dst) {
+HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, int n4, float* dst,
+                             const he_i64* fx = nullptr) {
   const int t = he_thread_idx(), nt = he_block_dim();
   for (int i0 = t; i0 < n4; i0 += kB * nt) {
     float v[kB][4], g[kGamma ? kB : 1][4];
@@ -42,6 +53,7 @@ HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, in
       const int i = i0 + b * nt;
       if (i < n4) {
         he_load4f(x + 4 * i, v[b]);
+        if (fx != nullptr) he_add_fx4(fx + 4 * i, v[b]);
         if (kGamma) he_load4f(gamma + 4 * i, g[kGamma ? b : 0]);
       }
     }
@@ -58,50 +70,68 @@ HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, in
 
 // Rows whose length is not a multiple of 4 (not 16-byte aligned): one element per thread per iteration.
 HE_INLINE void he_rmsnorm_scalar(const float* x, const float* __restrict__ gamma, float eps, int n, float* dst,
-                                 float* scratch) {
+                                 float* scratch, const he_i64* fx = nullptr) {
   const int t = he_thread_idx(), nt = he_block_dim();
+  auto xv = [&](int i) { return fx != nullptr ? x[i] + he_fx_to_f32(fx[i]) : x[i]; };
   float scale = 1.f;
   if (gamma) {
     float ss = 0.f;
-    for (int i = t; i < n; i += nt) ss += x[i] * x[i];
+    for (int i = t; i < n; i += nt) ss += xv(i) * xv(i);
     scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
   }
-  for (int i = t; i < n; i += nt) dst[i] = gamma ? x[i] * scale * gamma[i] : x[i];
+  for (int i = t; i < n; i += nt) dst[i] = gamma ? xv(i) * scale * gamma[i] : xv(i);
   he_sync_block();
 }
 
+// This thread's sum of squares of x (+ fx) over its float4 indices, kB loads in flight, in index order.
+template <int kB>
+HE_INLINE float he_norm_ss(const float* x, const he_i64* fx, int n4) {
+  const int t = he_thread_idx(), nt = he_block_dim();
+  float ss = 0.f;
+  for (int i0 = t; i0 < n4; i0 += kB * nt) {
+    float v[kB][4];
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      const int i = i0 + b * nt;
+      if (i < n4) {
+        he_load4f(x + 4 * i, v[b]);
+        if (fx != nullptr) he_add_fx4(fx + 4 * i, v[b]);
+      } else {
+        v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kB; ++b)
+      ss += v[b][0] * v[b][0] + v[b][1] * v[b][1] + v[b][2] * v[b][2] + v[b][3] * v[b][3];
+  }
+  return ss;
+}
+
 // kVec4: the caller promises n % 4 == 0 (a matvec build of whole-pair rows), so the scalar path is not compiled.
+// fx (optional): the residual stream's pending fixed-point addend (ops/mlp.hip); the stage normalises x + fx.
 template <bool kVec4 = false>
 HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma, float eps, int n,
-                                float* dst, float* scratch) {
+                                float* dst, float* scratch, const he_i64* fx = nullptr) {
   if constexpr (!kVec4) {
     if (HE_UNLIKELY(n % 4)) {
-      he_rmsnorm_scalar(x, gamma, eps, n, dst, scratch);
+      he_rmsnorm_scalar(x, gamma, eps, n, dst, scratch, fx);
       return;
     }
   }
-  const int t = he_thread_idx(), nt = he_block_dim(), n4 = n / 4;
+  const int n4 = n / 4;
+  // With the addend the batches are halved: its two loads per float4 keep the registers of a batch (32) as
+  // without it (the monokernel's weight stream is live here). Sums in the same element order either way.
   if (HE_UNLIKELY(!gamma)) {  // (a literal nullptr folds: the O-proj / down-proj take only this path)
-    he_norm_store<kNormBatch, false>(x, nullptr, 1.f, n4, dst);
+    if (fx != nullptr) he_norm_store<kNormBatch / 2, false>(x, nullptr, 1.f, n4, dst, fx);
+    else he_norm_store<kNormBatch, false>(x, nullptr, 1.f, n4, dst);
     he_sync_block();
     return;
   }
-  float ss = 0.f;
-  for (int i0 = t; i0 < n4; i0 += kNormBatch * nt) {
-    float v[kNormBatch][4];
-#pragma unroll
-    for (int b = 0; b < kNormBatch; ++b) {
-      const int i = i0 + b * nt;
-      if (i < n4) he_load4f(x + 4 * i, v[b]);
-      else v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
-    }
-#pragma unroll
-    for (int b = 0; b < kNormBatch; ++b)
-      ss += v[b][0] * v[b][0] + v[b][1] * v[b][1] + v[b][2] * v[b][2] + v[b][3] * v[b][3];
-  }
+  const float ss = fx != nullptr ? he_norm_ss<kNormBatch / 2>(x, fx, n4) : he_norm_ss<kNormBatch>(x, nullptr, n4);
   // mean in fp32 then rsqrt: rsqrt.approx has ~2 ulp error, far below the bf16 weights' rounding.
   const float scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
-  he_norm_store<kNormBatch / 2, true>(x, gamma, scale, n4, dst);
+  if (fx != nullptr) he_norm_store<kNormBatch / 4, true>(x, gamma, scale, n4, dst, fx);
+  else he_norm_store<kNormBatch / 2, true>(x, gamma, scale, n4, dst);
   he_sync_block();
 }
 
