@@ -146,6 +146,37 @@ def bench_matvecs(rt, ops, stream, hbm) -> list[dict]:
     return rows_out
 
 
+MLP_VARIANTS = [(0, "mlp fused 2048->8192->2048 (fixed-point adds)"), (1, "  partials stored instead of added"),
+                (2, "  gate/up half only"), (3, "  down half only (adds)"), (4, "  down half only (stores)"),
+                (5, "  the adds alone (no weights)"), (6, "  fp32 vector adds instead (not deterministic)")]
+
+
+def bench_mlp(rt, ops, stream, hbm) -> list[dict]:
+    """The fused MLP (ops/mlp.hip) of llama-3.2-1b and its parts (HE_MLP_VARIANT builds): where its time goes."""
+    d, F = 2048, 8192
+    x = rt.upload(np.random.default_rng(1).standard_normal(d).astype(np.float32))
+    g = rt.upload(np.ones(d, np.float32))
+    y = rt.malloc(rt.num_sms * d * 4 + 4096)
+    rt.memset(y, 0, y.nbytes)
+    wbytes = 3 * d * F * 2
+    bufs = [rt.malloc(wbytes) for _ in range(copies_for(wbytes))]
+    for b in bufs:
+        rt.memset(b, 0x3C, b.nbytes)
+    out = []
+    for var, name in MLP_VARIANTS:
+        def launch(i, var=var):
+            w = bufs[i % len(bufs)]
+            ops.mlp_fused(w, w.ptr + d * F * 2, w.ptr + 2 * d * F * 2, x, y, d, F, gamma=g, eps=1e-5, stream=stream,
+                          variant=var)
+        t, t_plain = timed_pdl(rt, ops, stream, launch)
+        moved = {2: 2, 3: 1, 4: 1, 5: 0}.get(var, 3) * d * F * 2
+        out.append(dict(op=name, variant=var, us=t * 1e6, gbps=moved / t / 1e9, pct_hbm=100 * moved / t / hbm,
+                        pdl=ops.pdl, us_no_pdl=t_plain * 1e6, pct_hbm_no_pdl=100 * moved / t_plain / hbm))
+    for b in bufs:
+        b.free()
+    return out
+
+
 # (grid, input length, RMSNorm prologue) of the per-op decode matvecs on 132 SMs (Ops._grid): O-proj and two-row
 # down 1,024 units / 8 warps, QKV 1,536 / 8 and gate/up at the 2-blocks-per-SM cap (both with the norm), the
 # one-row down 2,048 / 8.
@@ -338,6 +369,7 @@ def main(argv=None) -> int:
                date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     res["commit"] = git_commit()  # $HIPENGINE_COMMIT first: the device's copy of the tree has a stale .git
     res["matvec"] = bench_matvecs(rt, ops, stream, hbm)
+    res["mlp"] = bench_mlp(rt, ops, stream, hbm)
     res["attention"] = bench_attention(rt, ops, stream, hbm)
     res["floor"] = bench_floor(rt, ops, stream)
     if not a.skip_decode:
@@ -350,7 +382,7 @@ def main(argv=None) -> int:
             json.dump(res, f, indent=1)
     print(f"\n{rt.name}: HBM read {hbm / 1e9:.0f} GB/s ({hbm_src})")
     print(f"{'op':48s} {'us':>9s} {'GB/s':>8s} {'%HBM':>6s}")
-    for r in res["matvec"] + res["attention"]:
+    for r in res["matvec"] + res["mlp"] + res["attention"]:
         extra = f"  plain launches: {r['us_no_pdl']:.2f} us, {r['pct_hbm_no_pdl']:.1f}%" if r["pdl"] else ""
         if "combine_us" in r:
             extra += f"  (combine alone {r['combine_us']:.1f} us; one kernel {r['one_kernel_us']:.2f} us)"

@@ -43,6 +43,7 @@
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
 #   fusedmlp: the fused MLP (session 30): its op tests, mk_sweep $ONLY (0,19) at $AB_CONTEXTS, the decode bench of
 #           both paths per word of $AB_ENVS, the monokernel tests in the time left
+#   mlpparts: bench_ops with the fused MLP's parts, the monokernel stage profile at 1K per $AB_PROFILE_ENVS word
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
 #           a $AB_MAXCTX-token cache when given), op tests, monokernel tests, stage profile at 1K/8K
@@ -291,6 +292,11 @@ case "$MODE" in
     env_runs abboth 150 "${AB_ENVS:--}" $PY -m hipengine bench decode --shape llama-3.2-1b \
       $(for c in ${AB_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done)
     left=$((575 - SECONDS)); [ $left -gt 40 ] && run mk_tests $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
+  mlpparts)  # session 30: where the fused MLP's time goes — bench_ops with its parts (HE_MLP_VARIANT builds), then the
+             # monokernel's stage profile at 1K per word of $AB_PROFILE_ENVS (VAR=V[,VAR=V] or -)
+    run bench_ops 240 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"
+    env_runs mkprof 110 "${AB_PROFILE_ENVS:--}" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
+      --profile ;;
   bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
   exp)  # compile-time experiments: the sweep's variants $ONLY at $AB_CONTEXTS (1K/8K/32K) after the trees $AB_TREES,

@@ -768,12 +768,13 @@ class Ops:
                        pdl=self._pdl("qkv"))
 
     def mlp_fused(self, Wg, Wu, WdT, x, y_fx, d: int, F: int, gamma=None, eps: float = 0.0, f16=False,
-                  n_slices: int | None = None, stream=None):
+                  n_slices: int | None = None, stream=None, variant: int = 0):
         """The MLP as one launch (ops/mlp.hip): y_fx += fx(W_down · (silu(Wg·x̂) * (Wu·x̂))), x̂ = RMSNorm(x;
         gamma), with WdT = W_down transposed [F, d]; n_slices blocks (default mlp_slices(): the monokernel's)."""
         self._check_in(d)
         n = n_slices or mlp_slices(self.rt.num_sms)
-        self.rt.launch(self.fn("mlp", "mlp_fused", {**self._late("gate_up"), **self._whole(d)}), n, MATVEC_THREADS,
+        var = {"HE_MLP_VARIANT": variant} if variant else {}  # bench_ops' breakdown builds (ops/mlp.hip)
+        self.rt.launch(self.fn("mlp", "mlp_fused", {**self._late("gate_up"), **self._whole(d), **var}), n, MATVEC_THREADS,
                        [_p(Wg), _p(Wu), _p(WdT), _p(x), _p(gamma), c_float(eps), _p(y_fx), c_int32(d), c_int32(F),
                         c_int32(n), c_int32(int(f16))], shared=mlp_shared_bytes(d, F, n),
                        stream=stream, pdl=self._pdl("gate_up"))

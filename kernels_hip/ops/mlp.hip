@@ -136,12 +136,29 @@ HE_INLINE void he_mlp_down(const he_u16* WdT, const float* hs, int r0, int nj, i
       for (int i = t; i < 8 * span; i += nt) {  // consecutive columns per warp: coalesced adds
         float s = part[i];
         for (int c = 1; c < groups; ++c) s += part[c * 8 * span + i];
+#if HE_MLP_VARIANT == 1 || HE_MLP_VARIANT == 4  // (bench_ops only) plain stores of the partials, one row per block
+        ((float*)y_fx)[(he_i64)he_block_idx() * d + 8 * v0 + i] = s;
+#elif HE_MLP_VARIANT == 6  // (bench_ops only) fp32 adds, 4 columns per instruction (not deterministic)
+        if (i % 4 == 0 && i + 3 < 8 * span) {
+          float* q = (float*)y_fx + 8 * v0 + i;
+          asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(q), "f"(s),
+                       "f"(part[i + 1]), "f"(part[i + 2]), "f"(part[i + 3]) : "memory");
+        }
+#else
         he_red_add_i64_relaxed_device(y_fx + 8 * v0 + i, he_fx_from_f32(s));
+#endif
       }
       he_sync_block();  // part is reused by the next pass / the caller
     }
   }
 }
+
+// HE_MLP_VARIANT (bench_ops' breakdown of mlp_fused only; the monokernel and the decode path build 0): 1 the
+// partials stored instead of added, 2 gate/up only, 3 down only, 4 down only with stores, 5 the adds alone (no
+// weights), 6 fp32 vector adds (sm_90 PTX; not deterministic).
+#ifndef HE_MLP_VARIANT
+#define HE_MLP_VARIANT 0
+#endif
 
 // The per-op path's MLP: one launch of exactly n_slices blocks (the monokernel's grid: the same slices, hence
 // the same bits). y_fx (the residual stream's addend, [d] int64) accumulates; x is not written. Shared memory:
@@ -154,12 +171,21 @@ HE_KERNEL(kMatvecMaxThreads) mlp_fused(const he_u16* __restrict__ Wg, const he_u
   float* hs = he_xs + he_mlp_hs_offset(d);
   float* part = he_xs + he_mlp_part_offset(d, F, n_slices);
   const HeMvGateUpSlice op = he_mlp_gate_up_op(x, gamma, eps, d, Wg, Wu, hs, F, he_block_idx(), n_slices);
+#if HE_MLP_VARIANT == 5
+  he_pdl_trigger();
+  he_pdl_wait();
+  for (int i = he_thread_idx(); i < d; i += he_block_dim()) he_red_add_i64_relaxed_device(y_fx + i, 1);
+  (void)op; (void)part; (void)w_f16; (void)WdT;
+#else
+  constexpr bool kUp = HE_MLP_VARIANT != 3 && HE_MLP_VARIANT != 4, kDown = HE_MLP_VARIANT != 2;
+  if (!kUp) { he_pdl_trigger(); he_pdl_wait(); }
   if (w_f16) {
-    he_matvec_run<true>(op, he_xs, scratch);
-    he_mlp_down<true>(WdT, hs, op.r0, op.r1 - op.r0, d, y_fx, part);
+    if (kUp) he_matvec_run<true>(op, he_xs, scratch);
+    if (kDown) he_mlp_down<true>(WdT, hs, op.r0, op.r1 - op.r0, d, y_fx, part);
   } else {
-    he_matvec_run<false>(op, he_xs, scratch);
-    he_mlp_down<false>(WdT, hs, op.r0, op.r1 - op.r0, d, y_fx, part);
+    if (kUp) he_matvec_run<false>(op, he_xs, scratch);
+    if (kDown) he_mlp_down<false>(WdT, hs, op.r0, op.r1 - op.r0, d, y_fx, part);
   }
+#endif
 }
 #endif
