@@ -177,6 +177,8 @@ HE_INLINE he_i64 he_fx_from_f32(float v) {  // cvt.rni.s64.f32 saturates; NaN ->
 }
 #endif
 HE_INLINE float he_fx_to_f32(he_i64 v) { return (float)v * kFxUnit; }  // int64 -> fp32 rounds to nearest
+// The int64 of two 32-bit words (little-endian: lo first), e.g. half of a 16-byte load of fixed-point values.
+HE_INLINE he_i64 he_i64_of_words(he_u32 lo, he_u32 hi) { return (he_i64)(((he_u64)hi << 32) | lo); }
 
 // ------------------------------------------------------------------------------------------------------
 // bf16 / fp16 stored as raw 16-bit integers (no vendor bf16 type: the headers differ and NVRTC would need
@@ -639,7 +641,9 @@ HE_INLINE void he_cp_async16(void* dst, const void* src, bool valid) {
 HE_INLINE void he_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 HE_INLINE void he_cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+constexpr bool kHasCpAsync = true;  // the copies are in flight without registers
 #else
+constexpr bool kHasCpAsync = false;  // the fallback below: a load and a store, complete at once
 HE_INLINE HeSmem he_smem(char* p) { return HeSmem{p, 0u}; }
 HE_INLINE void he_cp_async16(void* dst, const void* src, bool valid) {
   *(he_vec16*)dst = valid ? *(const he_vec16*)src : he_vec16{0u, 0u, 0u, 0u};

@@ -41,7 +41,7 @@
 #            the prefill benchmark with its op breakdown, the decode bench of record (TTFT included), and the
 #            1B preset's 512-position check in the time that is left (the call stays under 575 s)
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
-#   fusedmlp: the fused MLP (session 30): its op tests, mk_sweep $ONLY (0,19) at $AB_CONTEXTS, the decode bench of
+#   fusedmlp: the fused MLP (session 30): its op tests, bench_ops, mk_sweep $ONLY (0,19) at $AB_CONTEXTS, the decode bench of
 #           both paths per word of $AB_ENVS, the monokernel tests in the time left
 #   mlpparts: bench_ops with the fused MLP's parts, the monokernel stage profile at 1K per $AB_PROFILE_ENVS word
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
@@ -288,6 +288,7 @@ case "$MODE" in
              # fused / gate/up-barrier-down) at $AB_CONTEXTS, then the decode bench of both paths (tokens compared)
              # per word of $AB_ENVS (default: the fused default), then the monokernel tests in the time left
     run ops_mlp 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "${AB_TESTS:-mlp_fused or fixed_point or embedding}"
+    run bench_ops 120 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"
     ONLY=${ONLY:-0,19} mk_sweep_ab mk_sweep 220
     env_runs abboth 150 "${AB_ENVS:--}" $PY -m hipengine bench decode --shape llama-3.2-1b \
       $(for c in ${AB_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done)

@@ -700,7 +700,7 @@ class EmulatedRuntime:
             self.view(res_fx, np.int64, rows)[:] = 0
         self._f32(y, rows)[:] = r
 
-    def _k_mlp_fused(self, grid, Wg, Wu, WdT, x, gamma, eps, y_fx, d, F, n_slices, f16):
+    def _k_mlp_fused(self, grid, Wg, Wu, WdT, x, gamma, eps, y_fx, d, F, f16):
         xn = self._norm(self._f32(x, d).astype(np.float64), gamma, eps, d)
         h = O.ref_silu(self._w(Wg, F, d, f16) @ xn) * (self._w(Wu, F, d, f16) @ xn)
         out = self._w(WdT, F, d, f16).T @ h

@@ -47,5 +47,5 @@ def test_monokernel_launch_passes_the_block_by_value():
     be._block = mk.MkParams(d=2048, n_layers=16)
     be._start()
     (args, kw), = calls
-    assert args[3] == [be._block] and ctypes.sizeof(args[3][0]) == 360
+    assert args[3] == [be._block] and ctypes.sizeof(args[3][0]) == 352
     assert kw["cooperative"] is True and kw["shared"] == 44160

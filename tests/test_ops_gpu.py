@@ -145,12 +145,11 @@ def test_matvec_gate_up(gpu, rows, inn, f16):
 FX = 2.0 ** 32  # ops/mlp.hip's fixed point: 32 fraction bits
 
 
-@pytest.mark.parametrize("d,F,slices", [(2048, 8192, None), (576, 1536, None), (64, 96, 7), (256, 40, 64),
-                                        (4096, 1024, 5)])
+@pytest.mark.parametrize("d,F", [(2048, 8192), (576, 1536), (64, 96), (256, 40), (2048, 24)])
 @pytest.mark.parametrize("f16", [False, True])
-def test_mlp_fused(gpu, d, F, slices, f16):
-    """The fused MLP (gate/up of each block's hidden rows, then its slice of down, fixed-point partial sums)
-    against float64, added onto an existing addend; and the same bits on a second run."""
+def test_mlp_fused(gpu, d, F, f16):
+    """The fused MLP (gate/up units that apply their row of down; block sums added in fixed point) against
+    float64, added onto an existing addend; and the same bits on a second run."""
     rt, ops, O = gpu
     bg, Wg = weights(O, F, d, f16, scale=2.0)
     bu, Wu = weights(O, F, d, f16)
@@ -164,10 +163,17 @@ def test_mlp_fused(gpu, d, F, slices, f16):
     for _ in range(2):
         fx = rt.upload(start)
         ops.mlp_fused(rt.upload(bg), rt.upload(bu), rt.upload(np.ascontiguousarray(bd.reshape(d, F).T)),
-                      rt.upload(x), fx, d, F, gamma=rt.upload(g), eps=1e-6, f16=f16, n_slices=slices)
+                      rt.upload(x), fx, d, F, gamma=rt.upload(g), eps=1e-6, f16=f16)
         outs.append(rt.download(fx, d, np.int64))
     np.testing.assert_array_equal(outs[0], outs[1])
     close((outs[0] - start) / FX, ref, 1e-4, 1e-5)
+
+
+def test_mlp_fused_refuses_wide_rows(gpu):
+    rt, ops, O = gpu
+    from hipengine.errors import UnsupportedError
+    with pytest.raises(UnsupportedError, match="fused MLP"):
+        ops.mlp_fused(0, 0, 0, 0, 0, 4096, 1024)
 
 
 @pytest.mark.parametrize("inn", [2048, 576, 72])

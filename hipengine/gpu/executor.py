@@ -89,7 +89,8 @@ class GpuBackend(Backend):
         # The MLP as one stage on both decode paths (ops/mlp.hip; HIPENGINE_FUSED_MLP=0: gate/up, then down).
         # Not on tensor-parallel ranks (their down-proj output is a partial sum for the all-reduce) nor with the
         # monokernel's LL exchange at tp = 1 (mk_tp builds keep the two stages).
-        self.fused_mlp = O.fused_mlp() and self.fused_mlp_ok()
+        self.fused_mlp = (O.fused_mlp() and self.fused_mlp_ok()
+                          and O.mlp_supported(cfg.hidden_size, getattr(rt, "warp_size", 32)))
         self.ops = O.Ops(rt, defines=kv_defines(self.kv_f16))
         self._check_fits(loaded)
         self.stream = rt.stream()

@@ -126,8 +126,6 @@ PARAM_FIELDS = [
     ("vocab_off", "he_i32"),        # first global token id of this rank's LM-head slice
     ("embed_vocab", "he_i32"),      # rows of the embedding (all token ids; `vocab` is the LM head's slice)
     ("x_fx", "he_i64*"),            # [d] the fused MLP's fixed-point residual addend (ops/mlp.hip), or null
-    ("mlp_slices", "he_i32"),       # the fused MLP's slices of hidden rows (ops.mlp_slices: one per SM)
-    ("pad2", "he_i32"),
 ]
 
 STATE_FIELDS = [
@@ -280,6 +278,8 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
     if tp or ll_local():
         defines["MK_TP"] = 1
     defines["MK_FUSED_MLP"] = int(fused_mlp and not (tp or ll_local()))
+    if defines["MK_FUSED_MLP"] and rows:
+        defines["HE_MLP_DVEC"] = O.mlp_dvec(rows[0], warp)  # rows[0]: the hidden size
     if q_regs:
         defines["HE_ATTN_Q_REGS"] = 1
     defines.update(extra_defines())
@@ -528,8 +528,8 @@ class MonokernelBackend(GpuBackend):
         self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),      # matvec x staging
                         O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma),   # attention (ops.attention)
                         4 * ((cfg.vocab_size + 31) // 32),                               # sampling history bitmap
-                        O.mlp_shared_bytes(cfg.hidden_size, cfg.intermediate_size,       # the fused MLP
-                                           O.mlp_slices(rt.num_sms), THREADS) if self.fused_mlp else 0)
+                        O.mlp_shared_bytes(cfg.hidden_size, rt.warp_size, THREADS)       # the fused MLP
+                        if self.fused_mlp else 0)
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
@@ -623,7 +623,7 @@ class MonokernelBackend(GpuBackend):
             prof=self.prof_buf.ptr if self.prof_buf is not None else 0,
             tp_ll=self.tp_ll_ptr if self._ll_on() else 0, xb=self.xb_ptr, tp_world=self.tp_world,
             tp_rank=self.tp_rank, vocab_off=self.vocab_off, embed_vocab=self.embed_vocab,
-            x_fx=self.x_fx.ptr if self.fused_mlp else 0, mlp_slices=O.mlp_slices(self.rt.num_sms), pad2=0)
+            x_fx=self.x_fx.ptr if self.fused_mlp else 0)
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)

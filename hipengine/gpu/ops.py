@@ -502,8 +502,9 @@ def fused_pick() -> bool:
 
 
 def fused_mlp() -> bool:
-    """The MLP as one stage (ops/mlp.hip: gate/up and down split by hidden rows, no grid-wide wait between them,
-    fixed-point partial sums) on both decode paths at tp = 1; HIPENGINE_FUSED_MLP=0: gate/up, then down."""
+    """The MLP as one stage (ops/mlp.hip: each gate/up unit applies its row of down, no grid-wide wait between
+    the halves, fixed-point partial sums) on both decode paths at tp = 1; HIPENGINE_FUSED_MLP=0: gate/up, then
+    down."""
     return _env_switch("HIPENGINE_FUSED_MLP") is not False
 
 
@@ -512,16 +513,26 @@ def _fx_defines(x_fx=None, res_fx=None) -> dict:
     return {**({"HE_MV_X_FX": 1} if x_fx is not None else {}), **({"HE_MV_RES_FX": 1} if res_fx is not None else {})}
 
 
-def mlp_slices(num_sms: int) -> int:
-    """Slices of the fused MLP: one per SM — the monokernel's grid (one block per SM) and the per-op launch's,
-    so both paths sum the same slices."""
-    return int(num_sms)
+MLP_MAX_DVEC = 8  # ops/mlp.hip: 16-byte vectors of a down row per lane held in registers (a 2,048-wide row on NVIDIA)
 
 
-def mlp_shared_bytes(d: int, F: int, n_slices: int, threads: int = MATVEC_THREADS) -> int:
-    """Shared memory of the fused MLP stage (ops/mlp.hip): x̂ [d] | the slice's hidden values | 8 per thread."""
-    rows = -(-F // n_slices)
-    return 4 * (d + -(-rows // 4) * 4 + 8 * threads)
+def mlp_dvec(d: int, warp: int) -> int:
+    """ops/mlp.hip HE_MLP_DVEC: 16-byte vectors (8 columns) of a Wdᵀ row per lane."""
+    return -(-d // (8 * warp))
+
+
+def mlp_supported(d: int, warp: int) -> bool:
+    """Whether the fused MLP's per-lane registers hold a row of this hidden size (llama-3.2-1b: 8 vectors on
+    NVIDIA, 4 on wave64)."""
+    return mlp_dvec(d, warp) <= MLP_MAX_DVEC
+
+
+def mlp_shared_bytes(d: int, warp: int, threads: int = MATVEC_THREADS) -> int:
+    """Shared memory of the fused MLP stage (ops/mlp.hip): x̂ [d] | every warp's partial of the output [d] |
+    (NVIDIA: port.h kHasCpAsync) every warp's buffer of a down row (mlp_dvec vectors of 16 bytes per lane)."""
+    warps = threads // warp
+    rows = warps * mlp_dvec(d, warp) * warp * 16 if warp == 32 else 0
+    return 4 * d * (1 + warps) + rows
 
 
 def pdl_enabled(rt) -> bool:
@@ -768,16 +779,20 @@ class Ops:
                        pdl=self._pdl("qkv"))
 
     def mlp_fused(self, Wg, Wu, WdT, x, y_fx, d: int, F: int, gamma=None, eps: float = 0.0, f16=False,
-                  n_slices: int | None = None, stream=None, variant: int = 0):
+                  stream=None, variant: int = 0):
         """The MLP as one launch (ops/mlp.hip): y_fx += fx(W_down · (silu(Wg·x̂) * (Wu·x̂))), x̂ = RMSNorm(x;
-        gamma), with WdT = W_down transposed [F, d]; n_slices blocks (default mlp_slices(): the monokernel's)."""
+        gamma), with WdT = W_down transposed [F, d], on the monokernel's grid (one block per SM: the same warps
+        take the same rows, hence the same bits). variant: bench_ops' breakdown builds (HE_MLP_VARIANT)."""
         self._check_in(d)
-        n = n_slices or mlp_slices(self.rt.num_sms)
-        var = {"HE_MLP_VARIANT": variant} if variant else {}  # bench_ops' breakdown builds (ops/mlp.hip)
-        self.rt.launch(self.fn("mlp", "mlp_fused", {**self._late("gate_up"), **self._whole(d), **var}), n, MATVEC_THREADS,
+        if not mlp_supported(d, self.rt.warp_size):
+            raise UnsupportedError(f"the fused MLP holds {mlp_dvec(d, self.rt.warp_size)} vectors per lane for "
+                                   f"hidden size {d}; at most {MLP_MAX_DVEC}")
+        defines = {**self._late("gate_up"), **self._whole(d), "HE_MLP_DVEC": mlp_dvec(d, self.rt.warp_size),
+                   **({"HE_MLP_VARIANT": variant} if variant else {})}
+        self.rt.launch(self.fn("mlp", "mlp_fused", defines), self.rt.num_sms, MATVEC_THREADS,
                        [_p(Wg), _p(Wu), _p(WdT), _p(x), _p(gamma), c_float(eps), _p(y_fx), c_int32(d), c_int32(F),
-                        c_int32(n), c_int32(int(f16))], shared=mlp_shared_bytes(d, F, n),
-                       stream=stream, pdl=self._pdl("gate_up"))
+                        c_int32(int(f16))], shared=mlp_shared_bytes(d, self.rt.warp_size), stream=stream,
+                       pdl=self._pdl("gate_up"))
 
     def matmul_small_m(self, W, X, Y, M: int, rows: int, inn: int, mode: int = 0, W2=None, bias=None, f16=False,
                        stream=None):

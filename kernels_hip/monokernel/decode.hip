@@ -17,8 +17,8 @@
 //               O-proj + residual (HeMvPlain)                    ── barrier ──
 //               gate/up + SiLU·mul, RMSNorm prologue (HeMvGateUp) ── barrier ──
 //               down + residual (HeMvPlain)                      ── barrier ──
-//               (MK_FUSED_MLP, the tp = 1 default: gate/up of the block's hidden rows ── block barrier ──
-//                its slice of down, added in fixed point to p.x_fx (ops/mlp.hip) ── barrier ──)
+//               (MK_FUSED_MLP, the tp = 1 default: gate/up units that also apply their row of down, the block's
+//                sum added in fixed point to p.x_fx (ops/mlp.hip) ── barrier ──)
 //   LM head with the final-norm prologue (HeMvPlain)             ── barrier ──
 //
 // Tensor parallelism (-DMK_TP=1, monokernel/tp_exchange.h): every rank runs this kernel on its shard; the
@@ -196,10 +196,8 @@ struct MkParams {
   he_i32 vocab_off;
   he_i32 embed_vocab;
   he_i64* x_fx;
-  he_i32 mlp_slices;
-  he_i32 pad2;
 };
-static_assert(sizeof(MkParams) == 360, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 352, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -259,8 +257,6 @@ MK_OFFSET_CHECK(MkParams, tp_rank, 332)
 MK_OFFSET_CHECK(MkParams, vocab_off, 336)
 MK_OFFSET_CHECK(MkParams, embed_vocab, 340)
 MK_OFFSET_CHECK(MkParams, x_fx, 344)
-MK_OFFSET_CHECK(MkParams, mlp_slices, 352)
-MK_OFFSET_CHECK(MkParams, pad2, 356)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -355,8 +351,6 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[82] = (he_u64)((const char*)&vMkParams.vocab_off - (const char*)&vMkParams);
   out[83] = (he_u64)((const char*)&vMkParams.embed_vocab - (const char*)&vMkParams);
   out[84] = (he_u64)((const char*)&vMkParams.x_fx - (const char*)&vMkParams);
-  out[85] = (he_u64)((const char*)&vMkParams.mlp_slices - (const char*)&vMkParams);
-  out[86] = (he_u64)((const char*)&vMkParams.pad2 - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -396,8 +390,8 @@ constexpr bool kMkDeferOD = !kMkTp;
 #endif
 
 // The MLP as one stage (-DMK_FUSED_MLP=1, the host's default at tp = 1: ops/mlp.hip, hipengine/gpu/ops.py
-// fused_mlp): each block computes gate/up for its slice of hidden rows and then that slice's share of the
-// down-projection, adding it into p.x_fx (the residual stream's fixed-point addend) — no grid barrier between
+// fused_mlp): each gate/up unit also applies its row of the down-projection to the warp's partial, and each
+// block adds its warps' sum into p.x_fx (the residual stream's fixed-point addend) — no grid barrier between
 // the halves. Readers of x add p.x_fx (the QKV / LM head prologues); the O-proj folds it into x and clears it;
 // every embedding of a token clears it. The LL exchange builds (MK_TP) keep gate/up ── barrier ── down.
 #ifndef MK_FUSED_MLP
@@ -544,17 +538,9 @@ HE_INLINE HeMvPlain mk_down_op(const MkParams& p, const MkLayer& L, he_u32) {
   return HeMvPlain{p.h, nullptr, 0.f, p.ffn, L.w_down, p.x, p.x, p.d};
 }
 #endif
-#if MK_FUSED_MLP
-// this block's slice of the MLP (ops/mlp.hip); its hidden values in shared memory after the staged x
-HE_INLINE HeMvGateUpSlice mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x, float* smem) {
-  return he_mlp_gate_up_op(x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, smem + he_mlp_hs_offset(p.d), p.ffn,
-                           he_block_idx(), p.mlp_slices);
-}
-#else
-HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x, float*) {
+HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x) {
   return HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
 }
-#endif
 HE_INLINE HeMvPlain mk_head_op(const MkParams& p, const float* x) {
   return HeMvPlain{x, p.final_norm, p.eps, p.d, p.lm_head, nullptr, p.logits, p.vocab, mk_fx(p)};
 }
@@ -838,7 +824,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(MK_FINE2 && p.fine == 2 ? kProfCombine : kProfAttn);
       ++ep_o;
-      he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x, he_mk_smem));
+      he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
       // gate/up's input: tp > 1, the O-proj's sum over ranks gathered by every block (no grid barrier; block
       // 0 keeps it in p.xb for the down-proj's residual); else x, published by the barrier.
       const float* gx = p.x;
@@ -847,25 +833,26 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         gx = he_mk_smem;
       } else if (kMkDeferOD) {
         arrive(kProfO);
-        he_mv_fill_next(mk_gate_up_op(p, L, p.x, he_mk_smem), s);
+        he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
         if (!wait(kProfO)) return;
       } else if (!barrier(kProfO)) {
         return;
       }
 #if MK_FUSED_MLP
-      {  // the MLP in one stage: this block's gate/up rows, a block barrier, its slice of down (ops/mlp.hip)
-        const HeMvGateUpSlice gu = mk_gate_up_op(p, L, gx, he_mk_smem);
+      {  // the MLP in one stage: gate/up units that also apply their row of down (ops/mlp.hip), then the block's sum
+        HeMlpWarp mw;
+        he_mlp_begin(mw, he_mk_smem, p.d);
+        const auto gu = he_mlp_op<kMkF16>(gx, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, L.w_down_t, p.ffn, mw);
         if (l + 1 < p.n_layers) he_mv_finish<kMkF16, true>(gu, s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
         else he_mv_finish<kMkF16, true>(gu, s, he_mk_smem, scratch, mk_head_op(p, p.x));
-        he_mlp_down<kMkF16>(L.w_down_t, gu.hs, gu.r0, gu.r1 - gu.r0, p.d, p.x_fx,
-                            he_mk_smem + he_mlp_part_offset(p.d, p.ffn, p.mlp_slices));
+        he_mlp_reduce(he_mk_smem + he_mlp_part_offset(p.d), p.d, p.x_fx);
         arrive(kProfDown);
         if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
         else he_mv_fill_next(mk_head_op(p, p.x), s);
         if (!wait(kProfDown)) return;
       }
 #else
-      he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx, he_mk_smem), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
+      he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       arrive(kProfGateUp);
       he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
       if (!wait(kProfGateUp)) return;

@@ -132,19 +132,6 @@ struct HeMvStream {
   HeMvPos p;
 };
 
-HE_INLINE int he_mv_stride() { return he_grid_dim() * he_num_warps(); }
-HE_INLINE int he_mv_first() { return he_block_idx() * he_num_warps() + he_warp_id(); }
-
-// Which units a warp takes: by default units first, first + stride, ... below units() with the grid-wide
-// first / stride above. An op may instead give each warp its own sequence (he_mv_unit_first / _step / _has
-// overloads: HeMvGateUpSlice in ops/mlp.hip takes a block-local slice of rows); the stream asks these three.
-template <class Op>
-HE_INLINE int he_mv_unit_first(const Op&) { return he_mv_first(); }
-template <class Op>
-HE_INLINE int he_mv_unit_step(const Op&) { return he_mv_stride(); }
-template <class Op>
-HE_INLINE bool he_mv_unit_has(const Op& op, int u) { return u < op.units(); }
-
 // The op after the last one (per-op kernels, or a chain's end): no units.
 struct HeMvNone {
   int in;
@@ -155,6 +142,8 @@ struct HeMvNone {
   }
 };
 
+HE_INLINE int he_mv_stride() { return he_grid_dim() * he_num_warps(); }
+HE_INLINE int he_mv_first() { return he_block_idx() * he_num_warps() + he_warp_id(); }
 
 template <int kRows>
 HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
@@ -167,7 +156,7 @@ HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
 // Load batch columns [c0, c0 + B) of unit u of `op` (zeros past the rows' end or when there is no unit).
 template <class Op, int kRows>
 HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
-  if (!he_mv_unit_has(op, u)) { he_mv_zero(w); return; }
+  if (u >= op.units()) { he_mv_zero(w); return; }
   const he_u16* rp[kRows];
   op.rows(u, rp);
   he_matvec_load<kRows>(rp, op.in, c0, w);
@@ -186,23 +175,23 @@ HE_INLINE void he_mv_fill_b(const Op& op, const Next& nxt, const HeMvPos& p, HeM
 }
 
 // p past op's last unit -> the first pair of nxt.
-template <class Op, class Next>
-HE_INLINE void he_mv_norm(HeMvPos& p, const Op& op, const Next& nxt) {
-  if (!p.nx && !he_mv_unit_has(op, p.u)) { p.u = he_mv_unit_first(nxt); p.c0 = 0; p.nx = true; }
+template <class Op>
+HE_INLINE void he_mv_norm(HeMvPos& p, const Op& op) {
+  if (!p.nx && p.u >= op.units()) { p.u = he_mv_first(); p.c0 = 0; p.nx = true; }
 }
 
 // The pair after p: next 2B columns, then the warp's next unit, then nxt's first pair.
 template <class Op, class Next>
 HE_INLINE void he_mv_advance(HeMvPos& p, const Op& op, const Next& nxt) {
   p.c0 += 2 * kMatvecBatch;
-  if (p.c0 >= (p.nx ? nxt.in : op.in)) { p.c0 = 0; p.u += p.nx ? he_mv_unit_step(nxt) : he_mv_unit_step(op); }
-  he_mv_norm(p, op, nxt);
+  if (p.c0 >= (p.nx ? nxt.in : op.in)) { p.c0 = 0; p.u += he_mv_stride(); }
+  he_mv_norm(p, op);
 }
 
 template <class Op, class Next, int kRows>
 HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) {
-  s.p = HeMvPos{he_mv_unit_first(op), 0, false};
-  he_mv_norm(s.p, op, nxt);
+  s.p = HeMvPos{he_mv_first(), 0, false};
+  he_mv_norm(s.p, op);
   he_mv_fill_a(op, nxt, s.p, s);
   he_mv_fill_b(op, nxt, s.p, s);
 }
@@ -242,8 +231,8 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
 // (the monokernel: after its barrier arrival, whose release fence would otherwise wait for those loads).
 template <bool kF16, bool kDefer = false, class Op, class Next, int kRows>
 HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt) {
-  if (HE_UNLIKELY(!s.p.nx && !he_mv_unit_has(op, s.p.u))) {  // no unit of op for this warp
-    s.p.u = he_mv_unit_first(nxt);
+  if (HE_UNLIKELY(!s.p.nx && s.p.u >= op.units())) {  // no unit of op for this warp
+    s.p.u = he_mv_first();
     s.p.c0 = 0;
     s.p.nx = true;
     he_mv_fill_a(op, nxt, s.p, s);

@@ -34,10 +34,10 @@ HE_INLINE void he_load4f(const float* p, float (&v)[4]) {
 // v[0..3] += the fixed-point addend fx[0..3] (two 16-byte loads; the fused MLP's residual, ops/mlp.hip).
 HE_INLINE void he_add_fx4(const he_i64* fx, float (&v)[4]) {
   const he_vec16 a = he_load16(fx), b = he_load16(fx + 2);
-  v[0] = v[0] + he_fx_to_f32((he_i64)(((he_u64)a.y << 32) | a.x));
-  v[1] = v[1] + he_fx_to_f32((he_i64)(((he_u64)a.w << 32) | a.z));
-  v[2] = v[2] + he_fx_to_f32((he_i64)(((he_u64)b.y << 32) | b.x));
-  v[3] = v[3] + he_fx_to_f32((he_i64)(((he_u64)b.w << 32) | b.z));
+  v[0] = v[0] + he_fx_to_f32(he_i64_of_words(a.x, a.y));
+  v[1] = v[1] + he_fx_to_f32(he_i64_of_words(a.z, a.w));
+  v[2] = v[2] + he_fx_to_f32(he_i64_of_words(b.x, b.y));
+  v[3] = v[3] + he_fx_to_f32(he_i64_of_words(b.z, b.w));
 }
 
 // dst[4i..4i+3] = x[...] (· scale · gamma[...]) for this thread's float4 indices, kB loads in flight.
