@@ -42,7 +42,7 @@
 #            1B preset's 512-position check in the time that is left (the call stays under 575 s)
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
 #   fusedmlp: the fused MLP (session 30): its op tests, bench_ops, mk_sweep $ONLY (0,19) at $AB_CONTEXTS, the decode bench of
-#           both paths per word of $AB_ENVS, the monokernel tests in the time left
+#           both paths per word of $AB_ENVS, the monokernel tests in the time left (of $BUDGET_S, default 575 s)
 #   mlpparts: bench_ops with the fused MLP's parts, the monokernel stage profile at 1K per $AB_PROFILE_ENVS word
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
@@ -292,7 +292,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,19} mk_sweep_ab mk_sweep 220
     env_runs abboth 150 "${AB_ENVS:--}" $PY -m hipengine bench decode --shape llama-3.2-1b \
       $(for c in ${AB_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done)
-    left=$((575 - SECONDS)); [ $left -gt 40 ] && run mk_tests $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
+    left=$((${BUDGET_S:-575} - SECONDS)); [ $left -gt 40 ] && run mk_tests $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
   mlpparts)  # session 30: where the fused MLP's time goes — bench_ops with its parts (HE_MLP_VARIANT builds), then the
              # monokernel's stage profile at 1K per word of $AB_PROFILE_ENVS (VAR=V[,VAR=V] or -)
     run bench_ops 240 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"
