@@ -285,8 +285,8 @@ case "$MODE" in
     run perop 150 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
       --context 32768 --no-monokernel --json "$OUT/perop.json" ;;
   fusedmlp)  # session 30 (v75, ops/mlp.hip): the fused MLP's op tests, then mk_sweep's variants $ONLY (default 0,19:
-             # fused / gate/up-barrier-down) at $AB_CONTEXTS, then the decode bench of both paths (tokens compared)
-             # per word of $AB_ENVS (default: the fused default), then the monokernel tests in the time left
+             # the default / the fused MLP) at $AB_CONTEXTS, then the decode bench of both paths (tokens compared)
+             # per word of $AB_ENVS (default: the default build), then the monokernel tests in the time left
     run ops_mlp 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "${AB_TESTS:-mlp_fused or fixed_point or embedding}"
     run bench_ops 120 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"
     ONLY=${ONLY:-0,19} mk_sweep_ab mk_sweep 220

@@ -60,9 +60,9 @@ VARIANTS = [  # name, build env, runtime attrs
     # and of 2,048 at 32K, fine 3, +5.7 / +4.4%): 32 splits of 512 / 1,024 there (256 items, fine 2); 1K / 8K
     # unchanged. Its sums differ from the default's there (and equal the per-op path's).
     ("the per-op path's split plan (two rounds from 12K)", {"HIPENGINE_MK_ONE_ROUND": "0"}, {}),
-    # session 30: the MLP as one stage (ops/mlp.hip, the default) against gate/up ── barrier ── down. Its sums
-    # differ (fixed-point split-K partials): tokens may differ from variant 0's.
-    ("gate/up, barrier, down (no fused MLP)", {"HIPENGINE_FUSED_MLP": "0"}, {}),
+    # session 30: the MLP as one stage (ops/mlp.hip, v75b: 1-2% slower on H200, opt-in) against the default
+    # gate/up ── barrier ── down. Its sums differ (fixed-point partials): tokens may differ from variant 0's.
+    ("fused MLP (gate/up units apply their down rows)", {"HIPENGINE_FUSED_MLP": "1"}, {}),
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were
     # variants here, removed.)
     # (session 26's v69 / v69b — a fill's two batches at once, everywhere or per site; down's fill serialised —

@@ -32,6 +32,7 @@ from hipengine.errors import DeviceError, RequestError, UnsupportedError, run_sc
 
 # decode.hip statements (regex on the call site's source line) -> stage names
 STAGES = [
+    (r"he_mv_finish<[^(]*\(gu,|he_mlp_", "mlp"),  # the fused MLP's stage (MK_FUSED_MLP builds, ops/mlp.hip)
     (r"he_mv_finish<.*\(mk_qkv_op", "qkv"), (r"he_mv_finish<.*\(mk_o_op", "o_proj"),
     (r"he_mv_finish<.*\(mk_gate_up_op", "gate_up"), (r"he_mv_finish<.*\(mk_down_op", "down"),
     (r"he_mv_finish<.*\(mk_head_op", "lm_head"), (r"he_mv_begin\(", "stream_begin"),

@@ -871,6 +871,21 @@ def emulated(monkeypatch):
     return E.GpuBackend
 
 
+def _decode_matches_reference(gpu, model, ids, want):
+    """Decode logits within 2e-2 of the reference's prefill logits `want` (11 prompt tokens, then one by one), and
+    the reference's greedy tokens after 9 prompt tokens."""
+    from hipengine.reference import ReferenceBackend
+
+    gpu.reset()
+    dec = [gpu.prefill(ids[:11], all_logits=True)] + [gpu.decode(int(t))[None] for t in ids[11:]]
+    dec = np.concatenate(dec)
+    rel = np.linalg.norm(dec - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert rel.max() < 2e-2, f"decode logits rel err {rel.max():.3g}"
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cpu = list(ReferenceBackend(model, max_context=64).generate_ids(ids[:9], params, lambda: False))
+    assert list(gpu.generate_ids(ids[:9], params, lambda: False)) == cpu
+
+
 @pytest.mark.parametrize("kind,one_kernel", [("llama", "0"), ("llama", "1"), ("llama3", ""), ("qwen2", "1"),
                                              ("qwen3", ""), ("smollm", "")])
 def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path, monkeypatch):
@@ -912,15 +927,33 @@ def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path,
     gpu.prefill(long[:50])
     np.testing.assert_allclose(gpu.prefill(long[50:]), whole, rtol=1e-5, atol=1e-5 * np.abs(whole).max())
     gpu.reset()
-    dec = [gpu.prefill(ids[:11], all_logits=True)] + [gpu.decode(int(t))[None] for t in ids[11:]]
-    dec = np.concatenate(dec)
-    rel = np.linalg.norm(dec - want, axis=-1) / np.linalg.norm(want, axis=-1)
-    assert rel.max() < 2e-2, f"decode logits rel err {rel.max():.3g}"
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    cpu = list(ReferenceBackend(model, max_context=64).generate_ids(ids[:9], params, lambda: False))
-    assert list(gpu.generate_ids(ids[:9], params, lambda: False)) == cpu
+    _decode_matches_reference(gpu, model, ids, want)
     sp = SamplingParams(max_tokens=6, temperature=0.9, top_k=20, repetition_penalty=1.2, seed=3, ignore_eos=True)
     assert list(gpu.generate_ids(ids[:9], sp, lambda: False)) == list(gpu.generate_ids(ids[:9], sp, lambda: False))
+    gpu.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "smollm", "qwen3"])
+def test_fused_mlp_wiring_matches_reference(emulated, kind, tmp_path, monkeypatch):
+    """HIPENGINE_FUSED_MLP=1 (ops/mlp.hip) on the per-op path: the transposed down weights, the residual addend
+    cleared by the embedding, added by the QKV / LM-head prologues, folded in and cleared by the O-proj — decode
+    logits as the reference's and greedy tokens equal; between steps the addend holds the last MLP's output."""
+    monkeypatch.setenv("HIPENGINE_FUSED_MLP", "1")
+    from hipengine.loader import load_model
+    from hipengine.reference import ReferenceBackend
+    from tiny_models import save_tiny_model
+
+    path, _ = save_tiny_model(kind, tmp_path, seed=5, max_position_embeddings=1024)
+    model = load_model(path, progress=False)
+    ids = np.random.default_rng(2).integers(3, model.config.vocab_size, 21)
+    want = ReferenceBackend(model, max_context=64).prefill(ids, all_logits=True)
+    gpu = emulated(model, max_context=64)
+    assert gpu.fused_mlp and all(L["w_down_t"] is not None for L in gpu.layers)
+    _decode_matches_reference(gpu, model, ids, want)
+    # after the LM head the addend holds the last layer's MLP output; the next embedding clears it
+    gpu.decode(int(ids[0]))
+    d = model.config.hidden_size
+    assert gpu.rt.download(gpu.x_fx, d, np.int64).any()
     gpu.close()
 
 

@@ -192,19 +192,37 @@ def test_pdl_late_builds_compile(tmp_path, monkeypatch):
         assert r.ok, f"{r.target}: {r.message}"
 
 
+def _check_units(tmp_path, monkeypatch, units: dict) -> None:
+    """Compile units {file name: source text} (defines, then an #include of a kernel unit) for every target."""
+    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
+    paths = []
+    for name, text in units.items():
+        paths.append(tmp_path / name)
+        paths[-1].write_text(text)
+    for r in check.check_all(_targets(), paths):
+        assert r.ok, f"{r.file} {r.target}: {r.message}"
+
+
 def test_lean_builds_compile(tmp_path, monkeypatch):
     """The builds the host picks by model (compile_args / Ops._whole): the stream without its predicated paths
     (HE_MV_WHOLE_PAIRS, rows that are whole pairs), the Qwen3 q/k-norm stage (MK_QK_NORM) and the fine = 2
     combine (MK_FINE2), with the cold-branch hints (HE_COLD_HINTS), compile warnings-as-errors for gfx942 and
     sm_90, the monokernel and the per-op matvecs."""
-    monkeypatch.setenv("HIPENGINE_CACHE", str(tmp_path / "cache"))
-    mk = tmp_path / "decode_lean.hip"
-    mk.write_text('#define HE_MV_WHOLE_PAIRS 1\n#define MK_QK_NORM 1\n#define MK_FINE2 1\n#define HE_COLD_HINTS 1\n'
-                  '#include "monokernel/decode.hip"\n')
-    mv = tmp_path / "matvec_whole.hip"
-    mv.write_text('#define HE_MV_WHOLE_PAIRS 1\n#include "ops/matvec.hip"\n')
-    for r in check.check_all(_targets(), [mk, mv]):
-        assert r.ok, f"{r.file} {r.target}: {r.message}"
+    _check_units(tmp_path, monkeypatch, {
+        "decode_lean.hip": "#define HE_MV_WHOLE_PAIRS 1\n#define MK_QK_NORM 1\n#define MK_FINE2 1\n#define HE_COLD_HINTS 1\n"
+                           '#include "monokernel/decode.hip"\n',
+        "matvec_whole.hip": '#define HE_MV_WHOLE_PAIRS 1\n#include "ops/matvec.hip"\n'})
+
+
+def test_fused_mlp_builds_compile(tmp_path, monkeypatch):
+    """The opt-in fused MLP (HIPENGINE_FUSED_MLP=1, ops/mlp.hip): the monokernel's MK_FUSED_MLP build for the
+    default model's hidden size (3 vectors per lane on NVIDIA, 2 on wave64: HE_MLP_DVEC=3 covers both) and the
+    per-op matvecs with the fixed-point addend (HE_MV_X_FX, HE_MV_RES_FX) compile warnings-as-errors for gfx942
+    and sm_90 (ops/mlp.hip itself is a unit of the plain check)."""
+    _check_units(tmp_path, monkeypatch, {
+        "decode_fused_mlp.hip": "#define MK_FUSED_MLP 1\n#define HE_MLP_DVEC 3\n#define HE_MV_WHOLE_PAIRS 1\n"
+                                '#define HE_COLD_HINTS 1\n#include "monokernel/decode.hip"\n',
+        "matvec_fx.hip": '#define HE_MV_X_FX 1\n#define HE_MV_RES_FX 1\n#include "ops/matvec.hip"\n'})
 
 
 def test_attn_early_build_compiles(tmp_path, monkeypatch):

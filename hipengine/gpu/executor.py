@@ -86,7 +86,7 @@ class GpuBackend(Backend):
         # bf16 cache alone puts the logits 2.7e-2 from the fp32 reference, an fp16 one 2.7e-3 (measured on the
         # CPU by rounding the reference's cache, docs/perf-log.md). bf16 elsewhere: its range is fp32's.
         self.kv_f16 = self.prefer_f16
-        # The MLP as one stage on both decode paths (ops/mlp.hip; HIPENGINE_FUSED_MLP=0: gate/up, then down).
+        # The MLP as one stage on both decode paths (ops/mlp.hip; opt-in: HIPENGINE_FUSED_MLP=1, ops.fused_mlp).
         # Not on tensor-parallel ranks (their down-proj output is a partial sum for the all-reduce) nor with the
         # monokernel's LL exchange at tp = 1 (mk_tp builds keep the two stages).
         self.fused_mlp = (O.fused_mlp() and self.fused_mlp_ok()
@@ -178,7 +178,7 @@ class GpuBackend(Backend):
             L["w_up"], _ = self._up_w([weights[p + "w_up"]])
             w_down = weights[p + "w_down"]
             L["w_down"], _ = self._up_w([w_down])
-            # the fused MLP's down half reads W_down transposed ([F, d]: a slice of hidden rows is contiguous)
+            # the fused MLP reads W_down transposed ([F, d]: its row j, column j of W_down, is d contiguous weights)
             L["w_down_t"] = self._up_w([np.asarray(w_down).T])[0] if self.fused_mlp else None
             del w_down
             L["attn_norm"] = self._up(f32(weights[p + "attn_norm"]))

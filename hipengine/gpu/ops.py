@@ -502,10 +502,11 @@ def fused_pick() -> bool:
 
 
 def fused_mlp() -> bool:
-    """The MLP as one stage (ops/mlp.hip: each gate/up unit applies its row of down, no grid-wide wait between
-    the halves, fixed-point partial sums) on both decode paths at tp = 1; HIPENGINE_FUSED_MLP=0: gate/up, then
-    down."""
-    return _env_switch("HIPENGINE_FUSED_MLP") is not False
+    """HIPENGINE_FUSED_MLP=1: the MLP as one stage (ops/mlp.hip: each gate/up unit applies its row of down, no
+    grid-wide wait between the halves, fixed-point partial sums) on both decode paths at tp = 1. Off by default:
+    on H200 it measured 1-2% slower than gate/up, then down (docs/perf-log.md v75b) — the residual addend it needs
+    costs the QKV and O-proj stages more than the boundary it removes saves."""
+    return _env_switch("HIPENGINE_FUSED_MLP") is True
 
 
 def _fx_defines(x_fx=None, res_fx=None) -> dict:
@@ -528,11 +529,12 @@ def mlp_supported(d: int, warp: int) -> bool:
 
 
 def mlp_shared_bytes(d: int, warp: int, threads: int = MATVEC_THREADS) -> int:
-    """Shared memory of the fused MLP stage (ops/mlp.hip): x̂ [d] | every warp's partial of the output [d] |
-    (NVIDIA: port.h kHasCpAsync) every warp's buffer of a down row (mlp_dvec vectors of 16 bytes per lane)."""
-    warps = threads // warp
-    rows = warps * mlp_dvec(d, warp) * warp * 16 if warp == 32 else 0
-    return 4 * d * (1 + warps) + rows
+    """Shared memory of the fused MLP stage (ops/mlp.hip): x̂ [d] | every warp's partial of the output (whole
+    sweeps of warp · 8 columns) | (NVIDIA: port.h kHasCpAsync) every warp's buffer of a down row (mlp_dvec
+    vectors of 16 bytes per lane)."""
+    warps, dvec = threads // warp, mlp_dvec(d, warp)
+    rows = warps * dvec * warp * 16 if warp == 32 else 0
+    return 4 * (d + warps * dvec * warp * 8) + rows
 
 
 def pdl_enabled(rt) -> bool:

@@ -17,7 +17,7 @@
 //               O-proj + residual (HeMvPlain)                    ── barrier ──
 //               gate/up + SiLU·mul, RMSNorm prologue (HeMvGateUp) ── barrier ──
 //               down + residual (HeMvPlain)                      ── barrier ──
-//               (MK_FUSED_MLP, the tp = 1 default: gate/up units that also apply their row of down, the block's
+//               (MK_FUSED_MLP, opt-in at tp = 1: gate/up units that also apply their row of down, the block's
 //                sum added in fixed point to p.x_fx (ops/mlp.hip) ── barrier ──)
 //   LM head with the final-norm prologue (HeMvPlain)             ── barrier ──
 //
@@ -389,13 +389,13 @@ constexpr bool kMkDeferOD = !kMkTp;
 #define MK_FINE2 0
 #endif
 
-// The MLP as one stage (-DMK_FUSED_MLP=1, the host's default at tp = 1: ops/mlp.hip, hipengine/gpu/ops.py
-// fused_mlp): each gate/up unit also applies its row of the down-projection to the warp's partial, and each
-// block adds its warps' sum into p.x_fx (the residual stream's fixed-point addend) — no grid barrier between
-// the halves. Readers of x add p.x_fx (the QKV / LM head prologues); the O-proj folds it into x and clears it;
+// The MLP as one stage (-DMK_FUSED_MLP=1, opt-in at tp = 1 with HIPENGINE_FUSED_MLP=1: ops/mlp.hip, hipengine/gpu/
+// ops.py fused_mlp; measured 1-2% slower than the two stages on H200, docs/perf-log.md v75b): each gate/up unit
+// also applies its row of the down-projection to the warp's partial, and each block adds its warps' sum into
+// p.x_fx (the residual stream's fixed-point addend) — no grid barrier between the halves. Readers of x add p.x_fx (the QKV / LM head prologues); the O-proj folds it into x and clears it;
 // every embedding of a token clears it. The LL exchange builds (MK_TP) keep gate/up ── barrier ── down.
 #ifndef MK_FUSED_MLP
-#define MK_FUSED_MLP (!MK_TP)
+#define MK_FUSED_MLP 0
 #endif
 static_assert(!(MK_FUSED_MLP && MK_TP), "the fused MLP is a tp = 1 build (its output is not an LL exchange)");
 constexpr bool kMkFusedMlp = MK_FUSED_MLP != 0;

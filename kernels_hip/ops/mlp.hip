@@ -28,7 +28,7 @@
 #endif
 constexpr int kMlpDVec = HE_MLP_DVEC;
 // One warp's state through the stage: the current unit's Wdᵀ row and where its partial of y is (shared memory,
-// d floats; lane l owns columns k · sweep + l · 8 .. + 7, stored as two 16-byte quarters at he_mlp_slot(k, half,
+// kMlpWarpFloats; lane l owns columns k · sweep + l · 8 .. + 7, stored as two 16-byte quarters at he_mlp_slot(k, half,
 // lane): consecutive lanes at consecutive 16 bytes, so the epilogue's 16-byte accesses are free of bank conflicts
 // — with each lane's 8 floats contiguous they were 8-way conflicts, and v75b's first build ran the MLP stage in
 // 49 µs instead of ≈ 25). The row is copied into shared memory asynchronously
@@ -40,8 +40,9 @@ struct HeMlpWarp {
   HeSmem dts;  // kHasCpAsync: this warp's row buffer, kMlpDVec · warp 16-byte vectors
 };
 
-// Shared memory of the stage, in floats: x̂ [d] | one partial of y [d] per warp | (kHasCpAsync) one Wdᵀ row buffer
-// per warp.
+// Shared memory of the stage, in floats: x̂ [d] | one partial of y per warp (kMlpWarpFloats: kMlpDVec whole sweeps,
+// the slots of columns past d unused) | (kHasCpAsync) one Wdᵀ row buffer per warp.
+constexpr int kMlpWarpFloats = kMlpDVec * kMatvecSweep;
 HE_INLINE int he_mlp_part_offset(int d) { return d; }
 // Float offset in a warp's partial of columns k · sweep + lane · 8 + 4 · half .. + 3.
 HE_INLINE int he_mlp_slot(int k, int half, int lane) { return ((2 * k + half) * kWarpSize + lane) * 4; }
@@ -50,13 +51,13 @@ HE_INLINE int he_mlp_slot_of(int c) {
   const int k = c / kMatvecSweep, r = c % kMatvecSweep;
   return he_mlp_slot(k, (r / 4) & 1, r / 8) + r % 4;
 }
-HE_INLINE int he_mlp_row_offset(int d) { return d * (1 + he_num_warps()); }
+HE_INLINE int he_mlp_row_offset(int d) { return d + he_num_warps() * kMlpWarpFloats; }
 
-// This warp's partial in `smem + he_mlp_part_offset(d)` (the block's [warps][d] region), zeroed by the lanes that
+// This warp's partial in `smem + he_mlp_part_offset(d)` (the block's [warps][kMlpWarpFloats]), zeroed by the lanes that
 // own its columns (no other lane touches them until the block's reduction, after a block barrier), and its row
 // buffer.
 HE_INLINE void he_mlp_begin(HeMlpWarp& w, float* smem, int d) {
-  w.acc = smem + he_mlp_part_offset(d) + (he_i64)he_warp_id() * d;
+  w.acc = smem + he_mlp_part_offset(d) + he_warp_id() * kMlpWarpFloats;
   w.dts = he_smem((char*)(smem + he_mlp_row_offset(d)) + he_warp_id() * kMlpDVec * kWarpSize * 16);
 #pragma unroll
   for (int k = 0; k < kMlpDVec; ++k) {
@@ -139,7 +140,7 @@ HE_INLINE HeMvGateUpDownT<kF16> he_mlp_op(const float* x, const float* gamma, fl
   return HeMvGateUpDownT<kF16>{{x, gamma, eps, d, Wg, Wu, WdT, F, d, w, nullptr}};
 }
 
-// The block's warps' partials (part: [warps][d]), summed in warp order, added into y_fx[0:d] as fixed point.
+// The block's warps' partials (part: [warps][kMlpWarpFloats]), summed in warp order, added into y_fx[0:d] as fixed point.
 // Every thread of the block calls it, after its warp's last unit.
 HE_INLINE void he_mlp_reduce(const float* part, int d, he_i64* y_fx) {
   he_sync_block();
@@ -147,7 +148,7 @@ HE_INLINE void he_mlp_reduce(const float* part, int d, he_i64* y_fx) {
   for (int i = he_thread_idx(); i < d; i += he_block_dim()) {  // consecutive columns per warp: coalesced adds
     const int o = he_mlp_slot_of(i);
     float s = part[o];
-    for (int j = 1; j < nw; ++j) s += part[(he_i64)j * d + o];
+    for (int j = 1; j < nw; ++j) s += part[j * kMlpWarpFloats + o];
 #if HE_MLP_VARIANT == 1  // (bench_ops only) plain stores of the block's sums, one row per block
     ((float*)y_fx)[(he_i64)he_block_idx() * d + i] = s;
 #else
