@@ -926,7 +926,6 @@ def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path,
     gpu.reset()
     gpu.prefill(long[:50])
     np.testing.assert_allclose(gpu.prefill(long[50:]), whole, rtol=1e-5, atol=1e-5 * np.abs(whole).max())
-    gpu.reset()
     _decode_matches_reference(gpu, model, ids, want)
     sp = SamplingParams(max_tokens=6, temperature=0.9, top_k=20, repetition_penalty=1.2, seed=3, ignore_eos=True)
     assert list(gpu.generate_ids(ids[:9], sp, lambda: False)) == list(gpu.generate_ids(ids[:9], sp, lambda: False))
@@ -950,7 +949,7 @@ def test_fused_mlp_wiring_matches_reference(emulated, kind, tmp_path, monkeypatc
     gpu = emulated(model, max_context=64)
     assert gpu.fused_mlp and all(L["w_down_t"] is not None for L in gpu.layers)
     _decode_matches_reference(gpu, model, ids, want)
-    # after the LM head the addend holds the last layer's MLP output; the next embedding clears it
+    # after the LM head the addend holds the last layer's MLP output (the next step's embedding clears it)
     gpu.decode(int(ids[0]))
     d = model.config.hidden_size
     assert gpu.rt.download(gpu.x_fx, d, np.int64).any()

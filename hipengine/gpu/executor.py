@@ -90,7 +90,7 @@ class GpuBackend(Backend):
         # Not on tensor-parallel ranks (their down-proj output is a partial sum for the all-reduce) nor with the
         # monokernel's LL exchange at tp = 1 (mk_tp builds keep the two stages).
         self.fused_mlp = (O.fused_mlp() and self.fused_mlp_ok()
-                          and O.mlp_supported(cfg.hidden_size, getattr(rt, "warp_size", 32)))
+                          and O.mlp_supported(cfg.hidden_size, rt.warp_size))
         self.ops = O.Ops(rt, defines=kv_defines(self.kv_f16))
         self._check_fits(loaded)
         self.stream = rt.stream()

@@ -528,7 +528,7 @@ class MonokernelBackend(GpuBackend):
         self.smem = max(4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim),      # matvec x staging
                         O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma),   # attention (ops.attention)
                         4 * ((cfg.vocab_size + 31) // 32),                               # sampling history bitmap
-                        O.mlp_shared_bytes(cfg.hidden_size, rt.warp_size, THREADS)       # the fused MLP
+                        O.mlp_shared_bytes(cfg.hidden_size, rt.warp_size, rt.vendor == "nvidia", THREADS)
                         if self.fused_mlp else 0)
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "

@@ -528,12 +528,12 @@ def mlp_supported(d: int, warp: int) -> bool:
     return mlp_dvec(d, warp) <= MLP_MAX_DVEC
 
 
-def mlp_shared_bytes(d: int, warp: int, threads: int = MATVEC_THREADS) -> int:
+def mlp_shared_bytes(d: int, warp: int, cp_async: bool, threads: int = MATVEC_THREADS) -> int:
     """Shared memory of the fused MLP stage (ops/mlp.hip): x̂ [d] | every warp's partial of the output (whole
-    sweeps of warp · 8 columns) | (NVIDIA: port.h kHasCpAsync) every warp's buffer of a down row (mlp_dvec
-    vectors of 16 bytes per lane)."""
+    sweeps of warp · 8 columns) | with cp_async (NVIDIA: port.h kHasCpAsync) every warp's buffer of a down row
+    (mlp_dvec vectors of 16 bytes per lane)."""
     warps, dvec = threads // warp, mlp_dvec(d, warp)
-    rows = warps * dvec * warp * 16 if warp == 32 else 0
+    rows = warps * dvec * warp * 16 if cp_async else 0
     return 4 * (d + warps * dvec * warp * 8) + rows
 
 
@@ -793,7 +793,8 @@ class Ops:
                    **({"HE_MLP_VARIANT": variant} if variant else {})}
         self.rt.launch(self.fn("mlp", "mlp_fused", defines), self.rt.num_sms, MATVEC_THREADS,
                        [_p(Wg), _p(Wu), _p(WdT), _p(x), _p(gamma), c_float(eps), _p(y_fx), c_int32(d), c_int32(F),
-                        c_int32(int(f16))], shared=mlp_shared_bytes(d, self.rt.warp_size), stream=stream,
+                        c_int32(int(f16))],
+                       shared=mlp_shared_bytes(d, self.rt.warp_size, self.rt.vendor == "nvidia"), stream=stream,
                        pdl=self._pdl("gate_up"))
 
     def matmul_small_m(self, W, X, Y, M: int, rows: int, inn: int, mode: int = 0, W2=None, bias=None, f16=False,

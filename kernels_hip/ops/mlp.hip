@@ -75,9 +75,8 @@ struct HeMvGateUpDown {
   int in;
   const he_u16* Wg;
   const he_u16* Wu;
-  const he_u16* WdT;  // [n_rows][d]
+  const he_u16* WdT;  // [n_rows][in]: a down row is as long as gate/up's input (the hidden size)
   int n_rows;
-  int d;
   HeMlpWarp& w;
   const he_i64* x_fx;  // (the stream's prologue addend: none, x is complete after the O-proj)
   HE_INLINE int units() const { return n_rows; }
@@ -88,6 +87,7 @@ struct HeMvGateUpDown {
   // Row u of Wdᵀ, in flight while the unit's gate/up rows stream.
   HE_INLINE void pre(int u, float (&pv)[2]) const {
     pv[0] = pv[1] = 0.f;
+    const int d = in;
     const he_u16* row = WdT + (he_i64)u * d + he_lane_id() * 8;
 #pragma unroll
     for (int k = 0; k < kMlpDVec; ++k) {
@@ -103,6 +103,7 @@ struct HeMvGateUpDown {
   template <bool kF16>
   HE_INLINE void down(const float (&sum)[2]) const {
     const float h = he_silu(sum[0]) * sum[1];
+    const int d = in;
     if constexpr (kHasCpAsync) he_cp_async_wait<0>();  // this lane's copies of the row
 #pragma unroll
     for (int k = 0; k < kMlpDVec; ++k) {
@@ -137,7 +138,7 @@ struct HeMvGateUpDownT : HeMvGateUpDown {
 template <bool kF16>
 HE_INLINE HeMvGateUpDownT<kF16> he_mlp_op(const float* x, const float* gamma, float eps, int d, const he_u16* Wg,
                                           const he_u16* Wu, const he_u16* WdT, int F, HeMlpWarp& w) {
-  return HeMvGateUpDownT<kF16>{{x, gamma, eps, d, Wg, Wu, WdT, F, d, w, nullptr}};
+  return HeMvGateUpDownT<kF16>{{x, gamma, eps, d, Wg, Wu, WdT, F, w, nullptr}};
 }
 
 // The block's warps' partials (part: [warps][kMlpWarpFloats]), summed in warp order, added into y_fx[0:d] as fixed point.
