@@ -307,6 +307,11 @@ case "$MODE" in
     ONLY=${ONLY:-0,20,21,0,20} mk_sweep_ab mk_sweep 300
     left=$((${BUDGET_S:-575} - SECONDS)); [ $left -gt 40 ] && run mk_tests_depth $left env \
       HIPENGINE_MK_ATTN_DEPTH=${MK_DEPTH:-2} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
+  attnprof)  # session 31: the monokernel's stage profile at $AB_CONTEXTS (default 8K, 32K) per word of $AB_PROFILE_ENVS
+             # (default: depth 1, then HIPENGINE_MK_ATTN_DEPTH=2), then the engine tests
+    env_runs mkprof 170 "${AB_PROFILE_ENVS:-- HIPENGINE_MK_ATTN_DEPTH=2}" $PY -m hipengine bench decode \
+      --shape llama-3.2-1b $(for c in ${AB_CONTEXTS:-8192 32768}; do echo --context "$c"; done) --profile
+    engine_tests ;;
   bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
   exp)  # compile-time experiments: the sweep's variants $ONLY at $AB_CONTEXTS (1K/8K/32K) after the trees $AB_TREES,
@@ -317,7 +322,7 @@ case "$MODE" in
     run exp_mk_tests 200 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (attndepth|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (attndepth|attnprof|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
