@@ -307,11 +307,12 @@ case "$MODE" in
     ONLY=${ONLY:-0,20,21,0,20} mk_sweep_ab mk_sweep 300
     left=$((${BUDGET_S:-575} - SECONDS)); [ $left -gt 40 ] && run mk_tests_depth $left env \
       HIPENGINE_MK_ATTN_DEPTH=${MK_DEPTH:-2} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
-  attnprof)  # session 31: the monokernel's stage profile at $AB_CONTEXTS (default 8K, 32K) per word of $AB_PROFILE_ENVS
-             # (default: depth 1, then HIPENGINE_MK_ATTN_DEPTH=2), then the engine tests
-    env_runs mkprof 170 "${AB_PROFILE_ENVS:-- HIPENGINE_MK_ATTN_DEPTH=2}" $PY -m hipengine bench decode \
-      --shape llama-3.2-1b $(for c in ${AB_CONTEXTS:-8192 32768}; do echo --context "$c"; done) --profile
-    engine_tests ;;
+  attnprof)  # session 31: the monokernel's stage profile at $AB_CONTEXTS (default 8K) per word of $AB_PROFILE_ENVS
+             # (default: depth 1, then HIPENGINE_MK_ATTN_DEPTH=2), then the engine and monokernel tests (time left)
+    env_runs mkprof 100 "${AB_PROFILE_ENVS:-- HIPENGINE_MK_ATTN_DEPTH=2}" $PY -m hipengine bench decode \
+      --shape llama-3.2-1b $(for c in ${AB_CONTEXTS:-8192}; do echo --context "$c"; done) --profile
+    engine_tests
+    left=$((${BUDGET_S:-575} - SECONDS)); [ $left -gt 40 ] && run mk_tests $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
   bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
   exp)  # compile-time experiments: the sweep's variants $ONLY at $AB_CONTEXTS (1K/8K/32K) after the trees $AB_TREES,
