@@ -43,8 +43,6 @@
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
 #   fusedmlp: the fused MLP (session 30): its op tests, bench_ops, mk_sweep $ONLY (0,19) at $AB_CONTEXTS, the decode bench of
 #           both paths per word of $AB_ENVS, the monokernel tests in the time left (of $BUDGET_S, default 575 s)
-#   attndepth: the attention split's K/V ring (session 31): op tests, mk_sweep $ONLY (0,20,21,0,20), monokernel tests
-#           with HIPENGINE_MK_ATTN_DEPTH=$MK_DEPTH (2) in the time left (of $BUDGET_S, default 575 s)
 #   mlpparts: bench_ops with the fused MLP's parts, the monokernel stage profile at 1K per $AB_PROFILE_ENVS word
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
@@ -300,19 +298,6 @@ case "$MODE" in
     run bench_ops 240 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"
     env_runs mkprof 110 "${AB_PROFILE_ENVS:--}" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
       --profile ;;
-  attndepth)  # session 31 (v76, attention_decode.hip HE_ATTN_DEPTH): the op tests $AB_TESTS (default: the depth's
-              # same-bits test, the fused MLP's), mk_sweep's variants $ONLY (default 0,20,21,0,20: depth 1 / 2 / 3) at
-              # $AB_CONTEXTS, then the monokernel tests with depth $MK_DEPTH (default 2) in the time left
-    run ops_tests_k 170 $PY -m pytest tests/test_ops_gpu.py -q -rs -k "${AB_TESTS:-attention_depth or mlp_fused or fixed_point}"
-    ONLY=${ONLY:-0,20,21,0,20} mk_sweep_ab mk_sweep 300
-    left=$((${BUDGET_S:-575} - SECONDS)); [ $left -gt 40 ] && run mk_tests_depth $left env \
-      HIPENGINE_MK_ATTN_DEPTH=${MK_DEPTH:-2} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
-  attnprof)  # session 31: the monokernel's stage profile at $AB_CONTEXTS (default 8K) per word of $AB_PROFILE_ENVS
-             # (default: depth 1, then HIPENGINE_MK_ATTN_DEPTH=2), then the engine and monokernel tests (time left)
-    env_runs mkprof 100 "${AB_PROFILE_ENVS:-- HIPENGINE_MK_ATTN_DEPTH=2}" $PY -m hipengine bench decode \
-      --shape llama-3.2-1b $(for c in ${AB_CONTEXTS:-8192}; do echo --context "$c"; done) --profile
-    engine_tests
-    left=$((${BUDGET_S:-575} - SECONDS)); [ $left -gt 40 ] && run mk_tests $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
   bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
   exp)  # compile-time experiments: the sweep's variants $ONLY at $AB_CONTEXTS (1K/8K/32K) after the trees $AB_TREES,
@@ -323,7 +308,7 @@ case "$MODE" in
     run exp_mk_tests 200 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (attndepth|attnprof|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -225,17 +225,6 @@ def test_fused_mlp_builds_compile(tmp_path, monkeypatch):
         "matvec_fx.hip": '#define HE_MV_X_FX 1\n#define HE_MV_RES_FX 1\n#include "ops/matvec.hip"\n'})
 
 
-def test_attn_depth_builds_compile(tmp_path, monkeypatch):
-    """The matrix-core attention split with a ring of K/V tiles per warp (HE_ATTN_DEPTH: the monokernel's build,
-    monokernel.attn_depth) compiles warnings-as-errors for gfx942 and sm_90: in the monokernel (depth 2) and in
-    the per-op kernels (depth 3, the one-kernel form's kEarly path among them)."""
-    mma = "#define HE_ATTN_MMA 1\n#define HE_ATTN_HD 64\n#define HE_ATTN_LPR 8\n"
-    _check_units(tmp_path, monkeypatch, {
-        "decode_attn_depth.hip": mma + "#define HE_ATTN_DEPTH 2\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
-                                 '#include "monokernel/decode.hip"\n',
-        "attention_depth.hip": mma + '#define HE_ATTN_DEPTH 3\n#include "ops/attention_decode.hip"\n'})
-
-
 def test_attn_early_build_compiles(tmp_path, monkeypatch):
     """The opt-in build with the attention splits' first K/V requests before the QKV barrier's wait
     (MK_ATTN_EARLY=1, v72: the split bodies' kEarly wait as a functor), on the Llama and the Qwen3 (q/k-norm)

@@ -405,42 +405,6 @@ def test_attention_prefill_qtiles_same_bits(gpu, nh, nkv, hd, seq, max_ctx, T, m
     assert got["2"].tobytes() == got["1"].tobytes() and got["4"].tobytes() == got["1"].tobytes()
 
 
-@pytest.mark.parametrize("depth", [2, 3])
-@pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,one_round", [
-    (32, 8, 64, 1000, 1024, False), (32, 8, 64, 7000, 8192, False), (32, 8, 64, 32768, 32768, True),
-    (32, 8, 64, 20000, 32768, True), (12, 2, 128, 3001, 4096, False), (6, 2, 16, 300, 512, False)])
-def test_attention_depth_same_bits(gpu, depth, nh, nkv, hd, seq, max_ctx, one_round, monkeypatch):
-    """The matrix-core split with a ring of `depth` K/V tiles in flight per warp (attention_decode.hip
-    HE_ATTN_DEPTH: the monokernel's build, monokernel.attn_depth) gives the bits of the one-tile build: split +
-    combine, and the one-kernel form with the newest row held back until the wait (kEarly) — on the per-op and
-    the monokernel's split plans; and it is within the matrix-core bound of float64."""
-    rt, ops, O = gpu
-    if not O.attn_mma(rt.arch, hd):
-        pytest.skip("no matrix-core split on this GPU / head_dim")
-    monkeypatch.setenv("HIPENGINE_ATTN_MMA", "1")
-    deep = O.Ops(rt, {"HE_ATTN_DEPTH": depth})
-    nsplit, chunk = O.attention_plan(max_ctx, nkv, rt.num_sms, head_dim=hd, one_round=one_round)
-    k = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32) * 2)
-    v = O.to_bf16(RNG.standard_normal((nkv, max_ctx, hd)).astype(np.float32))
-    q = RNG.standard_normal((1, nh * hd)).astype(np.float32)
-    args = (rt.upload(q), rt.upload(k), rt.upload(v))
-    pos = rt.upload(np.array([seq - 1], np.int32))
-    kw = dict(T=1, nh=nh, nkv=nkv, hd=hd, max_ctx=max_ctx, nsplit=nsplit, chunk=chunk)
-    got = {}
-    for name, o, one, early in (("ref", ops, False, False), ("two", deep, False, False), ("one", deep, True, False),
-                                ("early", deep, True, True)):
-        part, out = poisoned(rt, O.Ops.partial_floats(1, nh, hd, nsplit)), poisoned(rt, nh * hd)
-        count = rt.upload(np.zeros(nkv, np.uint32)) if one else None
-        o.attention(*args, part, out, pos, count=count, early=early, one_kernel=one, **kw)
-        rt.synchronize()
-        got[name] = rt.download(out, (nh * hd,), np.float32)
-    for name in ("two", "one", "early"):
-        assert np.array_equal(got[name].view(np.uint32), got["ref"].view(np.uint32)), name
-    ref = O.ref_attention(q[0].reshape(nh, hd).astype(np.float64), O.from_bf16(k).astype(np.float64),
-                          O.from_bf16(v).astype(np.float64), seq)
-    close(got["two"], ref, 1e-3, 1e-4)
-
-
 @pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx,T", [c for c in ATTN_CASES if c[5] == 1])
 @pytest.mark.parametrize("split_mma", ["0", "1"])
 def test_attention_decode_fused(gpu, nh, nkv, hd, seq, max_ctx, T, split_mma, monkeypatch):

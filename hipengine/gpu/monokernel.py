@@ -282,8 +282,6 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["HE_MLP_DVEC"] = O.mlp_dvec(rows[0], warp)  # rows[0]: the hidden size
     if q_regs:
         defines["HE_ATTN_Q_REGS"] = 1
-    if "HE_ATTN_MMA" in defines and attn_depth() > 1:
-        defines["HE_ATTN_DEPTH"] = attn_depth()
     defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
 
@@ -302,23 +300,6 @@ def extra_defines() -> dict:
 
 
 LONG_CONTEXT = 8192  # KV caches from this many tokens get the long-context build (q_regs_build)
-
-# K/V tiles in flight per warp in the monokernel's matrix-core attention split (attention_decode.hip HE_ATTN_DEPTH).
-# One block of 8 warps per SM holds 32 KiB of K/V in flight with one tile per warp: the split then waits one HBM
-# round trip per 16 keys. The per-op split kernel keeps 1 (its two blocks per SM already hold 16 warps' tiles, and
-# a second tile's 32 registers would cost it one of them: 164 registers). Same sums at any depth.
-MK_ATTN_DEPTH = 1
-
-
-def attn_depth() -> int:
-    """K/V tiles a warp of the monokernel's matrix-core attention split keeps in flight: MK_ATTN_DEPTH, or
-    HIPENGINE_MK_ATTN_DEPTH=1..3 (A/B sweeps). The results do not depend on it."""
-    raw = os.environ.get("HIPENGINE_MK_ATTN_DEPTH", "")
-    if not raw:
-        return MK_ATTN_DEPTH
-    if raw not in ("1", "2", "3"):
-        raise UnsupportedError(f"HIPENGINE_MK_ATTN_DEPTH={raw}: 1, 2 or 3 tiles in flight per warp")
-    return int(raw)
 
 
 def q_regs_build(max_context: int, vendor: str = "nvidia") -> bool:

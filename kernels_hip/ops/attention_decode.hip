@@ -411,16 +411,6 @@ HE_INLINE bool he_attention_split_fma(const float* q, const he_kv* k_cache,
 #define HE_ATTN_MMA 0
 #endif
 constexpr bool kAttnMma = HE_ATTN_MMA != 0;
-// Tiles a warp of the matrix-core split keeps in flight (HE_ATTN_DEPTH, a build choice of the host: ops.attn_depth).
-// One tile is 16 keys of K and V, 4 KiB at hd 64: one tile per warp is 32 KiB per SM for a block of 8 warps, so a
-// warp that scores many tiles (long caches) waits one HBM round trip per tile — the monokernel's split (one block
-// per SM) streams K/V at ~2.9 TB/s on H200 that way. Deeper rings cost 32 registers per tile at hd 64 (the
-// per-op kernel's two blocks per SM already have 16 warps' tiles in flight). Same loads, same sums, same bits.
-#ifndef HE_ATTN_DEPTH
-#define HE_ATTN_DEPTH 1
-#endif
-constexpr int kAttnDepth = HE_ATTN_DEPTH;
-static_assert(kAttnDepth >= 1 && kAttnDepth <= 4, "HE_ATTN_DEPTH: 1 to 4 tiles in flight per warp");
 static_assert(!kAttnMma || (HE_ATTN_HD > 0 && HE_ATTN_HD % 16 == 0), "HE_ATTN_MMA: HE_ATTN_HD, a multiple of 16");
 constexpr int kAmHd = HE_ATTN_HD > 0 ? HE_ATTN_HD : 16;
 constexpr int kAmKeys = 16;                               // keys per warp tile
@@ -477,13 +467,9 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   // the split's end load as zeros (their scores are masked below). `part` (kEarly's first tile, split around
   // the wait): kAll loads every row, kButFresh all but the newest, kFresh that one alone into what the first
   // call left.
-  // kAttnDepth such shares (a ring: tile w + s·warps in slot s % depth), so that many tiles are in flight per warp.
   enum { kAll, kButFresh, kFresh };
-  constexpr int kD = kAttnDepth;
-  he_vec16 kr_s[kD][kAmKPer], va_s[kD][kAmVPer], vb_s[kD][kAmVPer];
-  using KRegs = he_vec16[kAmKPer];
-  using VRegs = he_vec16[kAmVPer];
-  auto load = [&](int tile, int part, KRegs& kr, VRegs& va, VRegs& vb) {
+  he_vec16 kr[kAmKPer], va[kAmVPer], vb[kAmVPer];
+  auto load = [&](int tile, int part) {
     const int k0 = tile * kAmKeys;
     auto want = [&](int key) { return part == kAll || (part == kButFresh) == (key != fresh); };
 #pragma unroll
@@ -501,7 +487,7 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
     }
   };
   // Registers -> the warp's tiles. Vᵀ as attention_prefill.hip stages it: 32-bit words of a key pair per dim.
-  auto stage = [&](const KRegs& kr, const VRegs& va, const VRegs& vb) {
+  auto stage = [&]() {
 #pragma unroll
     for (int r = 0; r < kAmKPer; ++r) {
       const int i = lane + r * kWarpSize;
@@ -522,18 +508,14 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
     }
   };
 
-  // The warp's first kD tiles are requested before q is staged (cache rows do not depend on it) and, kEarly,
-  // before the wait — all but the newest row, which the kernel before this one appends.
-#pragma unroll
-  for (int s = 0; s < kD; ++s)
-    if (wid + s * nw < ntile) load(wid + s * nw, kEarly ? kButFresh : kAll, kr_s[s], va_s[s], vb_s[s]);
+  // The warp's first tile is requested before q is staged (cache rows do not depend on it) and, kEarly, before
+  // the wait — all but the newest row, which the kernel before this one appends.
+  if (wid < ntile) load(wid, kEarly ? kButFresh : kAll);
   if (kTriggerBefore) he_pdl_trigger();
   if (kEarly) {
     if (!wait()) return false;  // the QKV kernel (per-op) or stage (monokernel) is done; its writes are visible
     if (kTriggerAfter) he_pdl_trigger();
-#pragma unroll
-    for (int s = 0; s < kD; ++s)
-      if (wid + s * nw < ntile) load(wid + s * nw, kFresh, kr_s[s], va_s[s], vb_s[s]);
+    if (wid < ntile) load(wid, kFresh);
   }
   const float qscale = he_rsqrt((float)HD) * kLog2e;
   for (int i = t; i < G * HD / 2; i += nt) {
@@ -552,16 +534,10 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   float m[kAttQ], l[kAttQ];  // the running max (log2 units) and sum of this lane's heads
 #pragma unroll
   for (int j = 0; j < kAttQ; ++j) m[j] = he_neg_inf(), l[j] = 0.f;
-  // Slot s of the ring holds tile t0 + s·warps; once staged it is refilled with the tile kD rounds on, which flies
-  // under this tile's products and the next kD − 1 tiles' (the loop over s is unrolled: slots stay registers).
-  for (int t0 = wid; t0 < ntile; t0 += kD * nw)
-#pragma unroll
-  for (int s = 0; s < kD; ++s) {
-    const int tile = t0 + s * nw;
-    if (kD > 1 && tile >= ntile) break;  // warp-uniform
-    stage(kr_s[s], va_s[s], vb_s[s]);
+  for (int tile = wid; tile < ntile; tile += nw) {
+    stage();
     he_sync_warp();
-    if (tile + kD * nw < ntile) load(tile + kD * nw, kAll, kr_s[s], va_s[s], vb_s[s]);
+    if (tile + nw < ntile) load(tile + nw, kAll);  // the next tile's rows fly under this one's products
     HeMmaAcc sc;
     he_mma_zero(sc);
 #pragma unroll
