@@ -40,6 +40,7 @@
 // Fixed-width integer names without <stdint.h> (not available under NVRTC or -nogpuinc).
 typedef unsigned char he_u8;
 typedef unsigned short he_u16;
+typedef short he_i16;
 typedef unsigned int he_u32;
 typedef int he_i32;
 typedef unsigned long long he_u64;
@@ -150,6 +151,32 @@ HE_INLINE float he_rsqrt(float x) { float y; asm("rsqrt.approx.ftz.f32 %0, %1;" 
 HE_INLINE float he_sqrt(float x) { float y; asm("sqrt.rn.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 HE_INLINE float he_log2(float x) { float y; asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 HE_INLINE float he_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }  // a·b + c, one rounding
+#endif
+// Integer dot products of the screened LM head (ops/head_screen.hip): c + a.lo16·b.byte0 + a.hi16·b.byte1
+// (lo: bytes 0-1 of b; hi: bytes 2-3), signed — NVIDIA's dp2a. Exact in int32; the caller bounds the sum.
+// he_f32_to_i32_rn: round to nearest even (in range by the caller's clamp).
+#if HE_AMD
+HE_INLINE int he_dp2a_lo(he_u32 a, he_u32 b, int c) {
+  return c + (int)(short)(a & 0xffffu) * (int)(signed char)(b & 0xffu) +
+         (int)(short)(a >> 16) * (int)(signed char)((b >> 8) & 0xffu);
+}
+HE_INLINE int he_dp2a_hi(he_u32 a, he_u32 b, int c) {
+  return c + (int)(short)(a & 0xffffu) * (int)(signed char)((b >> 16) & 0xffu) +
+         (int)(short)(a >> 16) * (int)(signed char)(b >> 24);
+}
+HE_INLINE int he_f32_to_i32_rn(float x) { return (int)__builtin_rintf(x); }
+#else
+HE_INLINE int he_dp2a_lo(he_u32 a, he_u32 b, int c) {
+  int d;
+  asm("dp2a.lo.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+HE_INLINE int he_dp2a_hi(he_u32 a, he_u32 b, int c) {
+  int d;
+  asm("dp2a.hi.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+HE_INLINE int he_f32_to_i32_rn(float x) { int i; asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i) : "f"(x)); return i; }
 #endif
 constexpr float kLog2e = 1.4426950408889634f;
 HE_INLINE float he_exp(float x) { return he_exp2(x * kLog2e); }  // e^x = 2^(x·log2 e); -inf -> 0

@@ -44,6 +44,7 @@
 #   fusedmlp: the fused MLP (session 30): its op tests, bench_ops, mk_sweep $ONLY (0,19) at $AB_CONTEXTS, the decode bench of
 #           both paths per word of $AB_ENVS, the monokernel tests in the time left (of $BUDGET_S, default 575 s)
 #   mlpparts: bench_ops with the fused MLP's parts, the monokernel stage profile at 1K per $AB_PROFILE_ENVS word
+#   screen: the screened LM head (session 32): its tests, mk_sweep $ONLY (0,20,0,20) at $AB_CONTEXTS, its stage profile
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
 #           a $AB_MAXCTX-token cache when given), op tests, monokernel tests, stage profile at 1K/8K
@@ -308,7 +309,14 @@ case "$MODE" in
     run exp_mk_tests 200 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  *) echo "unknown mode $MODE (fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  screen)  # session 32 (v77, ops/head_screen.hip): the screened LM head's tests (CPU + GPU), mk_sweep's variants $ONLY
+           # (default 0,20,0,20: the default and the screen alternated) at $AB_CONTEXTS in one process, tokens
+           # compared, then the stage profile of the screened build at 1K / 8K
+    run screen_tests 150 $PY -m pytest tests/test_head_screen.py -q -x -rs
+    ONLY=${ONLY:-0,20,0,20} mk_sweep_ab mk_sweep 330
+    run screen_profile 100 env HIPENGINE_MK_HEAD_SCREEN=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
+      --context 1024 --context 8192 --profile --json "$OUT/screen_profile.json" ;;
+  *) echo "unknown mode $MODE (screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

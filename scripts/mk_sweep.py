@@ -63,6 +63,9 @@ VARIANTS = [  # name, build env, runtime attrs
     # session 30: the MLP as one stage (ops/mlp.hip, v75b: 1-2% slower on H200, opt-in) against the default
     # gate/up ── barrier ── down. Its sums differ (fixed-point partials): tokens may differ from variant 0's.
     ("fused MLP (gate/up units apply their down rows)", {"HIPENGINE_FUSED_MLP": "1"}, {}),
+    # session 32 (v77): greedy steps stream the LM head's int8 copy and recompute only the rows that can hold the
+    # arg-max (ops/head_screen.hip): exact, so the tokens must equal variant 0's
+    ("screened LM head (int8 copy + exact candidates)", {"HIPENGINE_MK_HEAD_SCREEN": "1"}, {}),
     # (session 31's v76 — the matrix-core attention split with 2 / 3 K/V tiles in flight per warp: −1.3 / −2.9 / −2.1%
     # and −4 to −7% at 1K / 8K / 32K — were variants 20 / 21 here, removed.)
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were
@@ -76,7 +79,7 @@ VARIANTS = [  # name, build env, runtime attrs
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
                "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_FINE",
                "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_MK_ONE_ROUND",
-               "HIPENGINE_FUSED_MLP")
+               "HIPENGINE_FUSED_MLP", "HIPENGINE_MK_HEAD_SCREEN")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its

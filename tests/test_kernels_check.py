@@ -237,6 +237,16 @@ def test_attn_early_build_compiles(tmp_path, monkeypatch):
         assert r.ok, f"{r.target}: {r.message}"
 
 
+def test_head_screen_build_compiles(tmp_path, monkeypatch):
+    """The screened LM head's monokernel build (MK_HEAD_SCREEN=1, HIPENGINE_MK_HEAD_SCREEN: ops/head_screen.hip's
+    stage and pick in the generation loop), lean and with the predicated stream, compiles warnings-as-errors for
+    gfx942 and sm_90 (ops/head_screen.hip itself, with its test kernels, is a unit of the plain check)."""
+    _check_units(tmp_path, monkeypatch, {
+        "decode_screen.hip": "#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
+                             '#include "monokernel/decode.hip"\n',
+        "decode_screen_plain.hip": '#define MK_HEAD_SCREEN 1\n#include "monokernel/decode.hip"\n'})
+
+
 def test_monokernel_profile_build_compiles(tmp_path, monkeypatch):
     """The stage-profile build (MK_PROFILE=1: HIPENGINE_MK_PROFILE, its sums in shared memory) is a build of its
     own; it compiles warnings-as-errors for gfx942 and sm_90."""

@@ -40,7 +40,7 @@ def test_layout_static_asserts_hold_in_c(cxx, tmp_path):
     if "clang" not in cxx:
         body = body.replace("#if defined(__clang__)", "#if 1")  # g++ has __builtin_offsetof too
     probe = tmp_path / "probe.cc"
-    probe.write_text("typedef unsigned short he_u16; typedef he_u16 he_bf16; typedef he_u16 he_kv; typedef int he_i32;\n"
+    probe.write_text("typedef unsigned char he_u8; typedef unsigned short he_u16; typedef he_u16 he_bf16; typedef he_u16 he_kv; typedef int he_i32;\n"
                      "typedef unsigned int he_u32; typedef unsigned long long he_u64; typedef long long he_i64;\n" + body +
                      "int main() { return 0; }\n")
     r = subprocess.run([exe, "-std=c++17", "-fsyntax-only", str(probe)], capture_output=True, text=True)

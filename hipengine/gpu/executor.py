@@ -107,6 +107,10 @@ class GpuBackend(Backend):
         """Whether this backend's decode may run the fused MLP (tp = 1 ranks that own the whole residual)."""
         return True
 
+    def _extra_weight_bytes(self) -> int:
+        """Device bytes a subclass keeps beside the weights (the monokernel's screened LM head)."""
+        return 0
+
     def _check_fits(self, loaded) -> None:
         cfg = self.config
         # decode_bytes_per_token counts the LM head; an untied model also holds the embedding table; the fused
@@ -114,6 +118,7 @@ class GpuBackend(Backend):
         w_bytes = cfg.decode_bytes_per_token(2.0) + (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * 2)
         if self.fused_mlp:
             w_bytes += cfg.num_layers * cfg.hidden_size * cfg.intermediate_size * 2
+        w_bytes += self._extra_weight_bytes()
         kv_bytes = 2 * cfg.num_layers * cfg.kv_dim * self.max_context * 2
         state = self._state_bytes()
         need = w_bytes + kv_bytes + state + 64 * 2**20

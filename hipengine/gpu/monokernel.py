@@ -126,6 +126,11 @@ PARAM_FIELDS = [
     ("vocab_off", "he_i32"),        # first global token id of this rank's LM-head slice
     ("embed_vocab", "he_i32"),      # rows of the embedding (all token ids; `vocab` is the LM head's slice)
     ("x_fx", "he_i64*"),            # [d] the fused MLP's fixed-point residual addend (ops/mlp.hip), or null
+    ("head_q", "const he_u8*"),     # [V4, d] int8 copy of the LM head (ops/head_screen.hip), or null
+    ("head_meta", "const float*"),  # [V4 / 4, 8] its scales and bound coefficients (hipengine/gpu/head_screen.py)
+    ("screen_lo", "float*"),        # [grid] each block's max lower bound, published by the LM head's barrier
+    ("head_c2", "float"),           # the screen's bound on the dequantised rows' norms
+    ("screen", "he_i32"),           # 1: greedy steps of a generation take the screened head (MK_HEAD_SCREEN builds)
 ]
 
 STATE_FIELDS = [
@@ -244,7 +249,8 @@ def write_layout(path=None) -> None:
 
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
                  tp: bool = False, q_regs: bool = False, max_context: int = 4096, arch: str | None = None,
-                 rows: tuple[int, ...] = (), qk_norm: bool = False, fine: int = 3, fused_mlp: bool = False) -> dict:
+                 rows: tuple[int, ...] = (), qk_norm: bool = False, fine: int = 3, fused_mlp: bool = False,
+                 head_screen: bool = False) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row and
     head_dim itself, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
     parallelism — ``tp`` or HIPENGINE_MK_LL=1 — the long-context build ``q_regs``: q_regs_build — the
@@ -282,6 +288,8 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["HE_MLP_DVEC"] = O.mlp_dvec(rows[0], warp)  # rows[0]: the hidden size
     if q_regs:
         defines["HE_ATTN_Q_REGS"] = 1
+    if head_screen and not (tp or ll_local()):
+        defines["MK_HEAD_SCREEN"] = 1
     defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
 
@@ -353,6 +361,13 @@ def mk_fine(max_context: int, num_kv_heads: int, num_sms: int, head_dim: int = 6
         return 3
     nsplit, _ = mk_plan(max_context, num_kv_heads, num_sms, head_dim)
     return 2 if num_kv_heads * nsplit > num_sms * min_blocks() else 3
+
+
+def head_screen_on() -> bool:
+    """Whether greedy generation in the monokernel reads the LM head's int8 copy and recomputes only the rows
+    that can hold the arg-max (ops/head_screen.hip; exact: the same tokens). HIPENGINE_MK_HEAD_SCREEN=1 / 0;
+    off by default until measured (docs/perf-log.md v77)."""
+    return O._env_switch("HIPENGINE_MK_HEAD_SCREEN") is True
 
 
 def mk_one_round() -> bool:
@@ -445,7 +460,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     # ... each with both attention -> O-proj schemes (mk_fine: which one a cache takes depends on its split plan)
     jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q_regs_build(n),
                                    max_context=n, arch=arch, rows=rows, qk_norm=qn, fine=fine,
-                                   fused_mlp=O.fused_mlp()))
+                                   fused_mlp=O.fused_mlp(), head_screen=head_screen_on()))
              for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm for fine in fines]
     # the decode-step modules' HE_PDL_LATE builds (Ops._late: the default trigger places or the env's)
     levels = O.pdl_trigger_levels()
@@ -496,6 +511,7 @@ class MonokernelBackend(GpuBackend):
                                    "use --no-monokernel for mixed-dtype models")
         self.ll_local = ll_local()
         self.w_f16 = f16.pop()
+        self.head_screen = self._screen_wanted()
         fine_override()  # a bad HIPENGINE_MK_FINE is one clear error before anything is compiled
         self._build()
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
@@ -507,8 +523,40 @@ class MonokernelBackend(GpuBackend):
         if self.ll_local:
             self.alloc_exchange(1)
             self.set_exchange_table([self.ll_buf.ptr])
+        self.head_q = self.head_meta = None
+        self.head_c2 = 0.0
+        if self.head_screen:
+            self._upload_screen()
         self._size_launch()
         self._setup_buffers()
+
+    def _screen_wanted(self) -> bool:
+        """The screened LM head (head_screen_on) where it applies: tp = 1 without the LL exchange; a shape it
+        cannot bound is one clear error when asked for."""
+        if not head_screen_on() or self.mk_tp or ll_local():
+            return False
+        from .head_screen import check_shape
+
+        check_shape(self.config.vocab_size, self.config.hidden_size)
+        return True
+
+    def _extra_weight_bytes(self) -> int:
+        if not self._screen_wanted():
+            return 0
+        v4 = (self.config.vocab_size + 3) // 4 * 4
+        return v4 * self.config.hidden_size + v4 * 8
+
+    def _upload_screen(self) -> None:
+        """The head's int8 copy and bound tables (hipengine/gpu/head_screen.py), made from the head's bits as
+        uploaded, so they bound exactly the values the bf16 head multiplies."""
+        from .head_screen import screen_tables
+
+        cfg = self.config
+        bits = self.rt.download(self.lm_head, (cfg.vocab_size, cfg.hidden_size), np.uint16)
+        t = screen_tables(bits=bits, f16=bool(self.head_f16))
+        self.head_q = self._up(t.q.view(np.uint8))
+        self.head_meta = self._up(t.meta)
+        self.head_c2 = t.c2
 
     def _alloc_state(self) -> None:
         """GpuBackend's buffers and per-op split plan, then the monokernel's own split plan (mk_plan)."""
@@ -530,6 +578,10 @@ class MonokernelBackend(GpuBackend):
                         4 * ((cfg.vocab_size + 31) // 32),                               # sampling history bitmap
                         O.mlp_shared_bytes(cfg.hidden_size, rt.warp_size, rt.vendor == "nvidia", THREADS)
                         if self.fused_mlp else 0)
+        if self.head_screen:  # the staged input, its int16 copy and the warps' slots (ops/head_screen.hip)
+            from .head_screen import smem_bytes
+
+            self.smem = max(self.smem, smem_bytes(cfg.hidden_size, cfg.vocab_size, rt.num_sms, THREADS // rt.warp_size))
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
@@ -561,7 +613,7 @@ class MonokernelBackend(GpuBackend):
                                                         max_context=self.max_context, arch=rt.arch,
                                                         rows=(cfg.hidden_size, cfg.q_dim, cfg.intermediate_size),
                                                         qk_norm=cfg.qk_norm, fine=self.fine,
-                                                        fused_mlp=self.fused_mlp))
+                                                        fused_mlp=self.fused_mlp, head_screen=self.head_screen))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 
@@ -592,6 +644,7 @@ class MonokernelBackend(GpuBackend):
         self.bar_buf = self._buf(16)
         self.attn_count = self._buf(4 * (cfg.num_kv_heads + 2))
         self.cand = self._buf(8 * rt.num_sms * max(self.occupancy, 1))
+        self.screen_lo = self._buf(4 * self.grid) if self.head_screen else None
         self.eos_buf = self._buf(4 * MAX_EOS)
         self.ring_cap = self.max_context
         self.hostmem = rt.host_alloc_mapped(4 * (len(MK_HOST_WORDS) + self.ring_cap))
@@ -623,7 +676,11 @@ class MonokernelBackend(GpuBackend):
             prof=self.prof_buf.ptr if self.prof_buf is not None else 0,
             tp_ll=self.tp_ll_ptr if self._ll_on() else 0, xb=self.xb_ptr, tp_world=self.tp_world,
             tp_rank=self.tp_rank, vocab_off=self.vocab_off, embed_vocab=self.embed_vocab,
-            x_fx=self.x_fx.ptr if self.fused_mlp else 0)
+            x_fx=self.x_fx.ptr if self.fused_mlp else 0,
+            head_q=self.head_q.ptr if self.head_q is not None else 0,
+            head_meta=self.head_meta.ptr if self.head_meta is not None else 0,
+            screen_lo=self.screen_lo.ptr if self.screen_lo is not None else 0, head_c2=float(self.head_c2),
+            screen=int(self.head_screen))
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)
@@ -794,7 +851,8 @@ def grid_info(backend: MonokernelBackend) -> dict:
             "barriers_per_token": None if not hasattr(backend, "config") else
             barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1),
             "ll_exchange": backend._ll_on(), "q_regs": getattr(backend, "q_regs", False),
-            "attn_warp_max": getattr(backend, "warp_max", None)}
+            "attn_warp_max": getattr(backend, "warp_max", None),
+            "head_screen": bool(getattr(backend, "head_screen", False))}
 
 
 def ll_words(world: int, d: int) -> int:

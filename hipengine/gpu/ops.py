@@ -760,6 +760,26 @@ class Ops:
             args += [_p(x_fx), _p(res_fx)]
         self.rt.launch(fn, g, threads, args, shared=inn * 4, stream=stream, pdl=self._pdl(role))
 
+    def head_screen(self, Wq, meta, c2: float, x, gamma, eps: float, d: int, vocab: int, lo, hi, block_lo,
+                    grid: int, threads: int = MATVEC_THREADS, W=None, f16: bool = False, out=None, scratch_lo=None):
+        """The screened LM head's kernels on their own (ops/head_screen.hip; the monokernel runs the same bodies):
+        every row's [A - B, A + B] into lo / hi and each block's max lower bound into block_lo; with W (the
+        bf16 / fp16 head) and out, a second launch on the same grid recomputes each block's candidates exactly
+        and writes its (value, row bits) pairs to out[2 * grid]."""
+        from .head_screen import check_shape, smem_bytes
+
+        check_shape(vocab, d)
+        self._check_in(d)
+        if grid < self.rt.num_sms:
+            raise ValueError("head_screen: the grid must have at least one block per SM (the slots' size)")
+        smem = smem_bytes(d, vocab, self.rt.num_sms, threads // self.rt.warp_size)
+        common = [_p(Wq), _p(meta), c_float(c2), _p(x), _p(gamma), c_float(eps), c_int32(d), c_int32(vocab)]
+        self.rt.launch(self.fn("head_screen", "head_screen_bounds", self._whole(d)), grid, threads,
+                       common + [_p(lo), _p(hi), _p(block_lo)], shared=smem)
+        if W is not None:
+            self.rt.launch(self.fn("head_screen", "head_screen_pick", self._whole(d)), grid, threads,
+                           common + [_p(block_lo), _p(scratch_lo), _p(W), c_int32(int(f16)), _p(out)], shared=smem)
+
     def matvec_gate_up(self, Wg, Wu, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
                        stream=None, grid: int | None = None, threads: int = MATVEC_THREADS):
         self._check_in(inn)
