@@ -310,8 +310,8 @@ case "$MODE" in
     run exp_profile 80 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
   screen)  # session 32 (v77, ops/head_screen.hip): the screened LM head's tests (CPU + GPU), mk_sweep's variants $ONLY
-           # (default 0,20,0,20: the default and the screen alternated) at $AB_CONTEXTS in one process, tokens
-           # compared, then the stage profile of the screened build at 1K / 8K
+           # (default 0,20,0,20: the screened head — the default since — and the bf16 head alternated) at $AB_CONTEXTS
+           # in one process, tokens compared, then the stage profile of the screened build at 1K / 8K
     run screen_tests 150 $PY -m pytest tests/test_head_screen.py -q -x -rs
     ONLY=${ONLY:-0,20,0,20} mk_sweep_ab mk_sweep 330
     run screen_profile 100 env HIPENGINE_MK_HEAD_SCREEN=1 $PY -m hipengine bench decode --shape llama-3.2-1b \

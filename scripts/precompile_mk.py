@@ -2,7 +2,7 @@
 variants a device session uses, on this CPU machine (NVRTC only), so device time is not spent compiling.
 Usage: HIPENGINE_CACHE=$PWD/.mkcache python scripts/precompile_mk.py [variant ...]
 Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unroll8, 2blk, 1b, 1b-profile,
-1b-screen, 1b-screen-profile, 1b-tp, 1b-tp-profile (the last eight: llama-3.2-1b only, bf16, group 4; -tp: the LL exchange build, MK_TP=1).
+1b-bf16-head, 1b-tp, 1b-tp-profile (the last seven: llama-3.2-1b only, bf16, group 4; -tp: the LL exchange build, MK_TP=1).
 Compile-time experiments: set HIPENGINE_MK_DEFINES for the run (it is part of the build)."""
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ VARIANTS = {  # name: (environment, weight dtypes, groups, precompile keywords)
     "2blk": ({"HIPENGINE_MK_MIN_BLOCKS": "2", "HIPENGINE_MK_UNROLL": "2"}, (False,), (4,), L1B),
     "1b": ({}, (False,), (4,), L1B),
     "1b-profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B),
-    "1b-screen": ({"HIPENGINE_MK_HEAD_SCREEN": "1"}, (False,), (4,), L1B),  # the screened LM head (v77)
-    "1b-screen-profile": ({"HIPENGINE_MK_HEAD_SCREEN": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B),
+    "1b-bf16-head": ({"HIPENGINE_MK_HEAD_SCREEN": "0"}, (False,), (4,), L1B),  # the LM head without the screen (v77)
     "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,), L1B_TP2),  # the tensor-parallel build (MK_TP=1)
     "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_TP2),
 }

@@ -157,13 +157,28 @@ def test_switch_and_build_define(monkeypatch):
     from hipengine.gpu import monokernel as M
 
     monkeypatch.delenv("HIPENGINE_MK_HEAD_SCREEN", raising=False)
-    assert not M.head_screen_on()
+    assert M.head_screen_on()  # the default
     assert "MK_HEAD_SCREEN" not in M.compile_args("nvidia", False, 4)["defines"]
-    monkeypatch.setenv("HIPENGINE_MK_HEAD_SCREEN", "1")
-    assert M.head_screen_on()
+    monkeypatch.setenv("HIPENGINE_MK_HEAD_SCREEN", "0")
+    assert not M.head_screen_on()
     assert M.compile_args("nvidia", False, 4, head_screen=True)["defines"]["MK_HEAD_SCREEN"] == 1
     # the tensor-parallel (LL exchange) builds keep the bf16 head
     assert "MK_HEAD_SCREEN" not in M.compile_args("nvidia", False, 4, tp=True, head_screen=True)["defines"]
     monkeypatch.setenv("HIPENGINE_MK_HEAD_SCREEN", "yes")
     with pytest.raises(UnsupportedError, match="0 or 1"):
         M.head_screen_on()
+
+
+def test_unsupported_shape_keeps_the_bf16_head_unless_asked(monkeypatch):
+    from types import SimpleNamespace
+
+    from hipengine.gpu import monokernel as M
+
+    fake = SimpleNamespace(config=SimpleNamespace(vocab_size=1000, hidden_size=72), mk_tp=False)
+    monkeypatch.delenv("HIPENGINE_MK_HEAD_SCREEN", raising=False)
+    assert M.MonokernelBackend._screen_wanted(fake) is False
+    monkeypatch.setenv("HIPENGINE_MK_HEAD_SCREEN", "1")
+    with pytest.raises(UnsupportedError, match="multiple of 16"):
+        M.MonokernelBackend._screen_wanted(fake)
+    fake.config.hidden_size = 64
+    assert M.MonokernelBackend._screen_wanted(fake) is True
