@@ -66,6 +66,8 @@ VARIANTS = [  # name, build env, runtime attrs
     # session 32 (v77): greedy steps stream the LM head's int8 copy and recompute only the rows that can hold the
     # arg-max (ops/head_screen.hip; the default since, +5 to +7%): exact, so the tokens must equal variant 0's
     ("the bf16 LM head (the screen off)", {"HIPENGINE_MK_HEAD_SCREEN": "0"}, {}),
+    # the screen's four row sums in one butterfly, their bounds by four lanes at once (ops/head_screen.hip)
+    ("screen: one-butterfly epilogue (HE_SCREEN_BFLY)", {"HIPENGINE_MK_DEFINES": "HE_SCREEN_BFLY=1"}, {}),
     # (session 31's v76 — the matrix-core attention split with 2 / 3 K/V tiles in flight per warp: −1.3 / −2.9 / −2.1%
     # and −4 to −7% at 1K / 8K / 32K — were variants 20 / 21 here, removed.)
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were

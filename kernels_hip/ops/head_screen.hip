@@ -86,6 +86,15 @@ HE_INLINE HeScreenX he_screen_quantize(const float* xs, int d, he_i16* x16, floa
   return HeScreenX{sx, n, he_sqrt(dd) * (1.f + 0x1p-12f) + 0x1p-20f * n};
 }
 
+#ifndef HE_SCREEN_FAKE_DOT
+#define HE_SCREEN_FAKE_DOT 0
+#endif
+// HE_SCREEN_BFLY=1: the unit's four row sums in one butterfly (6 shuffles instead of 20) and their bounds by four
+// lanes at once (lanes 0, W/4, W/2, 3W/4) instead of lane 0 in turn (experiment, session 32).
+#ifndef HE_SCREEN_BFLY
+#define HE_SCREEN_BFLY 0
+#endif
+
 // iacc[r][h] += this lane's integer dot products of batch w (virtual columns c0 + k·sweep + lane·8) of the
 // unit's virtual rows r with x16.
 HE_INLINE void he_screen_consume(const he_vec16 (&w)[2][kMatvecUnroll], int c0, int d, const he_i16* x16,
@@ -101,6 +110,11 @@ HE_INLINE void he_screen_consume(const he_vec16 (&w)[2][kMatvecUnroll], int c0, 
     for (int r = 0; r < 2; ++r) {
       const he_vec16 v = w[r][k];
       int t = he_dp2a_lo(xa.x, v.x, 0);
+#if HE_SCREEN_FAKE_DOT  // timing diagnostic only (session 32): one dot product of eight per load — wrong bounds
+      iacc[r][0] += h ? 0 : t;
+      iacc[r][1] += h ? t : 0;
+      continue;
+#endif
       t = he_dp2a_hi(xa.y, v.x, t);
       t = he_dp2a_lo(xa.z, v.y, t);
       t = he_dp2a_hi(xa.w, v.y, t);
@@ -136,7 +150,13 @@ HE_INLINE void he_head_screen_finish(const HeMvPlain& op, HeMvStream<2>& s, floa
   float lo_max = he_neg_inf();
   int slot = 0;
   he_vec16 ms{0u, 0u, 0u, 0u}, mc{0u, 0u, 0u, 0u};  // the current unit's s_i and c1_i (lane 0)
-  if (!s.p.nx && he_lane_id() == 0) {
+  if (HE_SCREEN_BFLY) {
+    const int lane = he_lane_id(), r = ((lane & (kWarpSize / 2)) ? 2 : 0) + ((lane & (kWarpSize / 4)) ? 1 : 0);
+    if (!s.p.nx && (lane & (kWarpSize / 4 - 1)) == 0) {
+      ms.x = he_f32_as_u32(hs.meta[8 * (he_i64)s.p.u + r]);
+      mc.x = he_f32_as_u32(hs.meta[8 * (he_i64)s.p.u + 4 + r]);
+    }
+  } else if (!s.p.nx && he_lane_id() == 0) {
     ms = he_load16(hs.meta + 8 * (he_i64)s.p.u);
     mc = he_load16(hs.meta + 8 * (he_i64)s.p.u + 4);
   }
@@ -148,7 +168,34 @@ HE_INLINE void he_head_screen_finish(const HeMvPlain& op, HeMvStream<2>& s, floa
     if (!kDefer || !n.nx) he_mv_fill_a(op, nxt, n, s);
     he_screen_consume(s.b, s.p.c0 + kMatvecBatch, op.in, x16, iacc);
     if (!kDefer || !n.nx) he_mv_fill_b(op, nxt, n, s);
-    if (n.nx || n.u != s.p.u) {  // the unit's last pair: its four rows' bounds
+    if (HE_SCREEN_BFLY && (n.nx || n.u != s.p.u)) {
+      const int lane = he_lane_id();
+      const float v0 = (float)iacc[0][0], v1 = (float)iacc[0][1], v2 = (float)iacc[1][0], v3 = (float)iacc[1][1];
+      const bool up = (lane & (kWarpSize / 2)) != 0, odd = (lane & (kWarpSize / 4)) != 0;
+      const float s0 = he_shfl_xor(up ? v0 : v2, kWarpSize / 2), s1 = he_shfl_xor(up ? v1 : v3, kWarpSize / 2);
+      const float a0 = (up ? v2 : v0) + s0, a1 = (up ? v3 : v1) + s1;
+      float t = (odd ? a1 : a0) + he_shfl_xor(odd ? a0 : a1, kWarpSize / 4);
+#pragma unroll
+      for (int o = kWarpSize / 8; o > 0; o >>= 1) t += he_shfl_xor(t, o);
+      const int r = (up ? 2 : 0) + (odd ? 1 : 0);  // this lane group's row, 4u + r
+      if ((lane & (kWarpSize / 4 - 1)) == 0) {
+        const float a = (he_u32_as_f32(ms.x) * q.sx) * t;
+        const float b = (he_u32_as_f32(mc.x) * q.n + hs.c2 * q.dn) * (1.f + 0x1p-10f) + 0x1p-20f * he_fabs(a);
+        const bool live = 4 * s.p.u + r < hs.vocab;
+        slots[4 * slot + r] = live ? a + b : he_neg_inf();
+        if (live) lo_max = he_fmax(lo_max, a - b);
+        if (kRowBounds && live) {
+          hs.row_lo[4 * s.p.u + r] = a - b;
+          hs.row_hi[4 * s.p.u + r] = a + b;
+        }
+      }
+      iacc[0][0] = iacc[0][1] = iacc[1][0] = iacc[1][1] = 0;
+      ++slot;
+      if (!n.nx && (lane & (kWarpSize / 4 - 1)) == 0) {  // this lane's row of the next unit: s, c1
+        ms.x = he_f32_as_u32(hs.meta[8 * (he_i64)n.u + r]);
+        mc.x = he_f32_as_u32(hs.meta[8 * (he_i64)n.u + 4 + r]);
+      }
+    } else if (n.nx || n.u != s.p.u) {  // the unit's last pair: its four rows' bounds
       const he_u32 sw[4] = {ms.x, ms.y, ms.z, ms.w}, cw[4] = {mc.x, mc.y, mc.z, mc.w};
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
@@ -247,7 +294,8 @@ HE_KERNEL(kMatvecMaxThreads) head_screen_bounds(const he_u16* __restrict__ Wq, c
   const HeHeadScreen hs{meta, c2, vocab, block_lo, lo, hi};
   HeMvStream<2> s;
   const HeMvNone none{0};
-  he_mv_begin(op, s, none);
+  he_mv_begin(op, s, none);  // weights only (no kernel writes them), then the step data
+  he_pdl_wait();
   he_head_screen_finish<false, true>(op, s, he_xs, scratch, none, hs);
 }
 
@@ -267,7 +315,8 @@ HE_KERNEL(kMatvecMaxThreads) head_screen_pick(const he_u16* __restrict__ Wq, con
   const HeHeadScreen hs{meta, c2, vocab, scratch_lo, nullptr, nullptr};
   HeMvStream<2> s;
   const HeMvNone none{0};
-  he_mv_begin(op, s, none);
+  he_mv_begin(op, s, none);  // weights only (no kernel writes them), then the step data
+  he_pdl_wait();
   he_head_screen_finish<false>(op, s, he_xs, scratch, none, hs);
   float best;
   int bi;
