@@ -86,11 +86,9 @@ HE_INLINE HeScreenX he_screen_quantize(const float* xs, int d, he_i16* x16, floa
   return HeScreenX{sx, n, he_sqrt(dd) * (1.f + 0x1p-12f) + 0x1p-20f * n};
 }
 
-#ifndef HE_SCREEN_FAKE_DOT
-#define HE_SCREEN_FAKE_DOT 0
-#endif
 // HE_SCREEN_BFLY=1: the unit's four row sums in one butterfly (6 shuffles instead of 20) and their bounds by four
-// lanes at once (lanes 0, W/4, W/2, 3W/4) instead of lane 0 in turn (experiment, session 32).
+// lanes at once (lanes 0, W/4, W/2, 3W/4) instead of lane 0 in turn. An experiment prepared in session 32 and not
+// yet measured (docs/perf-log.md v77b; mk_sweep variant 21): the same bounds, its sums in another fp32 order.
 #ifndef HE_SCREEN_BFLY
 #define HE_SCREEN_BFLY 0
 #endif
@@ -110,11 +108,6 @@ HE_INLINE void he_screen_consume(const he_vec16 (&w)[2][kMatvecUnroll], int c0, 
     for (int r = 0; r < 2; ++r) {
       const he_vec16 v = w[r][k];
       int t = he_dp2a_lo(xa.x, v.x, 0);
-#if HE_SCREEN_FAKE_DOT  // timing diagnostic only (session 32): one dot product of eight per load — wrong bounds
-      iacc[r][0] += h ? 0 : t;
-      iacc[r][1] += h ? t : 0;
-      continue;
-#endif
       t = he_dp2a_hi(xa.y, v.x, t);
       t = he_dp2a_lo(xa.z, v.y, t);
       t = he_dp2a_hi(xa.w, v.y, t);
