@@ -690,7 +690,6 @@ HE_INLINE bool mk_argmax_screen(const MkParams& p, const float* smem, int& tok, 
 }
 #endif
 
-
 // ---- the kernel ------------------------------------------------------------------------------------------
 // MK_MIN_BLOCKS resident blocks per SM (-D from the host, default 1). Memory-level parallelism comes from
 // the matvec stream's registers (2 batches x 2 rows x HE_MATVEC_UNROLL 16-byte loads per lane), not from
