@@ -225,8 +225,9 @@ def _run(args) -> int:
         # bandwidth counts the bytes actually read (the few rows recomputed exactly are left out: ~4 KB each)
         read = b
         if r["path"] == "monokernel" and info.get("head_screen"):
-            v4 = (cfg.vocab_size + 3) // 4 * 4
-            read = b - 2 * cfg.vocab_size * cfg.hidden_size + v4 * cfg.hidden_size + 8 * v4
+            from ..gpu.head_screen import table_bytes
+
+            read = b - 2 * cfg.vocab_size * cfg.hidden_size + table_bytes(cfg.vocab_size, cfg.hidden_size)
             r["lm_head_screen"] = True
         r["bytes_read_per_token"] = read
         r["achieved_gbps"] = r["tok_s"] * read / 1e9

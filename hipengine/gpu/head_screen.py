@@ -44,11 +44,17 @@ def check_shape(vocab: int, d: int) -> None:
 
 
 def smem_bytes(d: int, vocab: int, num_sms: int, block_warps: int) -> int:
-    """Shared memory the screened head needs per block (he_screen_smem_floats) on a grid of at least num_sms
+    """Shared memory the screened head needs per block (ops/head_screen.hip he_screen_slots) on a grid of at least num_sms
     blocks: the staged input, its int16 copy, and 4 slots per unit for each warp's share of the units."""
     units = (vocab + 3) // 4
     grid_warps = num_sms * block_warps
     return 4 * (d + d // 2 + block_warps * 4 * ((units + grid_warps - 1) // grid_warps))
+
+
+def table_bytes(vocab: int, d: int) -> int:
+    """Device bytes of the tables (the int8 rows and the per-unit scale / c1 table), all of them read each step."""
+    v4 = (vocab + 3) // 4 * 4
+    return v4 * d + 8 * v4
 
 
 def head_values(bits: np.ndarray, f16: bool) -> np.ndarray:

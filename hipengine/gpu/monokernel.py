@@ -548,10 +548,9 @@ class MonokernelBackend(GpuBackend):
         return True
 
     def _extra_weight_bytes(self) -> int:
-        if not self._screen_wanted():
-            return 0
-        v4 = (self.config.vocab_size + 3) // 4 * 4
-        return v4 * self.config.hidden_size + v4 * 8
+        from .head_screen import table_bytes
+
+        return table_bytes(self.config.vocab_size, self.config.hidden_size) if self._screen_wanted() else 0
 
     def _upload_screen(self) -> None:
         """The head's int8 copy and bound tables (hipengine/gpu/head_screen.py), made from the head's bits as

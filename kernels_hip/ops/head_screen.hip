@@ -57,9 +57,6 @@ HE_INLINE float* he_screen_slots(float* xs, int d, int units) {
   const int per = (units + he_mv_stride() - 1) / he_mv_stride();
   return xs + d + d / 2 + he_warp_id() * 4 * per;  // after xs (d floats) and x16 (d int16)
 }
-HE_INLINE int he_screen_smem_floats(int d, int units, int grid_warps, int block_warps) {
-  return d + d / 2 + block_warps * 4 * ((units + grid_warps - 1) / grid_warps);
-}
 
 HE_INLINE HeScreenX he_screen_quantize(const float* xs, int d, he_i16* x16, float* scratch) {
   float amax = 0.f, ss = 0.f;
@@ -121,6 +118,24 @@ HE_INLINE void he_screen_consume(const he_vec16 (&w)[2][kMatvecUnroll], int c0, 
   }
 }
 
+// Row `row`'s interval from its integer dot product t (summed over the warp), its scale and c1: the upper bound
+// into slots[slot], the lower one into lo_max (rows past the vocabulary: -inf, no bound); kRowBounds (tests): both
+// into hs.row_lo / row_hi. Every lane computes; the `writer` lane (one that holds the row's sum) stores.
+template <bool kRowBounds>
+HE_INLINE void he_screen_row(const HeHeadScreen& hs, const HeScreenX& q, int row, float t, he_u32 s_bits,
+                             he_u32 c1_bits, bool writer, float* slots, int slot, float& lo_max) {
+  const float a = (he_u32_as_f32(s_bits) * q.sx) * t;
+  const float b = (he_u32_as_f32(c1_bits) * q.n + hs.c2 * q.dn) * (1.f + 0x1p-10f) + 0x1p-20f * he_fabs(a);
+  const bool live = row < hs.vocab;
+  if (!writer) return;
+  slots[slot] = live ? a + b : he_neg_inf();
+  if (live) lo_max = he_fmax(lo_max, a - b);
+  if (kRowBounds && live) {
+    hs.row_lo[row] = a - b;
+    hs.row_hi[row] = a + b;
+  }
+}
+
 // The screened head as a stage of the weight stream: he_mv_finish's loop over `op` (the int8 rows' virtual
 // matrix) with the same refills from nxt, the bf16 head's prologue, then the screen's quantisation, and per unit
 // the four rows' A ± B: upper bounds into the warp's slots, the block's max lower bound into lo_out. kDefer as
@@ -171,17 +186,8 @@ HE_INLINE void he_head_screen_finish(const HeMvPlain& op, HeMvStream<2>& s, floa
 #pragma unroll
       for (int o = kWarpSize / 8; o > 0; o >>= 1) t += he_shfl_xor(t, o);
       const int r = (up ? 2 : 0) + (odd ? 1 : 0);  // this lane group's row, 4u + r
-      if ((lane & (kWarpSize / 4 - 1)) == 0) {
-        const float a = (he_u32_as_f32(ms.x) * q.sx) * t;
-        const float b = (he_u32_as_f32(mc.x) * q.n + hs.c2 * q.dn) * (1.f + 0x1p-10f) + 0x1p-20f * he_fabs(a);
-        const bool live = 4 * s.p.u + r < hs.vocab;
-        slots[4 * slot + r] = live ? a + b : he_neg_inf();
-        if (live) lo_max = he_fmax(lo_max, a - b);
-        if (kRowBounds && live) {
-          hs.row_lo[4 * s.p.u + r] = a - b;
-          hs.row_hi[4 * s.p.u + r] = a + b;
-        }
-      }
+      he_screen_row<kRowBounds>(hs, q, 4 * s.p.u + r, t, ms.x, mc.x, (lane & (kWarpSize / 4 - 1)) == 0, slots,
+                                4 * slot + r, lo_max);
       iacc[0][0] = iacc[0][1] = iacc[1][0] = iacc[1][1] = 0;
       ++slot;
       if (!n.nx && (lane & (kWarpSize / 4 - 1)) == 0) {  // this lane's row of the next unit: s, c1
@@ -193,17 +199,7 @@ HE_INLINE void he_head_screen_finish(const HeMvPlain& op, HeMvStream<2>& s, floa
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const float t = he_warp_sum((float)iacc[r >> 1][r & 1]);
-        const float a = (he_u32_as_f32(sw[r]) * q.sx) * t;
-        const float b = (he_u32_as_f32(cw[r]) * q.n + hs.c2 * q.dn) * (1.f + 0x1p-10f) + 0x1p-20f * he_fabs(a);
-        const bool live = 4 * s.p.u + r < hs.vocab;
-        if (he_lane_id() == 0) {
-          slots[4 * slot + r] = live ? a + b : he_neg_inf();
-          if (live) lo_max = he_fmax(lo_max, a - b);
-          if (kRowBounds && live) {
-            hs.row_lo[4 * s.p.u + r] = a - b;
-            hs.row_hi[4 * s.p.u + r] = a + b;
-          }
-        }
+        he_screen_row<kRowBounds>(hs, q, 4 * s.p.u + r, t, sw[r], cw[r], he_lane_id() == 0, slots, 4 * slot + r, lo_max);
       }
       iacc[0][0] = iacc[0][1] = iacc[1][0] = iacc[1][1] = 0;
       ++slot;
@@ -276,7 +272,8 @@ HE_INLINE void he_head_screen_pick(const he_u16* W, int d, int vocab, const floa
 // The screen on its own (tests): every row's [A − B, A + B] into lo / hi (the bf16 head's logits must lie
 // inside), each block's max lower bound into block_lo, then — after the host's stream order makes block_lo
 // whole, i.e. in a second launch, head_screen_pick — each block's exact arg-max over its candidates. Both
-// launches must have the same grid (the slots are per warp). Dynamic shared memory: he_screen_smem_floats(...).
+// launches must have the same grid (the slots are per warp). Dynamic shared memory: hipengine/gpu/head_screen.py
+// smem_bytes.
 HE_KERNEL(kMatvecMaxThreads) head_screen_bounds(const he_u16* __restrict__ Wq, const float* __restrict__ meta,
                                              float c2, const float* x, const float* __restrict__ gamma, float eps,
                                              int d, int vocab, float* lo, float* hi, float* block_lo) {
