@@ -178,6 +178,14 @@ HE_INLINE int he_dp2a_hi(he_u32 a, he_u32 b, int c) {
 }
 HE_INLINE int he_f32_to_i32_rn(float x) { int i; asm("cvt.rni.s32.f32 %0, %1;" : "=r"(i) : "f"(x)); return i; }
 #endif
+// Byte permute, NVIDIA's prmt / __byte_perm: byte i of the result is byte (sel >> 4i) & 7 of the 8-byte value
+// b:a (a holds bytes 0-3, b bytes 4-7). Selectors 0-7 only (no sign-replicate mode: AMD's v_perm_b32 codes 8-15
+// differ). v_perm_b32 numbers its first operand's bytes 4-7, hence the swap.
+#if HE_AMD
+HE_INLINE he_u32 he_prmt(he_u32 a, he_u32 b, he_u32 sel) { return __builtin_amdgcn_perm(b, a, sel); }
+#else
+HE_INLINE he_u32 he_prmt(he_u32 a, he_u32 b, he_u32 sel) { return __byte_perm(a, b, sel); }
+#endif
 constexpr float kLog2e = 1.4426950408889634f;
 HE_INLINE float he_exp(float x) { return he_exp2(x * kLog2e); }  // e^x = 2^(x·log2 e); -inf -> 0
 HE_INLINE float he_fmax(float a, float b) { return a > b ? a : b; }
@@ -277,6 +285,17 @@ HE_INLINE he_vec16 he_load16_stream(const void* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
+  return v;
+}
+#endif
+
+// Streaming 4-byte load (the packed weights' sign plane, ops/matvec_packed.hip): as he_load16_stream.
+#if HE_AMD
+HE_INLINE he_u32 he_load4_stream(const void* p) { return __builtin_nontemporal_load((const he_u32*)p); }
+#else
+HE_INLINE he_u32 he_load4_stream(const void* p) {
+  he_u32 v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 #endif

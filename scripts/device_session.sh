@@ -44,6 +44,7 @@
 #   fusedmlp: the fused MLP (session 30): its op tests, bench_ops, mk_sweep $ONLY (0,19) at $AB_CONTEXTS, the decode bench of
 #           both paths per word of $AB_ENVS, the monokernel tests in the time left (of $BUDGET_S, default 575 s)
 #   mlpparts: bench_ops with the fused MLP's parts, the monokernel stage profile at 1K per $AB_PROFILE_ENVS word
+#   packed: packed 13-bit MLP weights (session 33): their tests, mk_sweep $ONLY (0,22,0,22) at $AB_CONTEXTS, the profile
 #   screen: the screened LM head (session 32): its tests, mk_sweep $ONLY (0,20,0,20) at $AB_CONTEXTS, its stage profile
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
@@ -316,7 +317,14 @@ case "$MODE" in
     ONLY=${ONLY:-0,20,0,20} mk_sweep_ab mk_sweep 330
     run screen_profile 100 env HIPENGINE_MK_HEAD_SCREEN=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --context 8192 --profile --json "$OUT/screen_profile.json" ;;
-  *) echo "unknown mode $MODE (screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
+           # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
+           # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
+    run packed_tests 150 $PY -m pytest tests/test_matvec_packed.py -q -x -rs
+    ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
+    left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
+      bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
+  *) echo "unknown mode $MODE (packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -68,6 +68,9 @@ VARIANTS = [  # name, build env, runtime attrs
     ("the bf16 LM head (the screen off)", {"HIPENGINE_MK_HEAD_SCREEN": "0"}, {}),
     # the screen's four row sums in one butterfly, their bounds by four lanes at once (ops/head_screen.hip)
     ("screen: one-butterfly epilogue (HE_SCREEN_BFLY)", {"HIPENGINE_MK_DEFINES": "HE_SCREEN_BFLY=1"}, {}),
+    # session 33 (v78): gate/up and down stream the weights' lossless 13-bit copies (ops/matvec_packed.hip):
+    # exact, so the tokens must equal variant 0's
+    ("packed 13-bit MLP weights (HIPENGINE_MK_PACKED)", {"HIPENGINE_MK_PACKED": "1"}, {}),
     # (session 31's v76 — the matrix-core attention split with 2 / 3 K/V tiles in flight per warp: −1.3 / −2.9 / −2.1%
     # and −4 to −7% at 1K / 8K / 32K — were variants 20 / 21 here, removed.)
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were
@@ -81,7 +84,7 @@ VARIANTS = [  # name, build env, runtime attrs
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
                "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_FINE",
                "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_MK_ONE_ROUND",
-               "HIPENGINE_FUSED_MLP", "HIPENGINE_MK_HEAD_SCREEN")
+               "HIPENGINE_FUSED_MLP", "HIPENGINE_MK_HEAD_SCREEN", "HIPENGINE_MK_PACKED")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its

@@ -229,6 +229,12 @@ def _run(args) -> int:
 
             read = b - 2 * cfg.vocab_size * cfg.hidden_size + table_bytes(cfg.vocab_size, cfg.hidden_size)
             r["lm_head_screen"] = True
+        if r["path"] == "monokernel" and info.get("mlp_packed"):  # gate, up and down at 13 bits per weight
+            from ..gpu.packed import row_bytes
+
+            mlp = 3 * cfg.num_layers * cfg.hidden_size * cfg.intermediate_size
+            read = read - 2 * mlp + mlp // cfg.hidden_size * row_bytes(cfg.hidden_size)
+            r["mlp_packed"] = True
         r["bytes_read_per_token"] = read
         r["achieved_gbps"] = r["tok_s"] * read / 1e9
         r["pct_hbm"] = 100.0 * r["tok_s"] * read / hbm

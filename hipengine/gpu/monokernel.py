@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import sys
 import time
 from ctypes import c_float, c_int32, c_uint32, c_uint64, c_void_p
 from types import SimpleNamespace
@@ -36,6 +37,7 @@ import numpy as np
 from ..backend import SamplingParams
 from ..errors import DeviceError, RequestError, UnsupportedError
 from . import ops as O
+from . import packed
 from .executor import GpuBackend
 
 SOURCE = "monokernel/decode.hip"
@@ -63,6 +65,16 @@ LAYER_FIELDS = [
     ("w_f16", "he_i32"),            # weights are fp16 (else bf16)
     ("pad0", "he_i32"),
     ("w_down_t", "const he_u16*"),  # [ffn, d] W_down transposed (the fused MLP, ops/mlp.hip) or null
+    # MK_MLP_PACKED builds (ops/matvec_packed.hip, hipengine/gpu/packed.py), else null / 0:
+    ("w_gate_p", "const he_u8*"),   # gate rows, packed 13-bit
+    ("w_up_p", "const he_u8*"),     # up rows, packed
+    ("w_down_p", "const he_u8*"),   # down rows, packed
+    ("esc_gu", "const he_u32*"),    # gate/up units the packed form cannot hold (bitmap)
+    ("esc_down", "const he_u32*"),  # down units likewise
+    ("gu_post", "float"),           # 2^D of gate and up (their staged input is x · 2^D)
+    ("gu_unpost", "float"),         # 2^-D
+    ("down_post", "float"),
+    ("down_unpost", "float"),
 ]
 
 PARAM_FIELDS = [
@@ -251,7 +263,7 @@ def write_layout(path=None) -> None:
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
                  tp: bool = False, q_regs: bool = False, max_context: int = 4096, arch: str | None = None,
                  rows: tuple[int, ...] = (), qk_norm: bool = False, fine: int = 3, fused_mlp: bool = False,
-                 head_screen: bool = False) -> dict:
+                 head_screen: bool = False, mlp_packed: bool = False) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row and
     head_dim itself, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
     parallelism — ``tp`` or HIPENGINE_MK_LL=1 — the long-context build ``q_regs``: q_regs_build — the
@@ -291,6 +303,8 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["HE_ATTN_Q_REGS"] = 1
     if head_screen and not (tp or ll_local()):
         defines["MK_HEAD_SCREEN"] = 1
+    if mlp_packed and not (tp or ll_local() or defines["MK_FUSED_MLP"]):
+        defines["MK_MLP_PACKED"] = 1
     defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
 
@@ -369,6 +383,13 @@ def head_screen_on() -> bool:
     that can hold the arg-max (ops/head_screen.hip; exact: the same tokens). On by default: +6.7 / +5.6 / +5.0%
     at 1K / 8K / 32K on H200 (docs/perf-log.md v77); HIPENGINE_MK_HEAD_SCREEN=0 keeps the bf16 head."""
     return O._env_switch("HIPENGINE_MK_HEAD_SCREEN") is not False
+
+
+def mlp_packed_on() -> bool:
+    """Whether the monokernel's gate/up and down stages stream the weights' lossless 13-bit copies
+    (ops/matvec_packed.hip, hipengine/gpu/packed.py: the same sums, bit for bit, from 13/16 of the bytes).
+    HIPENGINE_MK_PACKED=1 / 0; the default is off until measured (docs/perf-log.md v78)."""
+    return O._env_switch("HIPENGINE_MK_PACKED") is True
 
 
 def mk_one_round() -> bool:
@@ -461,7 +482,9 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
     # ... each with both attention -> O-proj schemes (mk_fine: which one a cache takes depends on its split plan)
     jobs += [(SOURCE, compile_args("nvidia", f16, g, kv_f16=f16, head_dim=head_dim, q_regs=q_regs_build(n),
                                    max_context=n, arch=arch, rows=rows, qk_norm=qn, fine=fine,
-                                   fused_mlp=O.fused_mlp(), head_screen=head_screen_on()))
+                                   fused_mlp=O.fused_mlp(), head_screen=head_screen_on(),
+                                   mlp_packed=mlp_packed_on() and bool(rows) and not f16
+                                   and all(n % packed.batch_cols(32) == 0 for n in (rows[0], rows[-1]))))
              for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm for fine in fines]
     # the decode-step modules' HE_PDL_LATE builds (Ops._late: the default trigger places or the env's)
     levels = O.pdl_trigger_levels()
@@ -513,6 +536,7 @@ class MonokernelBackend(GpuBackend):
         self.ll_local = ll_local()
         self.w_f16 = f16.pop()
         self.head_screen = self._screen_wanted()
+        self.mlp_packed = self._packed_wanted()
         fine_override()  # a bad HIPENGINE_MK_FINE is one clear error before anything is compiled
         self._build()
         self.timeout_ns = int(float(os.environ.get("HIPENGINE_MK_TIMEOUT_S", "5")) * 1e9)
@@ -528,6 +552,9 @@ class MonokernelBackend(GpuBackend):
         self.head_c2 = 0.0
         if self.head_screen:
             self._upload_screen()
+        self.packed_layers = []
+        if self.mlp_packed:
+            self._upload_packed()
         self._size_launch()
         self._setup_buffers()
 
@@ -547,10 +574,74 @@ class MonokernelBackend(GpuBackend):
             return False
         return True
 
+    def _packed_wanted(self) -> bool:
+        """The packed MLP weights (mlp_packed_on) where they apply: tp = 1 without the LL exchange, the two-stage
+        MLP, bf16 weights, the matvec unroll of 4, hidden and FFN sizes of whole batches (packed.check_shape).
+        Elsewhere the bf16 rows, silently by default; asked for (HIPENGINE_MK_PACKED=1) on a model it cannot
+        serve, the reason is one clear error."""
+        if not mlp_packed_on():
+            return False
+        cfg = self.config
+        why = None
+        if self.mk_tp or ll_local():
+            why = "tensor parallelism / the LL exchange"
+        elif getattr(self, "fused_mlp", False):
+            why = "the fused MLP (HIPENGINE_FUSED_MLP)"
+        elif getattr(self, "w_f16", False):
+            why = "fp16 weights"
+        elif matvec_unroll() != 4:
+            why = "HIPENGINE_MK_UNROLL other than 4"
+        else:
+            try:
+                for n in (cfg.hidden_size, cfg.intermediate_size):
+                    packed.check_shape(n, self.rt.warp_size)
+            except UnsupportedError as e:
+                why = str(e)
+        if why is not None:
+            raise UnsupportedError(f"HIPENGINE_MK_PACKED=1: packed MLP weights do not apply here ({why})")
+        return True
+
     def _extra_weight_bytes(self) -> int:
         from .head_screen import table_bytes
 
-        return table_bytes(self.config.vocab_size, self.config.hidden_size) if self._screen_wanted() else 0
+        cfg = self.config
+        extra = table_bytes(cfg.vocab_size, cfg.hidden_size) if self._screen_wanted() else 0
+        B = packed.batch_cols(self.rt.warp_size)
+        if mlp_packed_on() and cfg.hidden_size % B == 0 and cfg.intermediate_size % B == 0:
+            # the packed copies beside the bf16 rows (prefill and the rare units read those)
+            extra += 3 * cfg.num_layers * packed.row_bytes(cfg.hidden_size) * cfg.intermediate_size
+        return extra
+
+    def _upload_packed(self) -> None:
+        """Each layer's gate, up and down rows packed (hipengine/gpu/packed.py) from their bits as uploaded, with
+        the bitmaps of the units the packed form cannot hold (the device recomputes those from the bf16 rows)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        cfg, W = self.config, self.rt.warp_size
+        d, F = cfg.hidden_size, cfg.intermediate_size
+
+        def one(L):
+            g = self.rt.download(L["w_gate"], (F, d), np.uint16)
+            u = self.rt.download(L["w_up"], (F, d), np.uint16)
+            dn = self.rt.download(L["w_down"], (d, F), np.uint16)
+            dgu, dd = packed.offset_for(g, u), packed.offset_for(dn)
+            pg, pu, pd = packed.pack(g, dgu, W), packed.pack(u, dgu, W), packed.pack(dn, dd, W)
+            return pg, pu, pd, packed.gate_up_units(pg.row_esc, pu.row_esc), packed.plain_units(pd.row_esc)
+
+        n_units = n_esc = 0
+        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as ex:
+            for pg, pu, pd, egu, edn in ex.map(one, self.layers):
+                n_units += egu.size + edn.size
+                n_esc += int(egu.sum()) + int(edn.sum())
+                self.packed_layers.append({
+                    "gate": self._up(pg.data.reshape(-1)), "up": self._up(pu.data.reshape(-1)),
+                    "down": self._up(pd.data.reshape(-1)),
+                    "esc_gu": self._up(packed.unit_bitmap(egu)), "esc_down": self._up(packed.unit_bitmap(edn)),
+                    "gu": pg.d, "dn": pd.d})
+        self.packed_esc_units = n_esc
+        if n_esc * 64 > n_units:  # > 1/64 of the units recomputed from bf16: say so (still exact)
+            print(f"hipengine: {n_esc} of {n_units} MLP units hold weights outside the packed window; they are "
+                  "recomputed from the bf16 rows (exact, slower)", file=sys.stderr)
 
     def _upload_screen(self) -> None:
         """The head's int8 copy and bound tables (hipengine/gpu/head_screen.py), made from the head's bits as
@@ -619,7 +710,8 @@ class MonokernelBackend(GpuBackend):
                                                         max_context=self.max_context, arch=rt.arch,
                                                         rows=(cfg.hidden_size, cfg.q_dim, cfg.intermediate_size),
                                                         qk_norm=cfg.qk_norm, fine=self.fine,
-                                                        fused_mlp=self.fused_mlp, head_screen=self.head_screen))
+                                                        fused_mlp=self.fused_mlp, head_screen=self.head_screen,
+                                                        mlp_packed=self.mlp_packed))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 
@@ -640,10 +732,13 @@ class MonokernelBackend(GpuBackend):
         layers = (MkLayer * cfg.num_layers)()
         for i, L in enumerate(self.layers):
             p = lambda b: b.ptr if b is not None else 0  # noqa: E731
+            P = self.packed_layers[i] if self.packed_layers else {}
+            two = lambda e: (2.0 ** e, 2.0 ** -e) if P else (0.0, 0.0)  # noqa: E731
             layers[i] = MkLayer(p(L["wqkv"]), p(L["wo"]), p(L["w_gate"]), p(L["w_up"]), p(L["w_down"]),
                                 p(L["attn_norm"]), p(L["ffn_norm"]), p(L["bqkv"]), p(L.get("q_norm")),
                                 p(L.get("k_norm")), self._kc(i), self._vc(i), int(L["f16"]), 0,
-                                p(L.get("w_down_t")))
+                                p(L.get("w_down_t")), p(P.get("gate")), p(P.get("up")), p(P.get("down")),
+                                p(P.get("esc_gu")), p(P.get("esc_down")), *two(P.get("gu", 0)), *two(P.get("dn", 0)))
         self.layer_buf = self._up(np.frombuffer(bytes(layers), np.uint8))
         self.iota = self._up(np.arange(self.max_context, dtype=np.int32))
         self.state_buf = self._buf(ctypes.sizeof(MkState))
@@ -858,7 +953,8 @@ def grid_info(backend: MonokernelBackend) -> dict:
             barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1),
             "ll_exchange": backend._ll_on(), "q_regs": getattr(backend, "q_regs", False),
             "attn_warp_max": getattr(backend, "warp_max", None),
-            "head_screen": bool(getattr(backend, "head_screen", False))}
+            "head_screen": bool(getattr(backend, "head_screen", False)),
+            "mlp_packed": bool(getattr(backend, "mlp_packed", False))}
 
 
 def ll_words(world: int, d: int) -> int:

@@ -780,6 +780,30 @@ class Ops:
             self.rt.launch(self.fn("head_screen", "head_screen_pick", self._whole(d)), grid, threads,
                            common + [_p(block_lo), _p(scratch_lo), _p(W), c_int32(int(f16)), _p(out)], shared=smem)
 
+    def matvec_packed(self, Wp, esc, W, d: int, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0,
+                      residual=None, threads: int = MATVEC_THREADS):
+        """matvec over packed 13-bit rows (ops/matvec_packed.hip; hipengine/gpu/packed.py made Wp, esc and the
+        offset d from the bf16 rows W, which the rare units flagged in esc are recomputed from): the same y, bit
+        for bit, as matvec(W, ...)."""
+        from .packed import check_shape
+
+        self._check_in(inn)
+        check_shape(inn, self.rt.warp_size)
+        self.rt.launch(self.fn("matvec_packed", "matvec_packed", self._whole(inn)), self._grid((rows + 1) // 2, threads),
+                       threads, [_p(Wp), _p(esc), _p(W), c_float(2.0 ** d), c_float(2.0 ** -d), _p(x), _p(gamma),
+                                 c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn)], shared=inn * 4)
+
+    def matvec_gate_up_packed(self, Wgp, Wup, esc, Wg, Wu, d: int, x, y, rows: int, inn: int, gamma=None,
+                              eps: float = 0.0, threads: int = MATVEC_THREADS):
+        """matvec_gate_up over packed gate and up rows (one offset d for both): the same y, bit for bit."""
+        from .packed import check_shape
+
+        self._check_in(inn)
+        check_shape(inn, self.rt.warp_size)
+        self.rt.launch(self.fn("matvec_packed", "matvec_gate_up_packed", self._whole(inn)), self._grid(rows, threads),
+                       threads, [_p(Wgp), _p(Wup), _p(esc), _p(Wg), _p(Wu), c_float(2.0 ** d), c_float(2.0 ** -d),
+                                 _p(x), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn)], shared=inn * 4)
+
     def matvec_gate_up(self, Wg, Wu, x, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
                        stream=None, grid: int | None = None, threads: int = MATVEC_THREADS):
         self._check_in(inn)

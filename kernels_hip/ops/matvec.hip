@@ -153,10 +153,26 @@ HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
     for (int k = 0; k < kMatvecUnroll; ++k) w[r][k] = he_vec16{0u, 0u, 0u, 0u};
 }
 
+// Ops whose weights are the packed 13-bit form (ops/matvec_packed.hip) say so with `static constexpr bool
+// kPacked = true` and bring their own batch load, consume, exponent offset and exact fix-up of the rare units
+// the form cannot hold (he_mv_finish calls them); every other op is bf16 / fp16 and takes the code below.
+template <class Op, class = void>
+struct HeMvIsPacked {
+  static constexpr bool value = false;
+};
+template <class Op>
+struct HeMvIsPacked<Op, decltype(void(Op::kPacked))> {
+  static constexpr bool value = Op::kPacked;
+};
+
 // Load batch columns [c0, c0 + B) of unit u of `op` (zeros past the rows' end or when there is no unit).
 template <class Op, int kRows>
 HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
   if (u >= op.units()) { he_mv_zero(w); return; }
+  if constexpr (HeMvIsPacked<Op>::value) {
+    op.pload(u, c0, w);
+    return;
+  }
   const he_u16* rp[kRows];
   op.rows(u, rp);
   he_matvec_load<kRows>(rp, op.in, c0, w);
@@ -238,11 +254,19 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
     he_mv_fill_a(op, nxt, s.p, s);
     he_mv_fill_b(op, nxt, s.p, s);
   }
+  constexpr bool kPacked = HeMvIsPacked<Op>::value;
   float pv[kRows];  // the current unit's epilogue operands (op.pre)
   if (!s.p.nx) op.pre(s.p.u, pv);
+  [[maybe_unused]] bool fix = false;  // packed ops: the current unit is one the packed form cannot hold (op.pfix recomputes it)
+  if constexpr (kPacked) {
+    if (!s.p.nx) fix = op.pesc(s.p.u);
+  }
   // whole-pair rows have n % 4 == 0: the norm's scalar path is dropped with the cold-branch hints (the measured
-  // v68 build; the per-op modules, built without the hints, keep it)
-  he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS>(op.x, op.gamma, op.eps, op.in, xs, scratch, op.x_fx);
+  // v68 build; the per-op modules, built without the hints, keep it). Packed ops stage x · 2^D (their offset).
+  if constexpr (kPacked)
+    he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, true>(op.x, op.gamma, op.eps, op.in, xs, scratch, op.x_fx, op.pk.post);
+  else
+    he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS>(op.x, op.gamma, op.eps, op.in, xs, scratch, op.x_fx);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
   float acc[kRows][2];
 #pragma unroll
@@ -250,9 +274,11 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   while (!s.p.nx) {
     HeMvPos n = s.p;
     he_mv_advance(n, op, nxt);
-    he_mv_consume<kF16>(s.a, s.p.c0, op.in, xs, acc);
+    if constexpr (kPacked) op.pconsume(s.a, s.p.c0, xs, acc);
+    else he_mv_consume<kF16>(s.a, s.p.c0, op.in, xs, acc);
     if (!kDefer || !n.nx) he_mv_fill_a(op, nxt, n, s);
-    he_mv_consume<kF16>(s.b, s.p.c0 + kMatvecBatch, op.in, xs, acc);
+    if constexpr (kPacked) op.pconsume(s.b, s.p.c0 + kMatvecBatch, xs, acc);
+    else he_mv_consume<kF16>(s.b, s.p.c0 + kMatvecBatch, op.in, xs, acc);
     if (!kDefer || !n.nx) he_mv_fill_b(op, nxt, n, s);
     if (n.nx || n.u != s.p.u) {  // the unit's last pair: reduce over the warp, store, restart
       float sum[kRows];
@@ -261,8 +287,14 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
         sum[r] = he_warp_sum(acc[r][0] + acc[r][1]);
         acc[r][0] = acc[r][1] = 0.f;
       }
+      if constexpr (kPacked) {
+        if (HE_UNLIKELY(fix)) op.pfix(s.p.u, xs, sum);
+      }
       op.epi(s.p.u, sum, pv);
       if (!n.nx) op.pre(n.u, pv);  // the warp's next unit of op
+      if constexpr (kPacked) {
+        if (!n.nx) fix = op.pesc(n.u);
+      }
     }
     s.p = n;
   }

@@ -41,10 +41,12 @@ HE_INLINE void he_add_fx4(const he_i64* fx, float (&v)[4]) {
 }
 
 // dst[4i..4i+3] = x[...] (· scale · gamma[...]) for this thread's float4 indices, kB loads in flight.
-// fx != nullptr: x + fx (he_add_fx4) instead of x.
-template <int kB, bool kGamma>
+// fx != nullptr: x + fx (he_add_fx4) instead of x. kPost: each value then times `post`, a power of two (the
+// packed weights' exponent offset, ops/matvec_packed.hip: exact, so the stored value is the unscaled one's
+// bits shifted in exponent).
+template <int kB, bool kGamma, bool kPost = false>
 HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, int n4, float* dst,
-                             const he_i64* fx = nullptr) {
+                             const he_i64* fx = nullptr, float post = 1.f) {
   const int t = he_thread_idx(), nt = he_block_dim();
   for (int i0 = t; i0 < n4; i0 += kB * nt) {
     float v[kB][4], g[kGamma ? kB : 1][4];
@@ -62,7 +64,10 @@ HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, in
       const int i = i0 + b * nt;
       if (i < n4) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) dst[4 * i + j] = kGamma ? v[b][j] * scale * g[kGamma ? b : 0][j] : v[b][j];
+        for (int j = 0; j < 4; ++j) {
+          const float y = kGamma ? v[b][j] * scale * g[kGamma ? b : 0][j] : v[b][j];
+          dst[4 * i + j] = kPost ? y * post : y;
+        }
       }
     }
   }
@@ -70,7 +75,7 @@ HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, in
 
 // Rows whose length is not a multiple of 4 (not 16-byte aligned): one element per thread per iteration.
 HE_INLINE void he_rmsnorm_scalar(const float* x, const float* __restrict__ gamma, float eps, int n, float* dst,
-                                 float* scratch, const he_i64* fx = nullptr) {
+                                 float* scratch, const he_i64* fx = nullptr, float post = 1.f) {
   const int t = he_thread_idx(), nt = he_block_dim();
   auto xv = [&](int i) { return fx != nullptr ? x[i] + he_fx_to_f32(fx[i]) : x[i]; };
   float scale = 1.f;
@@ -79,7 +84,7 @@ HE_INLINE void he_rmsnorm_scalar(const float* x, const float* __restrict__ gamma
     for (int i = t; i < n; i += nt) ss += xv(i) * xv(i);
     scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
   }
-  for (int i = t; i < n; i += nt) dst[i] = gamma ? xv(i) * scale * gamma[i] : xv(i);
+  for (int i = t; i < n; i += nt) dst[i] = (gamma ? xv(i) * scale * gamma[i] : xv(i)) * post;
   he_sync_block();
 }
 
@@ -109,12 +114,14 @@ HE_INLINE float he_norm_ss(const float* x, const he_i64* fx, int n4) {
 
 // kVec4: the caller promises n % 4 == 0 (a matvec build of whole-pair rows), so the scalar path is not compiled.
 // fx (optional): the residual stream's pending fixed-point addend (ops/mlp.hip); the stage normalises x + fx.
-template <bool kVec4 = false>
+// kPost: every stored value times `post` (he_norm_store; the scalar path multiplies by it unconditionally:
+// post is 1 there unless kPost, and x · 1 is x).
+template <bool kVec4 = false, bool kPost = false>
 HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma, float eps, int n,
-                                float* dst, float* scratch, const he_i64* fx = nullptr) {
+                                float* dst, float* scratch, const he_i64* fx = nullptr, float post = 1.f) {
   if constexpr (!kVec4) {
     if (HE_UNLIKELY(n % 4)) {
-      he_rmsnorm_scalar(x, gamma, eps, n, dst, scratch, fx);
+      he_rmsnorm_scalar(x, gamma, eps, n, dst, scratch, fx, kPost ? post : 1.f);
       return;
     }
   }
@@ -122,16 +129,16 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
   // With the addend the batches are halved: its two loads per float4 keep the registers of a batch (32) as
   // without it (the monokernel's weight stream is live here). Sums in the same element order either way.
   if (HE_UNLIKELY(!gamma)) {  // (a literal nullptr folds: the O-proj / down-proj take only this path)
-    if (fx != nullptr) he_norm_store<kNormBatch / 2, false>(x, nullptr, 1.f, n4, dst, fx);
-    else he_norm_store<kNormBatch, false>(x, nullptr, 1.f, n4, dst);
+    if (fx != nullptr) he_norm_store<kNormBatch / 2, false, kPost>(x, nullptr, 1.f, n4, dst, fx, post);
+    else he_norm_store<kNormBatch, false, kPost>(x, nullptr, 1.f, n4, dst, nullptr, post);
     he_sync_block();
     return;
   }
   const float ss = fx != nullptr ? he_norm_ss<kNormBatch / 2>(x, fx, n4) : he_norm_ss<kNormBatch>(x, nullptr, n4);
   // mean in fp32 then rsqrt: rsqrt.approx has ~2 ulp error, far below the bf16 weights' rounding.
   const float scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
-  if (fx != nullptr) he_norm_store<kNormBatch / 4, true>(x, gamma, scale, n4, dst, fx);
-  else he_norm_store<kNormBatch / 2, true>(x, gamma, scale, n4, dst);
+  if (fx != nullptr) he_norm_store<kNormBatch / 4, true, kPost>(x, gamma, scale, n4, dst, fx, post);
+  else he_norm_store<kNormBatch / 2, true, kPost>(x, gamma, scale, n4, dst, nullptr, post);
   he_sync_block();
 }
 
