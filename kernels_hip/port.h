@@ -300,17 +300,6 @@ HE_INLINE he_u32 he_load4_stream(const void* p) {
 }
 #endif
 
-// Prefetch `bytes` (a multiple of 16, p 16-byte aligned) into L2 without waiting and without registers: the
-// packed weight stream's batches ahead (ops/matvec_packed.hip HE_MVP_PREFETCH). sm_90: one bulk prefetch
-// (cp.async.bulk.prefetch.L2, the copy engine); before sm_90 and on AMD (no such engine on gfx942): nothing.
-#if HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-HE_INLINE void he_prefetch_l2_bulk(const void* p, he_u32 bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
-}
-#else
-HE_INLINE void he_prefetch_l2_bulk(const void*, he_u32) {}
-#endif
-
 // Streaming 16-byte load for data written earlier in the same kernel and read once (KV-cache rows in the
 // monokernel: row `pos` is appended, then read after a grid barrier). The coherent path: no .nc (the
 // read-only path may serve a stale line for memory rewritten during the kernel) and no L1 allocation on

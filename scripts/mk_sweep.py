@@ -71,11 +71,8 @@ VARIANTS = [  # name, build env, runtime attrs
     # session 33 (v78): gate/up and down stream the weights' lossless 13-bit copies (ops/matvec_packed.hip):
     # exact, so the tokens must equal variant 0's
     ("packed 13-bit MLP weights (HIPENGINE_MK_PACKED)", {"HIPENGINE_MK_PACKED": "1"}, {}),
-    # v78b: the packed stream also asks L2 for the batch 2 / 4 ahead (its register loads then hit L2)
-    ("packed, L2 prefetch 2 batches ahead", {"HIPENGINE_MK_PACKED": "1", "HIPENGINE_MK_DEFINES": "HE_MVP_PREFETCH=2"}, {}),
-    ("packed, L2 prefetch 4 batches ahead", {"HIPENGINE_MK_PACKED": "1", "HIPENGINE_MK_DEFINES": "HE_MVP_PREFETCH=4"}, {}),
-    ("packed gate/up only, L2 prefetch 2 ahead", {"HIPENGINE_MK_PACKED": "1",
-                                                  "HIPENGINE_MK_DEFINES": "HE_MVP_PREFETCH=2,MK_MLP_PACKED_DOWN=0"}, {}),
+    # (v78b — the packed stream with an L2 bulk prefetch of the batches 2 / 4 ahead, and packed gate/up only: −6 to
+    # −14% — were variants 23-25 here, removed.)
     # (session 31's v76 — the matrix-core attention split with 2 / 3 K/V tiles in flight per warp: −1.3 / −2.9 / −2.1%
     # and −4 to −7% at 1K / 8K / 32K — were variants 20 / 21 here, removed.)
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were

@@ -34,11 +34,6 @@
 #include "ops/matvec.hip"
 
 static_assert(kMatvecUnroll == 4, "the packed layout is one batch of four sweeps per lane (HE_MATVEC_UNROLL=4)");
-// HE_MVP_PREFETCH=N (experiment, v78b): each batch load also asks L2 for the batch N ahead in the warp's stream
-// (this unit's, else its next unit's), so the register loads that follow hit L2; 0: off.
-#ifndef HE_MVP_PREFETCH
-#define HE_MVP_PREFETCH 0
-#endif
 constexpr int kPackedBatchBytes = 52 * kWarpSize;  // one row's batch: 32 weights per lane × 13 bits
 
 // A packed row's bytes (in % kMatvecBatch == 0).
@@ -93,19 +88,6 @@ struct HeMvPackedOps {
       w[r][1] = he_load16_stream(b + 16 * kWarpSize + 16 * lane);
       w[r][2] = he_load16_stream(b + 32 * kWarpSize + 16 * lane);
       w[r][3].x = he_load4_stream(b + 48 * kWarpSize + 4 * lane);
-    }
-    if constexpr (HE_MVP_PREFETCH > 0) {
-      const int nb = base().in / kMatvecBatch;
-      int bn = c0 / kMatvecBatch + HE_MVP_PREFETCH, un = u;
-      while (bn >= nb) {
-        bn -= nb;
-        un += he_mv_stride();
-      }
-      if (lane == 0 && un < base().units()) {
-        static_cast<const Self*>(this)->prow(un, pp);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) he_prefetch_l2_bulk(pp[r] + (he_i64)bn * kPackedBatchBytes, kPackedBatchBytes);
-      }
     }
   }
 
