@@ -239,13 +239,12 @@ def test_attn_early_build_compiles(tmp_path, monkeypatch):
 
 def test_head_screen_build_compiles(tmp_path, monkeypatch):
     """The screened LM head's monokernel build (MK_HEAD_SCREEN=1, HIPENGINE_MK_HEAD_SCREEN: ops/head_screen.hip's
-    stage and pick in the generation loop), lean and with the predicated stream (the latter with the butterfly
-    epilogue, HE_SCREEN_BFLY), compiles warnings-as-errors for
+    stage and pick in the generation loop), lean and with the predicated stream, compiles warnings-as-errors for
     gfx942 and sm_90 (ops/head_screen.hip itself, with its test kernels, is a unit of the plain check)."""
     _check_units(tmp_path, monkeypatch, {
         "decode_screen.hip": "#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
                              '#include "monokernel/decode.hip"\n',
-        "decode_screen_plain.hip": '#define MK_HEAD_SCREEN 1\n#define HE_SCREEN_BFLY 1\n#include "monokernel/decode.hip"\n'})
+        "decode_screen_plain.hip": '#define MK_HEAD_SCREEN 1\n#include "monokernel/decode.hip"\n'})
 
 
 def test_monokernel_profile_build_compiles(tmp_path, monkeypatch):

@@ -101,7 +101,8 @@ def test_op_kernels_wait_for_the_previous_kernel(path):
 # v41): data a kernel before it may still be writing. Step data (activations, caches, positions, tokens,
 # logits, candidates) takes plain pointers, whose loads stay behind the wait's memory clobber.
 READ_ONLY_PARAMS = {"W", "W2", "Wg", "Wu", "WdT", "gamma", "bias", "cos_t", "sin_t", "table", "q_norm", "k_norm",
-                    "Wq", "meta"}  # (the screened LM head's int8 rows and their bound table: ops/head_screen.hip)
+                    "Wq", "meta",  # (the screened LM head's int8 rows and their bound table: ops/head_screen.hip)
+                    "Wp", "Wgp", "Wup", "esc"}  # (the packed MLP's 13-bit rows and escape bitmaps: ops/matvec_packed.hip)
 
 
 def _kernel_params(code: str):

@@ -83,13 +83,6 @@ HE_INLINE HeScreenX he_screen_quantize(const float* xs, int d, he_i16* x16, floa
   return HeScreenX{sx, n, he_sqrt(dd) * (1.f + 0x1p-12f) + 0x1p-20f * n};
 }
 
-// HE_SCREEN_BFLY=1: the unit's four row sums in one butterfly (6 shuffles instead of 20) and their bounds by four
-// lanes at once (lanes 0, W/4, W/2, 3W/4) instead of lane 0 in turn. An experiment prepared in session 32 and not
-// yet measured (docs/perf-log.md v77b; mk_sweep variant 21): the same bounds, its sums in another fp32 order.
-#ifndef HE_SCREEN_BFLY
-#define HE_SCREEN_BFLY 0
-#endif
-
 // iacc[r][h] += this lane's integer dot products of batch w (virtual columns c0 + k·sweep + lane·8) of the
 // unit's virtual rows r with x16.
 HE_INLINE void he_screen_consume(const he_vec16 (&w)[2][kMatvecUnroll], int c0, int d, const he_i16* x16,
@@ -157,16 +150,15 @@ HE_INLINE void he_head_screen_finish(const HeMvPlain& op, HeMvStream<2>& s, floa
   float* slots = he_screen_slots(xs, op.in, op.units());
   float lo_max = he_neg_inf();
   int slot = 0;
-  he_vec16 ms{0u, 0u, 0u, 0u}, mc{0u, 0u, 0u, 0u};  // the current unit's s_i and c1_i (lane 0)
-  if (HE_SCREEN_BFLY) {
-    const int lane = he_lane_id(), r = ((lane & (kWarpSize / 2)) ? 2 : 0) + ((lane & (kWarpSize / 4)) ? 1 : 0);
-    if (!s.p.nx && (lane & (kWarpSize / 4 - 1)) == 0) {
-      ms.x = he_f32_as_u32(hs.meta[8 * (he_i64)s.p.u + r]);
-      mc.x = he_f32_as_u32(hs.meta[8 * (he_i64)s.p.u + 4 + r]);
-    }
-  } else if (!s.p.nx && he_lane_id() == 0) {
-    ms = he_load16(hs.meta + 8 * (he_i64)s.p.u);
-    mc = he_load16(hs.meta + 8 * (he_i64)s.p.u + 4);
+  // A unit's four rows are bounded by four lanes at once: lane group g = (lane / (W/4)) holds row 4u + g after the
+  // unit's butterfly (below), and its first lane (the writer) loads that row's s_i and c1_i when the unit starts.
+  const int lane = he_lane_id();
+  const bool up = (lane & (kWarpSize / 2)) != 0, odd = (lane & (kWarpSize / 4)) != 0, writer = (lane & (kWarpSize / 4 - 1)) == 0;
+  const int gr = (up ? 2 : 0) + (odd ? 1 : 0);  // this lane group's row of a unit, 4u + gr
+  he_u32 ms = 0u, mc = 0u;                      // the current unit's s and c1 of that row (writer lanes)
+  if (!s.p.nx && writer) {
+    ms = he_f32_as_u32(hs.meta[8 * (he_i64)s.p.u + gr]);
+    mc = he_f32_as_u32(hs.meta[8 * (he_i64)s.p.u + 4 + gr]);
   }
   int iacc[2][2] = {{0, 0}, {0, 0}};
   while (!s.p.nx) {
@@ -176,36 +168,21 @@ HE_INLINE void he_head_screen_finish(const HeMvPlain& op, HeMvStream<2>& s, floa
     if (!kDefer || !n.nx) he_mv_fill_a(op, nxt, n, s);
     he_screen_consume(s.b, s.p.c0 + kMatvecBatch, op.in, x16, iacc);
     if (!kDefer || !n.nx) he_mv_fill_b(op, nxt, n, s);
-    if (HE_SCREEN_BFLY && (n.nx || n.u != s.p.u)) {
-      const int lane = he_lane_id();
+    if (n.nx || n.u != s.p.u) {  // the unit's last pair: its four rows' sums in one butterfly, then their bounds
+      // rows (0, 1, 2, 3) = iacc (0 0, 0 1, 1 0, 1 1): exchange halves at W/2 (up keeps rows 2, 3), then at W/4 (odd
+      // keeps the odd row), then a plain butterfly over the W/4 lanes of each group: 6 shuffles instead of 4 x 5.
       const float v0 = (float)iacc[0][0], v1 = (float)iacc[0][1], v2 = (float)iacc[1][0], v3 = (float)iacc[1][1];
-      const bool up = (lane & (kWarpSize / 2)) != 0, odd = (lane & (kWarpSize / 4)) != 0;
       const float s0 = he_shfl_xor(up ? v0 : v2, kWarpSize / 2), s1 = he_shfl_xor(up ? v1 : v3, kWarpSize / 2);
       const float a0 = (up ? v2 : v0) + s0, a1 = (up ? v3 : v1) + s1;
       float t = (odd ? a1 : a0) + he_shfl_xor(odd ? a0 : a1, kWarpSize / 4);
 #pragma unroll
       for (int o = kWarpSize / 8; o > 0; o >>= 1) t += he_shfl_xor(t, o);
-      const int r = (up ? 2 : 0) + (odd ? 1 : 0);  // this lane group's row, 4u + r
-      he_screen_row<kRowBounds>(hs, q, 4 * s.p.u + r, t, ms.x, mc.x, (lane & (kWarpSize / 4 - 1)) == 0, slots,
-                                4 * slot + r, lo_max);
+      he_screen_row<kRowBounds>(hs, q, 4 * s.p.u + gr, t, ms, mc, writer, slots, 4 * slot + gr, lo_max);
       iacc[0][0] = iacc[0][1] = iacc[1][0] = iacc[1][1] = 0;
       ++slot;
-      if (!n.nx && (lane & (kWarpSize / 4 - 1)) == 0) {  // this lane's row of the next unit: s, c1
-        ms.x = he_f32_as_u32(hs.meta[8 * (he_i64)n.u + r]);
-        mc.x = he_f32_as_u32(hs.meta[8 * (he_i64)n.u + 4 + r]);
-      }
-    } else if (n.nx || n.u != s.p.u) {  // the unit's last pair: its four rows' bounds
-      const he_u32 sw[4] = {ms.x, ms.y, ms.z, ms.w}, cw[4] = {mc.x, mc.y, mc.z, mc.w};
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float t = he_warp_sum((float)iacc[r >> 1][r & 1]);
-        he_screen_row<kRowBounds>(hs, q, 4 * s.p.u + r, t, sw[r], cw[r], he_lane_id() == 0, slots, 4 * slot + r, lo_max);
-      }
-      iacc[0][0] = iacc[0][1] = iacc[1][0] = iacc[1][1] = 0;
-      ++slot;
-      if (!n.nx && he_lane_id() == 0) {
-        ms = he_load16(hs.meta + 8 * (he_i64)n.u);
-        mc = he_load16(hs.meta + 8 * (he_i64)n.u + 4);
+      if (!n.nx && writer) {  // this group's row of the next unit
+        ms = he_f32_as_u32(hs.meta[8 * (he_i64)n.u + gr]);
+        mc = he_f32_as_u32(hs.meta[8 * (he_i64)n.u + 4 + gr]);
       }
     }
     s.p = n;

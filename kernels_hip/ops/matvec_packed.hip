@@ -86,7 +86,7 @@ struct HeMvPackedOps {
       const he_u8* b = pp[r] + off;
       w[r][0] = he_load16_stream(b + 16 * lane);
       w[r][1] = he_load16_stream(b + 16 * kWarpSize + 16 * lane);
-      w[r][2] = he_load16_stream(b + 32 * kWarpSize + 16 * lane);
+      w[r][2] = he_load16_stream(b + 2 * 16 * kWarpSize + 16 * lane);
       w[r][3].x = he_load4_stream(b + 48 * kWarpSize + 4 * lane);
     }
   }
