@@ -289,6 +289,18 @@ HE_INLINE he_vec16 he_load16_stream(const void* p) {
 }
 #endif
 
+// Prefetch `bytes` (a multiple of 16, p 16-byte aligned) into L2 without waiting and without registers (the
+// monokernel's MK_GU_L2 probe: gate/up rows requested by blocks that have no attention split). sm_90: one bulk
+// prefetch (cp.async.bulk.prefetch.L2, the copy engine); before sm_90 and on AMD (gfx942 has no such engine):
+// nothing.
+#if HE_NVIDIA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+HE_INLINE void he_prefetch_l2_bulk(const void* p, he_u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
+}
+#else
+HE_INLINE void he_prefetch_l2_bulk(const void*, he_u32) {}
+#endif
+
 // Streaming 4-byte load (the packed weights' sign plane, ops/matvec_packed.hip): as he_load16_stream.
 #if HE_AMD
 HE_INLINE he_u32 he_load4_stream(const void* p) { return __builtin_nontemporal_load((const he_u32*)p); }

@@ -45,6 +45,7 @@
 #           both paths per word of $AB_ENVS, the monokernel tests in the time left (of $BUDGET_S, default 575 s)
 #   mlpparts: bench_ops with the fused MLP's parts, the monokernel stage profile at 1K per $AB_PROFILE_ENVS word
 #   packed: packed 13-bit MLP weights (session 33): their tests, mk_sweep $ONLY (0,22,0,22) at $AB_CONTEXTS, the profile
+#   screenrec: the bench of record, the head-screen tests, the monokernel tests (session 34: v77b the default)
 #   screen: the screened LM head (session 32): its tests, mk_sweep $ONLY (0,20,0,20) at $AB_CONTEXTS, its stage profile
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
@@ -317,6 +318,12 @@ case "$MODE" in
     ONLY=${ONLY:-0,20,0,20} mk_sweep_ab mk_sweep 330
     run screen_profile 100 env HIPENGINE_MK_HEAD_SCREEN=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --context 8192 --profile --json "$OUT/screen_profile.json" ;;
+  screenrec)  # session 34 (v77b, the butterfly epilogue the screen's only one): the decode bench of record at
+              # 1K/8K/32K (JSON + PNG), the head-screen tests (its op kernels and the monokernel with the screen on and
+              # off), then the monokernel tests in the time left (the call stays under 575 s)
+    bench
+    run screen_tests 80 $PY -m pytest tests/test_head_screen.py -q -x -rs
+    left=$((575 - SECONDS)); [ $left -gt 40 ] && run mk_tests $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile

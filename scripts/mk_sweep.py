@@ -74,6 +74,13 @@ VARIANTS = [  # name, build env, runtime attrs
     ("packed 13-bit MLP weights (HIPENGINE_MK_PACKED)", {"HIPENGINE_MK_PACKED": "1"}, {}),
     # (v78b — the packed stream with an L2 bulk prefetch of the batches 2 / 4 ahead, and packed gate/up only: −6 to
     # −14% — were variants 23-25 here, removed.)
+    # session 34's probe (decode.hip MK_GU_L2, 1K): with the attention plan at 0.5 blocks per SM (variant 18: 64
+    # split items, 68 blocks idle during attention) the idle blocks prefetch every warp's next 1 / 2 gate/up units
+    # into L2. Values do not change: the tokens must equal variant 18's (its plan's sums differ from variant 0's).
+    ("0.5 plan + gate/up units 2 of every warp prefetched into L2 (MK_GU_L2=1)",
+     {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=1"}, {}),
+    ("0.5 plan + gate/up units 2-3 of every warp prefetched into L2 (MK_GU_L2=2)",
+     {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=2"}, {}),
     # (session 31's v76 — the matrix-core attention split with 2 / 3 K/V tiles in flight per warp: −1.3 / −2.9 / −2.1%
     # and −4 to −7% at 1K / 8K / 32K — were variants 20 / 21 here, removed.)
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were

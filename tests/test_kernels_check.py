@@ -237,6 +237,14 @@ def test_attn_early_build_compiles(tmp_path, monkeypatch):
         assert r.ok, f"{r.target}: {r.message}"
 
 
+def test_gate_up_l2_probe_build_compiles(tmp_path, monkeypatch):
+    """The MK_GU_L2 probe build (the blocks without an attention split prefetch gate/up rows into L2; port.h
+    he_prefetch_l2_bulk, a no-op on gfx942) compiles warnings-as-errors for gfx942 and sm_90."""
+    _check_units(tmp_path, monkeypatch, {
+        "decode_gu_l2.hip": "#define MK_GU_L2 2\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
+                            '#include "monokernel/decode.hip"\n'})
+
+
 def test_head_screen_build_compiles(tmp_path, monkeypatch):
     """The screened LM head's monokernel build (MK_HEAD_SCREEN=1, HIPENGINE_MK_HEAD_SCREEN: ops/head_screen.hip's
     stage and pick in the generation loop), lean and with the predicated stream, compiles warnings-as-errors for

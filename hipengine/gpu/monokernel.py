@@ -437,12 +437,13 @@ def environ_set(values: dict):
 
 
 def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_dim: int = 64,
-               rows: tuple[int, ...] = (), qk_norm=(False,), fines=(3, 2)) -> list[str]:
+               rows: tuple[int, ...] = (), qk_norm=(False,), fines=(3, 2), sizes: tuple[int, ...] = ()) -> list[str]:
     """Fill the compile cache for an NVIDIA arch without a GPU (NVRTC only): the per-op modules and the
     monokernel, keyed exactly as CudaRuntime.compile keys them, so a device run starts without compiling.
     ``rows``: the model's hidden size, q_dim and ffn (compile_args), e.g. (2048, 2048, 8192) for
     llama-3.2-1b; their per-op matvec builds as well (ops.whole_pairs). ``qk_norm``: the monokernel builds
-    with / without the q/k-norm stage to make ((False, True) for the tests' Qwen3 model)."""
+    with / without the q/k-norm stage to make ((False, True) for the tests' Qwen3 model). ``sizes``: the KV cache
+    sizes to build the monokernel for (default: one of every cache-size class), e.g. (1024,) for a 1K-only sweep."""
     from . import backend_cuda as bc, compiler
     from .executor import kv_defines
     from .ops import MATVEC_ROWS1_UNROLL, attention_defines
@@ -475,7 +476,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
              for f16 in sorted(set(f16_variants)) for u, d in whole]
     # every cache-size class: either side of LONG_CONTEXT (q_regs_build) and of ops.ATTN_WARP_MAX_CTX
     # (attn_warp_max), the per-op attention module and the monokernel of each; builds that coincide once
-    sizes = sorted({LONG_CONTEXT - 1, LONG_CONTEXT, O.ATTN_WARP_MAX_CTX - 1, O.ATTN_WARP_MAX_CTX})
+    sizes = sorted(set(sizes) or {LONG_CONTEXT - 1, LONG_CONTEXT, O.ATTN_WARP_MAX_CTX - 1, O.ATTN_WARP_MAX_CTX})
     jobs += [("ops/attention_decode.hip",
               {"defines": {**(kv_defines(f16) or {}), **attention_defines(head_dim, n, arch)}})
              for f16 in sorted(set(f16_variants)) for n in sizes]

@@ -469,6 +469,19 @@ constexpr bool kMkFusedMlp = MK_FUSED_MLP != 0;
 #endif
 constexpr bool kMkAttnEarly = MK_ATTN_EARLY != 0;
 
+// MK_GU_L2=K (a probe, session 34; default 0): right after the QKV barrier, the blocks that have no attention split
+// item (the plan's nkv x nsplit items leave nb - items of them idle: 68 of 132 with HIPENGINE_ATTN_BLOCKS_PER_SM=0.5
+// at 1K) ask L2 for the layer's gate/up units [S, (1 + K) S) — S = the stream's unit stride (grid x warps), so
+// every warp's 2nd .. (K+1)-th gate/up unit; its 1st is in its registers by then — by bulk prefetch (no registers,
+// fire and forget). The blocks doing attention issue nothing, so their chain's loads queue behind none of it; the
+// question the probe answers is whether HBM traffic from OTHER SMs still slows that chain (v14 / v39 / v60 moved
+// bytes into the attention window from the attention's own SMs and lost). Values do not change.
+#ifndef MK_GU_L2
+#define MK_GU_L2 0
+#endif
+static_assert(MK_GU_L2 >= 0, "MK_GU_L2: gate/up units per warp to prefetch");
+static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetches the bf16 gate/up stage's rows");
+
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -677,6 +690,18 @@ HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
     he_sync_block();  // shared memory is reused by the next item
   }
   return true;
+}
+
+// MK_GU_L2's prefetch (above): rows 2j (gate) and 2j + 1 (up) of unit S + j, one row per thread of the idle blocks.
+HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
+  const int items = p.nkv * p.nsplit, nb = he_grid_dim();
+  if (he_block_idx() < items) return;
+  const int stride = nb * he_num_warps();
+  const int units = (p.ffn < (MK_GU_L2 + 1) * stride ? p.ffn : (MK_GU_L2 + 1) * stride) - stride;
+  const int lanes = (nb - items) * he_block_dim();
+  const he_u32 bytes = (he_u32)p.d * (he_u32)sizeof(he_u16);
+  for (int j = (he_block_idx() - items) * he_block_dim() + he_thread_idx(); j < 2 * units; j += lanes)
+    he_prefetch_l2_bulk(((j & 1) ? L.w_up : L.w_gate) + (he_i64)(stride + (j >> 1)) * p.d, bytes);
 }
 
 // ---- greedy token selection spread over the grid ----------------------------------------------------------
@@ -906,6 +931,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         if (kMkAttnEarly) arrive(kProfQkv);
         else if (!barrier(kProfQkv)) return;
       }
+      if constexpr (MK_GU_L2 > 0) mk_gu_prefetch(p, L);
       // The matrix-core split is a call (ops/attention_decode.hip HE_ATTN_MMA_FN): compiler fences around the
       // stage, so the kernel reloads its parameters after it instead of keeping them live (spilled) across it.
       if (kAttnMma) he_compiler_fence();
