@@ -320,9 +320,11 @@ case "$MODE" in
       --context 1024 --context 8192 --profile --json "$OUT/screen_profile.json" ;;
   screenrec)  # session 34 (v77b, the butterfly epilogue the screen's only one): the decode bench of record at
               # 1K/8K/32K (JSON + PNG), the head-screen tests (its op kernels and the monokernel with the screen on and
-              # off), then the monokernel tests in the time left (the call stays under 575 s)
+              # off), mk_sweep's variants $ONLY at $AB_CONTEXTS when given (a probe riding along), then the monokernel
+              # tests in the time left (the call stays under 575 s)
     bench
     run screen_tests 80 $PY -m pytest tests/test_head_screen.py -q -x -rs
+    [ -n "${ONLY:-}" ] && mk_sweep_ab mk_sweep 160
     left=$((575 - SECONDS)); [ $left -gt 40 ] && run mk_tests $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
