@@ -76,7 +76,8 @@ VARIANTS = [  # name, build env, runtime attrs
     # −14% — were variants 23-25 here, removed.)
     # session 34's probe (decode.hip MK_GU_L2, 1K): with the attention plan at 0.5 blocks per SM (variant 18: 64
     # split items, 68 blocks idle during attention) the idle blocks prefetch every warp's next 1 / 2 gate/up units
-    # into L2. Values do not change: the tokens must equal variant 18's (its plan's sums differ from variant 0's).
+    # into L2. Values do not change (the tokens are compared with the first variant's). Measured at 1K (4f8958a):
+    # −2.3 / −3.8% (K = 1), −5.3% (K = 2) against variant 0; the plan alone is variant 17 (−0.4%, session 28).
     ("0.5 plan + gate/up units 2 of every warp prefetched into L2 (MK_GU_L2=1)",
      {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=1"}, {}),
     ("0.5 plan + gate/up units 2-3 of every warp prefetched into L2 (MK_GU_L2=2)",

@@ -475,7 +475,8 @@ constexpr bool kMkAttnEarly = MK_ATTN_EARLY != 0;
 // every warp's 2nd .. (K+1)-th gate/up unit; its 1st is in its registers by then — by bulk prefetch (no registers,
 // fire and forget). The blocks doing attention issue nothing, so their chain's loads queue behind none of it; the
 // question the probe answers is whether HBM traffic from OTHER SMs still slows that chain (v14 / v39 / v60 moved
-// bytes into the attention window from the attention's own SMs and lost). Values do not change.
+// bytes into the attention window from the attention's own SMs and lost). Values do not change. Measured (4f8958a,
+// H200, 1K): −2.3 / −3.8% (K = 1), −5.3% (K = 2) — it does: kept off, as the probe (docs/perf-log.md session 34).
 #ifndef MK_GU_L2
 #define MK_GU_L2 0
 #endif
