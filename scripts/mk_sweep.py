@@ -82,6 +82,17 @@ VARIANTS = [  # name, build env, runtime attrs
      {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=1"}, {}),
     ("0.5 plan + gate/up units 2-3 of every warp prefetched into L2 (MK_GU_L2=2)",
      {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=2"}, {}),
+    # session 35: the same rows PACED (MK_GU_L2_GAP: 32 rows of 4 KiB per GAP cycles, ~1.96 GHz; after the block's
+    # O-proj fill): 148 cycles = 1.7 TB/s over ~5 us for K = 1, 74 = 3.5 TB/s. With the default plan the 4 blocks
+    # without a split item (128 items at 1K) issue them; with the 0.5 plan 68 do. Values do not change.
+    ("default plan + gate/up units 2 paced at 1.7 TB/s (MK_GU_L2=1, GAP=148)",
+     {"HIPENGINE_MK_DEFINES": "MK_GU_L2=1,MK_GU_L2_GAP=148"}, {}),
+    ("default plan + gate/up units 2 paced at 3.5 TB/s (MK_GU_L2=1, GAP=74)",
+     {"HIPENGINE_MK_DEFINES": "MK_GU_L2=1,MK_GU_L2_GAP=74"}, {}),
+    ("0.5 plan + gate/up units 2 paced at 1.7 TB/s (MK_GU_L2=1, GAP=148)",
+     {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=1,MK_GU_L2_GAP=148"}, {}),
+    ("0.5 plan + gate/up units 2-3 paced at 3.5 TB/s (MK_GU_L2=2, GAP=74)",
+     {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=2,MK_GU_L2_GAP=74"}, {}),
     # (session 31's v76 — the matrix-core attention split with 2 / 3 K/V tiles in flight per warp: −1.3 / −2.9 / −2.1%
     # and −4 to −7% at 1K / 8K / 32K — were variants 20 / 21 here, removed.)
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were

@@ -238,11 +238,14 @@ def test_attn_early_build_compiles(tmp_path, monkeypatch):
 
 
 def test_gate_up_l2_probe_build_compiles(tmp_path, monkeypatch):
-    """The MK_GU_L2 probe build (the blocks without an attention split prefetch gate/up rows into L2; port.h
-    he_prefetch_l2_bulk, a no-op on gfx942) compiles warnings-as-errors for gfx942 and sm_90."""
+    """The MK_GU_L2 probe builds (the blocks without an attention split prefetch gate/up rows into L2; port.h
+    he_prefetch_l2_bulk, a no-op on gfx942), all at once and paced (MK_GU_L2_GAP), compile warnings-as-errors for
+    gfx942 and sm_90."""
     _check_units(tmp_path, monkeypatch, {
         "decode_gu_l2.hip": "#define MK_GU_L2 2\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
-                            '#include "monokernel/decode.hip"\n'})
+                            '#include "monokernel/decode.hip"\n',
+        "decode_gu_l2_paced.hip": "#define MK_GU_L2 1\n#define MK_GU_L2_GAP 148\n#define HE_MV_WHOLE_PAIRS 1\n"
+                                  '#define HE_COLD_HINTS 1\n#include "monokernel/decode.hip"\n'})
 
 
 def test_head_screen_build_compiles(tmp_path, monkeypatch):

@@ -481,6 +481,17 @@ constexpr bool kMkAttnEarly = MK_ATTN_EARLY != 0;
 #define MK_GU_L2 0
 #endif
 static_assert(MK_GU_L2 >= 0, "MK_GU_L2: gate/up units per warp to prefetch");
+// MK_GU_L2_GAP=C (session 35, with MK_GU_L2 = K > 0): the same rows, PACED — the probe above asked for all of them
+// at once (a burst of K x 8.6 MB, whose queue every L2 round trip of the attention chain waited behind). Here the
+// idle blocks' warps take 32-row groups (one 4 KiB row per lane), group g = warp i, i + idle warps, ..., and a
+// warp issues group g when its SM's clock is g x C cycles past the block's entry, after the block's O-proj fill:
+// the rows go out at a set rate (4 KiB x 32 per C cycles) so that only ~rate x latency bytes are ever queued.
+// The question: is the chain's loss a function of the bytes queued (a paced stream of the same bytes costs the
+// chain little) or of the bytes moved (it costs the same)? 0: the burst, at the probe's position (before the splits).
+#ifndef MK_GU_L2_GAP
+#define MK_GU_L2_GAP 0
+#endif
+static_assert(MK_GU_L2_GAP >= 0 && (MK_GU_L2 > 0 || MK_GU_L2_GAP == 0), "MK_GU_L2_GAP paces MK_GU_L2's rows");
 static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetches the bf16 gate/up stage's rows");
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
@@ -693,16 +704,25 @@ HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
   return true;
 }
 
-// MK_GU_L2's prefetch (above): rows 2j (gate) and 2j + 1 (up) of unit S + j, one row per thread of the idle blocks.
+// MK_GU_L2's prefetch (above): rows 2j (gate) and 2j + 1 (up) of unit S + j, j < units, in 32-row groups (one row
+// per lane), group g by idle warp g mod (idle warps); MK_GU_L2_GAP > 0: group g not before g x GAP cycles after entry.
 HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
   const int items = p.nkv * p.nsplit, nb = he_grid_dim();
   if (he_block_idx() < items) return;
   const int stride = nb * he_num_warps();
   const int units = (p.ffn < (MK_GU_L2 + 1) * stride ? p.ffn : (MK_GU_L2 + 1) * stride) - stride;
-  const int lanes = (nb - items) * he_block_dim();
+  const int groups = (2 * units + kWarpSize - 1) / kWarpSize, idle = (nb - items) * he_num_warps();
   const he_u32 bytes = (he_u32)p.d * (he_u32)sizeof(he_u16);
-  for (int j = (he_block_idx() - items) * he_block_dim() + he_thread_idx(); j < 2 * units; j += lanes)
-    he_prefetch_l2_bulk(((j & 1) ? L.w_up : L.w_gate) + (he_i64)(stride + (j >> 1)) * p.d, bytes);
+  [[maybe_unused]] const he_u64 t0 = he_cycles();
+  for (int g = (he_block_idx() - items) * he_num_warps() + he_warp_id(); g < groups; g += idle) {
+    if constexpr (MK_GU_L2_GAP > 0) {
+      const he_u64 due = (he_u64)g * (he_u64)MK_GU_L2_GAP;
+      while (he_cycles() - t0 < due) {
+      }
+    }
+    const int j = g * kWarpSize + he_lane_id();
+    if (j < 2 * units) he_prefetch_l2_bulk(((j & 1) ? L.w_up : L.w_gate) + (he_i64)(stride + (j >> 1)) * p.d, bytes);
+  }
 }
 
 // ---- greedy token selection spread over the grid ----------------------------------------------------------
@@ -932,7 +952,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         if (kMkAttnEarly) arrive(kProfQkv);
         else if (!barrier(kProfQkv)) return;
       }
-      if constexpr (MK_GU_L2 > 0) mk_gu_prefetch(p, L);
+      if constexpr (MK_GU_L2 > 0 && MK_GU_L2_GAP == 0) mk_gu_prefetch(p, L);  // the burst (session 34's position)
       // The matrix-core split is a call (ops/attention_decode.hip HE_ATTN_MMA_FN): compiler fences around the
       // stage, so the kernel reloads its parameters after it instead of keeping them live (spilled) across it.
       if (kAttnMma) he_compiler_fence();
@@ -948,6 +968,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
       // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).
       he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
+      if constexpr (MK_GU_L2 > 0 && MK_GU_L2_GAP > 0) mk_gu_prefetch(p, L);  // paced, after the block's O-proj fill
       if (MK_FINE2 && p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
         for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
