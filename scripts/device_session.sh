@@ -327,9 +327,9 @@ case "$MODE" in
     run screen_tests 80 $PY -m pytest tests/test_head_screen.py -q -x -rs
     [ -n "${ONLY:-}" ] && mk_sweep_ab mk_sweep 160
     left=$((575 - SECONDS)); [ $left -gt 40 ] && run mk_tests $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
-  paced)  # session 35 (MK_GU_L2_GAP): mk_sweep's variants $ONLY at 1K in one process (tokens compared with the first),
+  paced)  # session 35: mk_sweep's variants $ONLY at $AB_CONTEXTS (default 1K) in one process (tokens compared with the first),
           # then the 1K stage profiles of the default build and of $EXP_DEFINES (HIPENGINE_MK_DEFINES syntax)
-    AB_CONTEXTS=1024 mk_sweep_ab mk_sweep 330
+    AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 330
     run mkprof_default 70 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
       --json "$OUT/mkprof_default.json"
     run mkprof_exp 70 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" $PY -m hipengine bench decode --shape llama-3.2-1b \
