@@ -248,17 +248,6 @@ def test_gate_up_l2_probe_build_compiles(tmp_path, monkeypatch):
                                   '#define HE_COLD_HINTS 1\n#include "monokernel/decode.hip"\n'})
 
 
-def test_fill_o_after_wait_build_compiles(tmp_path, monkeypatch):
-    """The experiment build with the O-proj's first weights requested after the heads-combined wait
-    (MK_FILL_O_AFTER_WAIT=1), in the fine = 3 and the fine = 2 forms, compiles warnings-as-errors for gfx942 and
-    sm_90."""
-    _check_units(tmp_path, monkeypatch, {
-        "decode_fill_o.hip": "#define MK_FILL_O_AFTER_WAIT 1\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
-                             '#include "monokernel/decode.hip"\n',
-        "decode_fill_o_fine2.hip": "#define MK_FILL_O_AFTER_WAIT 1\n#define MK_FINE2 1\n#define HE_MV_WHOLE_PAIRS 1\n"
-                                   '#define HE_COLD_HINTS 1\n#include "monokernel/decode.hip"\n'})
-
-
 def test_head_screen_build_compiles(tmp_path, monkeypatch):
     """The screened LM head's monokernel build (MK_HEAD_SCREEN=1, HIPENGINE_MK_HEAD_SCREEN: ops/head_screen.hip's
     stage and pick in the generation loop), lean and with the predicated stream, compiles warnings-as-errors for

@@ -494,15 +494,6 @@ static_assert(MK_GU_L2 >= 0, "MK_GU_L2: gate/up units per warp to prefetch");
 static_assert(MK_GU_L2_GAP >= 0 && (MK_GU_L2 > 0 || MK_GU_L2_GAP == 0), "MK_GU_L2_GAP paces MK_GU_L2's rows");
 static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetches the bf16 gate/up stage's rows");
 
-// MK_FILL_O_AFTER_WAIT=1 (session 35, an experiment; default 0): the O-proj's first pair is requested after the
-// heads-combined wait instead of after the block's splits (v24), so the combine chain — the split's counter, the
-// partials, the att stores and their release, the heads counter — runs with no weight bytes in flight, at the
-// price of one HBM round trip before the O-proj's first consume (fine = 2 builds: after the barrier and the heads'
-// combine). Same loads, same sums.
-#ifndef MK_FILL_O_AFTER_WAIT
-#define MK_FILL_O_AFTER_WAIT 0
-#endif
-
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -975,8 +966,9 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (kAttnMma) he_compiler_fence();
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain
-      // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24).
-      if constexpr (!MK_FILL_O_AFTER_WAIT) he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
+      // instead (+1% at 1K/8K/32K on H200, docs/perf-log.md v24). Nor after the heads wait: the chain ran 0.8 µs
+      // per layer faster without them, the O-proj's restart cost 1.9 (−1.1 to −1.3%, session 35).
+      he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
       if constexpr (MK_GU_L2 > 0 && MK_GU_L2_GAP > 0) mk_gu_prefetch(p, L);  // paced, after the block's O-proj fill
       if (MK_FINE2 && p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
@@ -990,7 +982,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       prof.work(MK_FINE2 && p.fine == 2 ? kProfCombine : kProfAttn);
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(MK_FINE2 && p.fine == 2 ? kProfCombine : kProfAttn);
-      if constexpr (MK_FILL_O_AFTER_WAIT) he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
       ++ep_o;
       he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
       // gate/up's input: tp > 1, the O-proj's sum over ranks gathered by every block (no grid barrier; block
