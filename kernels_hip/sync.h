@@ -153,20 +153,3 @@ HE_INLINE bool he_arrive_last(he_u32* counter, he_u32 expected) {
   he_sync_block();
   return last;
 }
-
-// he_arrive_last with a relaxed RMW (the monokernel's MK_ATTN_LL build): for parts that carry their own validity
-// (LL words the last arriver checks one by one), the count only has to be atomic — no release makes the
-// arriver wait for its own stores first, and no acquire is needed to read the parts. Same reset rule.
-HE_INLINE bool he_arrive_last_relaxed(he_u32* counter, he_u32 expected) {
-  __shared__ int he_last_r;
-  he_sync_block();
-  if (he_thread_idx() == 0) {
-    const he_u32 old = he_fetch_add_relaxed_device(counter, 1u);
-    he_last_r = old == expected - 1u;
-    if (he_last_r) he_store_relaxed_device(counter, 0u);
-  }
-  he_sync_block();
-  const bool last = he_last_r != 0;
-  he_sync_block();
-  return last;
-}

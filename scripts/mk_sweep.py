@@ -94,11 +94,8 @@ VARIANTS = [  # name, build env, runtime attrs
     ("0.5 plan + gate/up units 2-3 paced at 3.5 TB/s (MK_GU_L2=2, GAP=74)",
      {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=2,MK_GU_L2_GAP=74"}, {}),
     # (session 35's MK_FILL_O_AFTER_WAIT — the O-proj's first pair after the heads-combined wait: −1.1 / −1.3 / −1.1% —
-    # was variant 29 here, removed.)
-    # session 35 (decode.hip MK_ATTN_LL): the attention -> O-proj handoff through LL words — partials and att as
-    # {float, epoch} words, relaxed counters, every reader checking the words — no release fence on its path. The
-    # same values: the tokens must equal variant 0's.
-    ("attention -> O-proj through LL words (MK_ATTN_LL=1)", {"HIPENGINE_MK_DEFINES": "MK_ATTN_LL=1"}, {}),
+    # and then MK_ATTN_LL — the attention -> O-proj handoff through LL words: −26 / −23 / −19% — were variant 29 here,
+    # removed.)
     # (session 31's v76 — the matrix-core attention split with 2 / 3 K/V tiles in flight per warp: −1.3 / −2.9 / −2.1%
     # and −4 to −7% at 1K / 8K / 32K — were variants 20 / 21 here, removed.)
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were

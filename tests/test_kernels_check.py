@@ -248,17 +248,6 @@ def test_gate_up_l2_probe_build_compiles(tmp_path, monkeypatch):
                                   '#define HE_COLD_HINTS 1\n#include "monokernel/decode.hip"\n'})
 
 
-def test_attn_ll_build_compiles(tmp_path, monkeypatch):
-    """The experiment build with the attention -> O-proj handoff through LL words (MK_ATTN_LL=1: the split
-    bodies' partials and the combine's output through he_attn_put), lean and with the predicated stream, compiles
-    warnings-as-errors for gfx942 and sm_90 (its fine = 2 form keeps the floats)."""
-    _check_units(tmp_path, monkeypatch, {
-        "decode_attn_ll.hip": "#define MK_ATTN_LL 1\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
-                              '#include "monokernel/decode.hip"\n',
-        "decode_attn_ll_plain.hip": '#define MK_ATTN_LL 1\n#include "monokernel/decode.hip"\n',
-        "decode_attn_ll_fine2.hip": '#define MK_ATTN_LL 1\n#define MK_FINE2 1\n#include "monokernel/decode.hip"\n'})
-
-
 def test_head_screen_build_compiles(tmp_path, monkeypatch):
     """The screened LM head's monokernel build (MK_HEAD_SCREEN=1, HIPENGINE_MK_HEAD_SCREEN: ops/head_screen.hip's
     stage and pick in the generation loop), lean and with the predicated stream, compiles warnings-as-errors for

@@ -144,7 +144,6 @@ PARAM_FIELDS = [
     ("screen_lo", "float*"),        # [grid] each block's max lower bound, published by the LM head's barrier
     ("head_c2", "float"),           # the screen's bound on the dequantised rows' norms
     ("screen", "he_i32"),           # 1: greedy steps of a generation take the screened head (MK_HEAD_SCREEN builds)
-    ("attn_ll", "he_u64*"),         # MK_ATTN_LL builds: [nh, nsplit, hd + 2] partial + [nh, hd] att LL words, else null
 ]
 
 STATE_FIELDS = [
@@ -377,12 +376,6 @@ def mk_fine(max_context: int, num_kv_heads: int, num_sms: int, head_dim: int = 6
         return 3
     nsplit, _ = mk_plan(max_context, num_kv_heads, num_sms, head_dim)
     return 2 if num_kv_heads * nsplit > num_sms * min_blocks() else 3
-
-
-def attn_ll_build() -> bool:
-    """The experiment build MK_ATTN_LL (HIPENGINE_MK_DEFINES=MK_ATTN_LL=1; decode.hip): the attention -> O-proj
-    handoff through LL words; the backend then allocates and zeroes their buffer."""
-    return bool(extra_defines().get("MK_ATTN_LL"))
 
 
 def head_screen_on() -> bool:
@@ -754,18 +747,6 @@ class MonokernelBackend(GpuBackend):
         self.attn_count = self._buf(4 * (cfg.num_kv_heads + 2))
         self.cand = self._buf(8 * rt.num_sms * max(self.occupancy, 1))
         self.screen_lo = self._buf(4 * self.grid) if self.head_screen else None
-        self.attn_ll, self.attn_ll_bytes = None, 0
-        if attn_ll_build():  # decode.hip MK_ATTN_LL: the partials' and att's LL words (fine-grained on AMD)
-            G = cfg.num_heads // cfg.num_kv_heads
-            if self.fine == 3 and 4 * G * self.mk_nsplit * (cfg.head_dim + 2) > self.smem:
-                raise UnsupportedError(f"MK_ATTN_LL: a KV group's {self.mk_nsplit} split partials do not fit the "
-                                       f"{self.smem} B of shared memory per block")
-            self.attn_ll_bytes = 8 * cfg.num_heads * (self.mk_nsplit * (cfg.head_dim + 2) + cfg.head_dim)
-            if rt.vendor == "amd":
-                self.attn_ll = rt.malloc_fine_grained(self.attn_ll_bytes)
-                self._bufs.append(self.attn_ll)
-            else:
-                self.attn_ll = self._buf(self.attn_ll_bytes)
         self.eos_buf = self._buf(4 * MAX_EOS)
         self.ring_cap = self.max_context
         self.hostmem = rt.host_alloc_mapped(4 * (len(MK_HOST_WORDS) + self.ring_cap))
@@ -801,7 +782,7 @@ class MonokernelBackend(GpuBackend):
             head_q=self.head_q.ptr if self.head_q is not None else 0,
             head_meta=self.head_meta.ptr if self.head_meta is not None else 0,
             screen_lo=self.screen_lo.ptr if self.screen_lo is not None else 0, head_c2=float(self.head_c2),
-            screen=int(self.head_screen), attn_ll=self.attn_ll.ptr if self.attn_ll is not None else 0)
+            screen=int(self.head_screen))
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)
@@ -842,8 +823,6 @@ class MonokernelBackend(GpuBackend):
         if self._ll_on():  # every launch starts the exchange at epoch 0 (at tp > 1: before any rank starts)
             rt.memset(self.ll_buf, 0, self.ll_bytes, stream=s)
         rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 2), stream=s)
-        if self.attn_ll is not None:  # MK_ATTN_LL: every launch's epochs start over (decode.hip)
-            rt.memset(self.attn_ll, 0, self.attn_ll_bytes, stream=s)
         s.synchronize()  # the host words below are read by the kernel: reset them with nothing in flight
         self.host_words[:] = 0
 

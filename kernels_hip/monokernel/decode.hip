@@ -235,9 +235,8 @@ struct MkParams {
   float* screen_lo;
   float head_c2;
   he_i32 screen;
-  he_u64* attn_ll;
 };
-static_assert(sizeof(MkParams) == 392, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 384, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -302,7 +301,6 @@ MK_OFFSET_CHECK(MkParams, head_meta, 360)
 MK_OFFSET_CHECK(MkParams, screen_lo, 368)
 MK_OFFSET_CHECK(MkParams, head_c2, 376)
 MK_OFFSET_CHECK(MkParams, screen, 380)
-MK_OFFSET_CHECK(MkParams, attn_ll, 384)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -411,7 +409,6 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[96] = (he_u64)((const char*)&vMkParams.screen_lo - (const char*)&vMkParams);
   out[97] = (he_u64)((const char*)&vMkParams.head_c2 - (const char*)&vMkParams);
   out[98] = (he_u64)((const char*)&vMkParams.screen - (const char*)&vMkParams);
-  out[99] = (he_u64)((const char*)&vMkParams.attn_ll - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -588,83 +585,6 @@ struct MkProf {
 
 #include "monokernel/tp_exchange.h"
 
-// ---- MK_ATTN_LL (session 35, an experiment; default 0) ---------------------------------------------------
-// The attention → O-proj handoff with no release fence on its path. Today (fine = 3) a split block publishes its
-// partial with the split counter's acq_rel RMW (whose release waits for the partial's stores to be acknowledged),
-// the last arriver combines and publishes att with a release add on the heads counter (a second such wait), and
-// the O-proj stages att after its acquire. MK_ATTN_LL=1: partials and att are written as LL words {float bits,
-// epoch} (tp_exchange.h's protocol: one single-copy-atomic 8-byte store each) into p.attn_ll, the split counter's
-// RMW and the heads counter's add are relaxed (they only say when to look), and every reader checks each word's
-// epoch itself, spinning (bounded) on the rare one not yet there: the combining block copies its group's partials
-// into shared memory that way before he_attention_combine, the O-proj blocks copy att before their stage. Same
-// values and the same arithmetic in the same order: the bits are the default's. The epoch of a layer's words is
-// the heads counter's target for that layer (unique within a launch; the host zeroes p.attn_ll before each one).
-// p.attn_ll: [nh][nsplit][hd + 2] partial words, then [nh][hd] att words (fine-grained memory on AMD, where the
-// words cross XCDs' L2s without a release). fine = 3 builds at tp = 1 only (MK_FINE2 and MK_TP builds keep the floats).
-#ifndef MK_ATTN_LL
-#define MK_ATTN_LL 0
-#endif
-constexpr bool kMkAttnLl = MK_ATTN_LL && !MK_FINE2 && !MK_TP;
-static_assert(!(MK_ATTN_LL && MK_ATTN_EARLY), "MK_ATTN_LL: the splits without the early K/V requests");
-struct MkLlF32 {  // an LL destination of he_attn_put (ops/attention_decode.hip): word i = {bits of v, ep}
-  he_u64* p;
-  he_u32 ep;
-};
-template <>
-struct HeAttnPutAll<MkLlF32> {  // an empty split writes every word of its partial: the combine's copy waits for each
-  static constexpr bool value = true;
-};
-HE_INLINE void he_attn_put(const MkLlF32& d, he_i64 i, float v) {
-  ((volatile he_u64*)d.p)[i] = mk_ll_word(he_f32_as_u32(v), d.ep);
-}
-
-// dst[s · stride + j] = the float of word src[s · stride + j] once it carries `ep`, for s < segs, j < len (whole
-// block; kB words per thread requested before any is checked, so a pass is one round trip when they are there).
-// A stale word is polled alone until it arrives or the wait's deadline passes (counter-timeout status, abort).
-// Returns false (block-uniform) if the kernel must end; on true dst is visible to the whole block.
-template <int kB>
-HE_INLINE bool mk_ll_stage(const HeWaitCtx& w, const he_u64* src, int segs, int len, int stride, he_u32 ep, float* dst) {
-  __shared__ int mk_lls_ok;
-  const int t = he_thread_idx(), nt = he_block_dim(), count = segs * len;
-  const volatile he_u64* sv = (const volatile he_u64*)src;
-  he_sync_block();  // dst may still be read by slower warps of what came before
-  if (t == 0) mk_lls_ok = 1;
-  he_sync_block();
-  bool ok = true;
-  for (int i0 = t; i0 < count && ok; i0 += kB * nt) {
-    he_u64 v[kB];
-#pragma unroll
-    for (int b = 0; b < kB; ++b) {
-      const int i = i0 + b * nt;
-      v[b] = i < count ? sv[(he_i64)(i / len) * stride + i % len] : mk_ll_word(0u, ep);
-    }
-#pragma unroll
-    for (int b = 0; b < kB; ++b) {
-      const int i = i0 + b * nt;
-      if (ok && (he_u32)(v[b] >> 32) != ep) {
-        const volatile he_u64* q = sv + (he_i64)(i / len) * stride + i % len;
-        const he_u64 t0 = he_clock_ns();
-        for (int polls = 1; (he_u32)((v[b] = *q) >> 32) != ep; ++polls) {
-          if (polls % kPollsPerClock == 0) {
-            if (he_aborted(w)) { ok = false; break; }
-            if (he_clock_ns() - t0 > w.timeout_ns) {
-              he_report_error(w, kStatusCounterTimeout);
-              ok = false;
-              break;
-            }
-          }
-        }
-      }
-      if (i < count) dst[(he_i64)(i / len) * stride + i % len] = he_u32_as_f32((he_u32)v[b]);
-    }
-  }
-  if (!ok) mk_lls_ok = 0;
-  he_sync_block();
-  const bool all = mk_lls_ok != 0;
-  he_sync_block();
-  return all;
-}
-
 // ---- the matvec stages as op descriptors (ops/matvec.hip) ------------------------------------------------
 // `x`: the stage's input — p.x, or with the LL exchange on (p.tp_ll: always at tp > 1, a knob at tp = 1) the
 // block's gathered copy in shared memory (monokernel/tp_exchange.h). O-proj / down-proj then push LL words of
@@ -737,19 +657,6 @@ HE_INLINE void mk_combine(const MkParams& p, int h0, int n, int seq) {
   if (he_thread_idx() == 0) he_arrive_add(p.attn_count + p.nkv + 1, (he_u32)n);
 }
 
-// MK_ATTN_LL's combine of KV head kvh (the last of its splits to arrive): its splits' partial words into shared
-// memory (he_attention_combine's layout), the combine into att words, then the heads counter (relaxed: the O-proj's
-// copy checks the words). False when a wait failed.
-HE_INLINE bool mk_combine_ll(const MkParams& p, const HeWaitCtx& w, int kvh, he_u32 ep, int seq, float* smem) {
-  const int G = MK_ATTN_G, hs = p.nsplit * (p.hd + 2);
-  const he_u64* src = p.attn_ll + (he_i64)kvh * G * hs;
-  if (!mk_ll_stage<24>(w, src, G, he_attn_splits(seq, p.nsplit) * (p.hd + 2), hs, ep, smem)) return false;
-  he_attention_combine(smem, G, p.nsplit, seq, p.hd, MkLlF32{p.attn_ll + (he_i64)p.nh * hs + (he_i64)kvh * G * p.hd, ep});
-  he_sync_block();
-  if (he_thread_idx() == 0) (void)he_fetch_add_relaxed_device(p.attn_count + p.nkv + 1, (he_u32)G);
-  return true;
-}
-
 // The QKV barrier's wait as the split body's kEarly wait (MK_ATTN_EARLY): he_grid_wait on a copy of the block's
 // barrier count (the caller advances its own after mk_attention returns), then the QKV stage's profile mark.
 struct MkWaitQkv {
@@ -774,21 +681,11 @@ struct MkWaitQkv {
 // not wait for he_arrive_last's reply: 3% slower at 1K / 8K on H200 — the combine is on the O-proj's critical
 // path, and serialising two of them lengthened it; docs/perf-log.md.)
 template <bool kEarly, class Wait>
-HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof, const Wait& wait,
-                            const HeWaitCtx& w, he_u32 ll_ep) {
+HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof, const Wait& wait) {
   const int items = p.nkv * p.nsplit;
   if (kEarly && he_block_idx() >= items) return wait();
   for (int it = he_block_idx(); it < items; it += he_grid_dim()) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
-    if constexpr (kMkAttnLl) {  // LL partials, a relaxed split counter, the combine's own checks (above)
-      he_attention_split_block<MK_ATTN_G>(p.q, L.k_cache, L.v_cache, MkLlF32{p.attn_ll, ll_ep}, pos + 1, kvh, split,
-                                          p.nsplit, p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem);
-      if (it == he_block_idx()) prof.work(kProfAttnSplit);
-      if (he_arrive_last_relaxed(p.attn_count + kvh, (he_u32)p.nsplit) && !mk_combine_ll(p, w, kvh, ll_ep, pos + 1, smem))
-        return false;
-      he_sync_block();
-      continue;
-    }
     if (kEarly && it == he_block_idx()) {
       if (!he_attention_split_block<MK_ATTN_G, true>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split,
                                                      p.nsplit, p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem, wait))
@@ -1060,11 +957,11 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // stage, so the kernel reloads its parameters after it instead of keeping them live (spilled) across it.
       if (kAttnMma) he_compiler_fence();
       if constexpr (kMkAttnEarly) {
-        const bool ok = mk_attention<true>(p, L, pos, he_mk_smem, prof, MkWaitQkv{w, epoch, nb, &prof}, w, 0u);
+        const bool ok = mk_attention<true>(p, L, pos, he_mk_smem, prof, MkWaitQkv{w, epoch, nb, &prof});
         ++epoch;  // the barrier MkWaitQkv waited for
         if (!ok) return;
       } else {
-        if (!mk_attention<false>(p, L, pos, he_mk_smem, prof, HeAttnPdlWait{}, w, attn_done + (he_u32)p.nh)) return;
+        mk_attention<false>(p, L, pos, he_mk_smem, prof, HeAttnPdlWait{});
       }
       if (kAttnMma) he_compiler_fence();
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
@@ -1086,15 +983,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (!he_block_wait_geq(w, p.attn_count + p.nkv + 1, attn_done)) return;
       prof.done(MK_FINE2 && p.fine == 2 ? kProfCombine : kProfAttn);
       ++ep_o;
-      if constexpr (kMkAttnLl) {  // att's words into shared memory, checked; the O-proj stages that copy
-        const he_i64 hs = (he_i64)p.nsplit * (p.hd + 2);
-        if (!mk_ll_stage<8>(w, p.attn_ll + (he_i64)p.nh * hs, 1, p.nh * p.hd, p.nh * p.hd, attn_done, he_mk_smem)) return;
-        HeMvPlain o = mk_o_op(p, L, ep_o);
-        o.x = he_mk_smem;
-        he_mv_finish<kMkF16, kMkDeferOD>(o, s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
-      } else {
-        he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
-      }
+      he_mv_finish<kMkF16, kMkDeferOD>(mk_o_op(p, L, ep_o), s, he_mk_smem, scratch, mk_gate_up_op(p, L, p.x));
       // gate/up's input: tp > 1, the O-proj's sum over ranks gathered by every block (no grid barrier; block
       // 0 keeps it in p.xb for the down-proj's residual); else x, published by the barrier.
       const float* gx = p.x;

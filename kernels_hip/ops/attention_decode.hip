@@ -141,19 +141,8 @@ struct HeAttnPdlWait {
 // has none (it starts past seq): the block then marks the split empty for the combine (m = −inf, l = 0), after
 // the trigger and wait its kernel's place asks for, and the split body returns; 1 when it has rows; −1 when that
 // wait failed. Both split bodies start here.
-// Where a split's partial and a combine's output go: plain floats (both paths), or in the monokernel's
-// MK_ATTN_LL build an LL-word destination of its own (monokernel/decode.hip MkLlF32: {float bits, epoch} words the
-// reader validates, so no release fence precedes the arrival). he_attn_put(dst, i, v) stores element i;
-// HeAttnPutAll<Dst>: an empty split writes its o too (an LL reader waits for every word it loads; floats skip it;
-// the LL destination specialises it).
-HE_INLINE void he_attn_put(float* dst, he_i64 i, float v) { dst[i] = v; }
-template <class Dst>
-struct HeAttnPutAll {
-  static constexpr bool value = false;
-};
-
-template <int kG, bool kEarly, bool kTrigger, class Wait, class Part>
-HE_INLINE int he_attn_split_rows(int seq, int kvh, int split, int nsplit, int chunk, int hd, const Part& partial,
+template <int kG, bool kEarly, bool kTrigger, class Wait>
+HE_INLINE int he_attn_split_rows(int seq, int kvh, int split, int nsplit, int chunk, int hd, float* partial,
                                  int& start, int& n, const Wait& wait) {
   chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
   start = split * chunk;
@@ -162,26 +151,18 @@ HE_INLINE int he_attn_split_rows(int seq, int kvh, int split, int nsplit, int ch
   if (HeAttnTrigger<kEarly, kTrigger>::before) he_pdl_trigger();
   if (kEarly && !wait()) return -1;  // partial is step data
   if (HeAttnTrigger<kEarly, kTrigger>::after) he_pdl_trigger();
-  if constexpr (HeAttnPutAll<Part>::value) {  // o as well: 0 (the combine skips l = 0 splits whatever o holds)
-    for (int i = he_thread_idx(); i < kG * (hd + 2); i += kAttnThreads) {
-      const int g = i / (hd + 2), d = i % (hd + 2);
-      he_attn_put(partial, ((he_i64)(kvh * kG + g) * nsplit + split) * (hd + 2) + d,
-                  d == hd ? he_neg_inf() : 0.f);
-    }
-  } else {
-    for (int g = he_thread_idx(); g < kG; g += kAttnThreads) {
-      const he_i64 pr = ((he_i64)(kvh * kG + g) * nsplit + split) * (hd + 2);
-      he_attn_put(partial, pr + hd, he_neg_inf());
-      he_attn_put(partial, pr + hd + 1, 0.f);
-    }
+  for (int g = he_thread_idx(); g < kG; g += kAttnThreads) {
+    float* pr = partial + ((he_i64)(kvh * kG + g) * nsplit + split) * (hd + 2);
+    pr[hd] = he_neg_inf();
+    pr[hd + 1] = 0.f;
   }
   return 0;
 }
 
 // The block's warps' states (o[hd], m, l per head; warp w's head g at ws + w·wstride + g·(hd + 2)) merged in
 // warp order (deterministic) into the split's partial; one thread per (head, dim). Both split bodies end here.
-template <int kG, class Part>
-HE_INLINE void he_attn_merge_warps(const float* ws, int wstride, const Part& partial, int kvh, int split, int nsplit,
+template <int kG>
+HE_INLINE void he_attn_merge_warps(const float* ws, int wstride, float* partial, int kvh, int split, int nsplit,
                                    int hd) {
   constexpr int G = kG, nt = kAttnThreads, nw = kAttnWarps;
   for (int i = he_thread_idx(); i < G * hd; i += nt) {
@@ -195,9 +176,9 @@ HE_INLINE void he_attn_merge_warps(const float* ws, int wstride, const Part& par
       acc += st[d] * sc;
       L += st[hd + 1] * sc;
     }
-    const he_i64 pr = ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
-    he_attn_put(partial, pr + d, acc);
-    if (d == 0) { he_attn_put(partial, pr + hd, M); he_attn_put(partial, pr + hd + 1, L); }
+    float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
+    pr[d] = acc;
+    if (d == 0) { pr[hd] = M; pr[hd + 1] = L; }
   }
 }
 
@@ -222,13 +203,12 @@ HE_INLINE void he_attn_merge_warps(const float* ws, int wstride, const Part& par
 // (the O-proj) launches — and requests its weights — only behind this block's K/V loads. Triggering at the
 // kernel's top let the O-proj's 8.4 MB of weight requests queue in front of them: −1.3% at 1K (v36). In a
 // HE_PDL_LATE build (port.h) the early kernel triggers after its wait instead.
-template <int kG, bool kEarly, bool kTrigger, class Wait = HeAttnPdlWait, class Part = float*>
+template <int kG, bool kEarly, bool kTrigger, class Wait = HeAttnPdlWait>
 // q, the caches and partial are rewritten inside the monokernel, so none is `const __restrict__` here (that
 // lets the compiler use the non-coherent read-only path) and cache rows use the coherent streaming load.
-// Returns false only when a kEarly `wait` failed (the kernel must end). Part: float* or an LL destination
-// (he_attn_put).
+// Returns false only when a kEarly `wait` failed (the kernel must end).
 HE_INLINE bool he_attention_split_fma(const float* q, const he_kv* k_cache,
-                                        const he_kv* v_cache, const Part& partial, int seq,
+                                        const he_kv* v_cache, float* partial, int seq,
                                         int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
                                         int max_ctx, float* smem, const Wait& wait = Wait{}) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
@@ -459,9 +439,9 @@ HE_INLINE constexpr int he_attn_mma_smem(int G) { return 2 * G * kAmQld * 2 + kA
 #else
 #define HE_ATTN_MMA_FN HE_INLINE
 #endif
-template <int kG, bool kEarly, bool kTrigger, class Wait = HeAttnPdlWait, class Part = float*>
+template <int kG, bool kEarly, bool kTrigger, class Wait = HeAttnPdlWait>
 HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache, const he_kv* v_cache,
-                                           const Part partial, int seq, int kvh, int split, int nsplit, int chunk,
+                                           float* partial, int seq, int kvh, int split, int nsplit, int chunk,
                                            int max_ctx, float* smem, const Wait wait = Wait{}) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
   constexpr int G = kG, HD = kAmHd, nt = kAttnThreads, nw = kAttnWarps, kDt = HD / 16;
@@ -634,15 +614,15 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
 // The split body of both paths: on the matrix cores where the module is built for them (HE_ATTN_MMA), else the
 // FMA body above.
 // kEarly: `wait` stands between the first K/V requests (all rows but the newest) and the rest; false when it failed.
-template <int kG, bool kEarly = false, bool kTrigger = false, class Wait = HeAttnPdlWait, class Part = float*>
-HE_INLINE bool he_attention_split_block(const float* q, const he_kv* k_cache, const he_kv* v_cache, const Part& partial,
+template <int kG, bool kEarly = false, bool kTrigger = false, class Wait = HeAttnPdlWait>
+HE_INLINE bool he_attention_split_block(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,
                                         int seq, int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
                                         int max_ctx, float* smem, const Wait& wait = Wait{}) {
   if constexpr (kAttnMma)
-    return he_attention_split_mma<kG, kEarly, kTrigger, Wait, Part>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit,
+    return he_attention_split_mma<kG, kEarly, kTrigger, Wait>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit,
                                                               chunk, max_ctx, smem, wait);
   else
-    return he_attention_split_fma<kG, kEarly, kTrigger, Wait, Part>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit,
+    return he_attention_split_fma<kG, kEarly, kTrigger, Wait>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit,
                                                               chunk, nh, nkv, hd, max_ctx, smem, wait);
 }
 
@@ -697,8 +677,7 @@ HE_ATTN_KERNEL(8)
 // pr: partials of the first head (heads nsplit·(hd + 2) floats apart); out: heads hd floats apart.
 // nsplit: the plan's (partials of consecutive heads are nsplit·(hd + 2) floats apart); seq: the sequence
 // length the splits covered — only its he_attn_splits(seq, nsplit) splits are folded.
-template <class Out = float*>
-HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, int seq, int hd, const Out& out) {
+HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, int seq, int hd, float* out) {
   const int t = he_thread_idx(), nt = he_block_dim();
   const int hs = nsplit * (hd + 2);  // floats per head of partials
   const int ns = he_attn_splits(seq, nsplit);
@@ -731,7 +710,7 @@ HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, in
       }
       M = Mb;
     }
-    he_attn_put(out, (he_i64)g * hd + d, o / L);
+    out[(he_i64)g * hd + d] = o / L;
   }
 }
 
