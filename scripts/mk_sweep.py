@@ -84,7 +84,8 @@ VARIANTS = [  # name, build env, runtime attrs
      {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=2"}, {}),
     # session 35: the same rows PACED (MK_GU_L2_GAP: 32 rows of 4 KiB per GAP cycles, ~1.96 GHz; after the block's
     # O-proj fill): 148 cycles = 1.7 TB/s over ~5 us for K = 1, 74 = 3.5 TB/s. With the default plan the 4 blocks
-    # without a split item (128 items at 1K) issue them; with the 0.5 plan 68 do. Values do not change.
+    # without a split item (128 items at 1K) issue them; with the 0.5 plan 68 do. Values do not change. Measured at
+    # 1K (14cfa05): −5.9 / −5.4 / −4.3 / −5.6% against variant 0 (the burst, 23: −3.0%; the plan alone, 17: −0.8%).
     ("default plan + gate/up units 2 paced at 1.7 TB/s (MK_GU_L2=1, GAP=148)",
      {"HIPENGINE_MK_DEFINES": "MK_GU_L2=1,MK_GU_L2_GAP=148"}, {}),
     ("default plan + gate/up units 2 paced at 3.5 TB/s (MK_GU_L2=1, GAP=74)",

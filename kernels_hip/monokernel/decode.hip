@@ -488,6 +488,9 @@ static_assert(MK_GU_L2 >= 0, "MK_GU_L2: gate/up units per warp to prefetch");
 // the rows go out at a set rate (4 KiB x 32 per C cycles) so that only ~rate x latency bytes are ever queued.
 // The question: is the chain's loss a function of the bytes queued (a paced stream of the same bytes costs the
 // chain little) or of the bytes moved (it costs the same)? 0: the burst, at the probe's position (before the splits).
+// Measured (14cfa05, H200, 1K, the 0.5 plan): paced at 1.7 TB/s −4.3% against the burst's −3.0% (the plan alone
+// −0.8%) — the bytes moved, not the queue; with the default plan the 4 issuing blocks cannot issue that fast and
+// delay the O barrier (−5.4 to −5.9%). Off (docs/perf-log.md session 35).
 #ifndef MK_GU_L2_GAP
 #define MK_GU_L2_GAP 0
 #endif
