@@ -45,7 +45,7 @@
 #           both paths per word of $AB_ENVS, the monokernel tests in the time left (of $BUDGET_S, default 575 s)
 #   mlpparts: bench_ops with the fused MLP's parts, the monokernel stage profile at 1K per $AB_PROFILE_ENVS word
 #   packed: packed 13-bit MLP weights (session 33): their tests, mk_sweep $ONLY (0,22,0,22) at $AB_CONTEXTS, the profile
-#   paced : session 35's paced L2 prefetch: mk_sweep $ONLY at 1K, the 1K stage profiles of the default and $EXP_DEFINES
+#   paced : session 35: mk_sweep $ONLY at $AB_CONTEXTS (default 1K), the 1K stage profiles of the default and $EXP_DEFINES
 #   screenrec: the bench of record, the head-screen tests, the monokernel tests (session 34: v77b the default)
 #   screen: the screened LM head (session 32): its tests, mk_sweep $ONLY (0,20,0,20) at $AB_CONTEXTS, its stage profile
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,

@@ -13,6 +13,7 @@ import sys
 # llama-3.2-1b's stream row lengths (hidden size, q_dim, ffn; at tp = 2 the ffn and q_dim are halved): they pick
 # the monokernel build without the stream's predicated paths (compile_args `rows`)
 L1B, L1B_TP2 = {"rows": (2048, 2048, 8192)}, {"rows": (2048, 1024, 4096)}
+L1B_1K = {**L1B, "sizes": (1024,), "fines": (3,)}  # the 1K cache class only (1K-only sweeps)
 ANY = {"qk_norm": (False, True)}  # the tests' models: Qwen3 (q/k norms) among them
 VARIANTS = {  # name: (environment, weight dtypes, groups, precompile keywords)
     "default": ({}, (False, True), (1, 2, 3, 4), ANY),
@@ -26,19 +27,17 @@ VARIANTS = {  # name: (environment, weight dtypes, groups, precompile keywords)
     "1b-packed": ({"HIPENGINE_MK_PACKED": "1"}, (False,), (4,), L1B),  # packed 13-bit MLP weights (v78)
     "1b-packed-profile": ({"HIPENGINE_MK_PACKED": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B),
     # session 34's probe at 1K (mk_sweep 23 / 24): gate/up rows prefetched into L2 by the blocks without a split
-    "1b-1k-gu-l2": ({"HIPENGINE_MK_DEFINES": "MK_GU_L2=1"}, (False,), (4,), {**L1B, "sizes": (1024,), "fines": (3,)}),
-    "1b-1k-gu-l2x2": ({"HIPENGINE_MK_DEFINES": "MK_GU_L2=2"}, (False,), (4,), {**L1B, "sizes": (1024,), "fines": (3,)}),
+    "1b-1k-gu-l2": ({"HIPENGINE_MK_DEFINES": "MK_GU_L2=1"}, (False,), (4,), L1B_1K),
+    "1b-1k-gu-l2x2": ({"HIPENGINE_MK_DEFINES": "MK_GU_L2=2"}, (False,), (4,), L1B_1K),
+    # the default and its profile build, 1K only
+    "1b-1k": ({}, (False,), (4,), L1B_1K),
+    "1b-1k-profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_1K),
     # session 35: the same rows paced (mk_sweep 25-28; MK_GU_L2_GAP cycles per 32-row group), and 25's profile build
-    "1b-1k": ({}, (False,), (4,), {**L1B, "sizes": (1024,), "fines": (3,)}),
-    "1b-1k-profile": ({"HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), {**L1B, "sizes": (1024,), "fines": (3,)}),
-    "1b-1k-gu-pace148": ({"HIPENGINE_MK_DEFINES": "MK_GU_L2=1,MK_GU_L2_GAP=148"}, (False,), (4,),
-                         {**L1B, "sizes": (1024,), "fines": (3,)}),
-    "1b-1k-gu-pace74": ({"HIPENGINE_MK_DEFINES": "MK_GU_L2=1,MK_GU_L2_GAP=74"}, (False,), (4,),
-                        {**L1B, "sizes": (1024,), "fines": (3,)}),
-    "1b-1k-gu-x2-pace74": ({"HIPENGINE_MK_DEFINES": "MK_GU_L2=2,MK_GU_L2_GAP=74"}, (False,), (4,),
-                           {**L1B, "sizes": (1024,), "fines": (3,)}),
+    "1b-1k-gu-pace148": ({"HIPENGINE_MK_DEFINES": "MK_GU_L2=1,MK_GU_L2_GAP=148"}, (False,), (4,), L1B_1K),
+    "1b-1k-gu-pace74": ({"HIPENGINE_MK_DEFINES": "MK_GU_L2=1,MK_GU_L2_GAP=74"}, (False,), (4,), L1B_1K),
+    "1b-1k-gu-x2-pace74": ({"HIPENGINE_MK_DEFINES": "MK_GU_L2=2,MK_GU_L2_GAP=74"}, (False,), (4,), L1B_1K),
     "1b-1k-gu-pace148-profile": ({"HIPENGINE_MK_DEFINES": "MK_GU_L2=1,MK_GU_L2_GAP=148", "HIPENGINE_MK_PROFILE": "1"},
-                                 (False,), (4,), {**L1B, "sizes": (1024,), "fines": (3,)}),
+                                 (False,), (4,), L1B_1K),
     "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,), L1B_TP2),  # the tensor-parallel build (MK_TP=1)
     "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_TP2),
 }
