@@ -334,6 +334,15 @@ case "$MODE" in
       --json "$OUT/mkprof_default.json"
     run mkprof_exp 70 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/mkprof_exp.json" ;;
+  ogroup)  # session 36 (decode.hip MK_O_GROUP, ops/matvec_group.hip): the grouped O-proj's GPU test (its logits against
+           # the per-op path's), mk_sweep's variants $ONLY (default 0,29,0,29) at $AB_CONTEXTS in one process, then the 1K
+           # stage profiles of the default build and of the grouped one
+    run ogroup_tests 120 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k o_group
+    ONLY=${ONLY:-0,29,0,29} mk_sweep_ab mk_sweep 330
+    run mkprof_default 60 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
+      --json "$OUT/mkprof_default.json"
+    run mkprof_ogroup 60 env HIPENGINE_MK_OGROUP=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
+      --context 1024 --profile --json "$OUT/mkprof_ogroup.json" ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
@@ -341,7 +350,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -94,9 +94,14 @@ VARIANTS = [  # name, build env, runtime attrs
      {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=1,MK_GU_L2_GAP=148"}, {}),
     ("0.5 plan + gate/up units 2-3 paced at 3.5 TB/s (MK_GU_L2=2, GAP=74)",
      {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=2,MK_GU_L2_GAP=74"}, {}),
+    # session 36: the O-proj by KV-head group (decode.hip MK_O_GROUP, ops/matvec_group.hip): the blocks of each group
+    # combine its heads themselves and add their rows' shares in fixed point (no combining block, no heads-combined
+    # counter, no att in global memory). Its sums differ (fixed-point shares): tokens may differ from variant 0's
+    # (tokens_common_prefix says from where).
+    ("O-proj by KV-head group (HIPENGINE_MK_OGROUP)", {"HIPENGINE_MK_OGROUP": "1"}, {}),
     # (session 35's MK_FILL_O_AFTER_WAIT — the O-proj's first pair after the heads-combined wait: −1.1 / −1.3 / −1.1% —
     # and then MK_ATTN_LL — the attention -> O-proj handoff through LL words: −26 / −23 / −19% — were variant 29 here,
-    # removed.)
+    # removed; 29 is now the grouped O-proj above.)
     # (session 31's v76 — the matrix-core attention split with 2 / 3 K/V tiles in flight per warp: −1.3 / −2.9 / −2.1%
     # and −4 to −7% at 1K / 8K / 32K — were variants 20 / 21 here, removed.)
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were
@@ -110,7 +115,7 @@ VARIANTS = [  # name, build env, runtime attrs
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
                "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_FINE",
                "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_MK_ONE_ROUND",
-               "HIPENGINE_FUSED_MLP", "HIPENGINE_MK_HEAD_SCREEN", "HIPENGINE_MK_PACKED")
+               "HIPENGINE_FUSED_MLP", "HIPENGINE_MK_HEAD_SCREEN", "HIPENGINE_MK_PACKED", "HIPENGINE_MK_OGROUP")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its
@@ -201,12 +206,16 @@ def main() -> int:
             for r in measure(be, contexts, ["monokernel"], runs=args.runs, log=lambda m: None,
                              max_context=args.max_context or None):
                 C = r["context"]
-                same = ref.setdefault(C, r["tokens"]) == r["tokens"]
+                first = ref.setdefault(C, r["tokens"])
+                same = first == r["tokens"]
+                prefix = next((i for i, (a, b) in enumerate(zip(first, r["tokens"])) if a != b),
+                              min(len(first), len(r["tokens"])))
                 rows.append({"variant": name, "env": env, "attrs": attrs, "context": C, "tok_s": r["tok_s"],
                              "tok_s_runs": r["tok_s_runs"], "tokens_equal_first_variant": same,
-                             "grid": grid_info(be)})
+                             "tokens_common_prefix": prefix, "tokens": len(r["tokens"]), "grid": grid_info(be)})
                 print(f"{name:50s} {C:6d} {r['tok_s']:8.1f} tok/s  runs {[round(x, 1) for x in r['tok_s_runs']]}"
-                      f"{'' if same else '  TOKENS DIFFER from the first variant'}", flush=True)
+                      f"{'' if same else f'  TOKENS DIFFER from the first variant from token {prefix} of {len(first)}'}",
+                      flush=True)
         except (DeviceError, UnsupportedError) as e:  # one variant's failure is its row; the sweep goes on
             rows.append({"variant": name, "env": env, "attrs": attrs, "error": str(e)})
             print(f"{name:50s} FAILED: {e}", flush=True)

@@ -266,3 +266,15 @@ def test_monokernel_profile_build_compiles(tmp_path, monkeypatch):
     unit.write_text('#define MK_PROFILE 1\n#include "monokernel/decode.hip"\n')
     for r in check.check_all(_targets(), [unit]):
         assert r.ok, f"{r.target}: {r.message}"
+
+
+def test_o_group_build_compiles(tmp_path, monkeypatch):
+    """The grouped O-proj's monokernel build (MK_O_GROUP=1, HIPENGINE_MK_OGROUP: ops/matvec_group.hip's share of
+    Wo per KV-head group, the fixed-point addend in the gate/up prologue and the down-proj's residual rows), with
+    the screened head as the default runs it, lean and as a profile build, compiles warnings-as-errors for gfx942
+    (G·hd = 256: 32 lanes per row of a wave64 load's two) and sm_90."""
+    _check_units(tmp_path, monkeypatch, {
+        "decode_o_group.hip": "#define MK_O_GROUP 1\n#define HE_ATTN_HD 64\n#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n"
+                              '#define HE_COLD_HINTS 1\n#include "monokernel/decode.hip"\n',
+        "decode_o_group_profile.hip": "#define MK_O_GROUP 1\n#define HE_ATTN_HD 64\n#define MK_PROFILE 1\n"
+                                      '#include "monokernel/decode.hip"\n'})

@@ -263,7 +263,7 @@ def write_layout(path=None) -> None:
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
                  tp: bool = False, q_regs: bool = False, max_context: int = 4096, arch: str | None = None,
                  rows: tuple[int, ...] = (), qk_norm: bool = False, fine: int = 3, fused_mlp: bool = False,
-                 head_screen: bool = False, mlp_packed: bool = False) -> dict:
+                 head_screen: bool = False, mlp_packed: bool = False, o_group: bool = False) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row and
     head_dim itself, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
     parallelism — ``tp`` or HIPENGINE_MK_LL=1 — the long-context build ``q_regs``: q_regs_build — the
@@ -305,6 +305,8 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["MK_HEAD_SCREEN"] = 1
     if mlp_packed and not (tp or ll_local() or defines["MK_FUSED_MLP"]):
         defines["MK_MLP_PACKED"] = 1
+    if o_group:
+        defines["MK_O_GROUP"] = 1
     defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
 
@@ -390,6 +392,31 @@ def mlp_packed_on() -> bool:
     (ops/matvec_packed.hip, hipengine/gpu/packed.py: the same sums, bit for bit, from 13/16 of the bytes).
     HIPENGINE_MK_PACKED=1 / 0; the default is off until measured (docs/perf-log.md v78)."""
     return O._env_switch("HIPENGINE_MK_PACKED") is True
+
+
+def o_group_on() -> bool:
+    """Whether the monokernel's O-proj runs by KV-head group (decode.hip MK_O_GROUP, ops/matvec_group.hip): the
+    blocks of each group combine its heads themselves and add their shares in fixed point, one publication fewer
+    on the attention -> O-proj chain. HIPENGINE_MK_OGROUP=1 / 0; off by default until measured (its sums differ
+    from the plain O-proj's, and the per-op path keeps the plain one)."""
+    return O._env_switch("HIPENGINE_MK_OGROUP") is True
+
+
+def o_group_misfit(group: int, head_dim: int, hidden: int, num_kv_heads: int, blocks: int, warp: int,
+                   threads: int = THREADS) -> str | None:
+    """Why the grouped O-proj cannot serve this shape (None: it can): a group's G·hd columns must be 8·2^k with
+    16 <= 2^k <= the warp width lanes, the hidden size whole tiles of a block's rows, and every (group, tile) a
+    block of the grid (ops/matvec_group.hip HeMvgGeom)."""
+    cols = group * head_dim
+    lanes = cols // 8
+    if cols % 8 or lanes < 16 or lanes > warp or lanes & (lanes - 1):
+        return f"G*head_dim = {cols} columns per KV-head group (needs 8 x a power of two from 16 to {warp})"
+    rows = 16 * (warp // lanes) * (threads // warp)
+    if hidden % rows:
+        return f"hidden size {hidden} is not whole tiles of {rows} rows"
+    if num_kv_heads * (hidden // rows) > blocks:
+        return f"{num_kv_heads} groups x {hidden // rows} tiles need more blocks than the grid's {blocks}"
+    return None
 
 
 def mk_one_round() -> bool:
@@ -485,7 +512,10 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
                                    max_context=n, arch=arch, rows=rows, qk_norm=qn, fine=fine,
                                    fused_mlp=O.fused_mlp(), head_screen=head_screen_on(),
                                    mlp_packed=mlp_packed_on() and bool(rows) and not f16
-                                   and all(n % packed.batch_cols(32) == 0 for n in (rows[0], rows[-1]))))
+                                   and all(n % packed.batch_cols(32) == 0 for n in (rows[0], rows[-1])),
+                                   o_group=o_group_on() and fine == 3 and bool(rows) and not O.fused_mlp()
+                                   and not mlp_packed_on() and not ll_local()
+                                   and o_group_misfit(g, head_dim, rows[0], 1, 1 << 30, 32) is None))
              for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm for fine in fines]
     # the decode-step modules' HE_PDL_LATE builds (Ops._late: the default trigger places or the env's)
     levels = O.pdl_trigger_levels()
@@ -573,6 +603,27 @@ class MonokernelBackend(GpuBackend):
             if O._env_switch("HIPENGINE_MK_HEAD_SCREEN") is True:
                 raise
             return False
+        return True
+
+    def _o_group_wanted(self) -> bool:
+        """The grouped O-proj (o_group_on) where it applies: tp = 1 without the LL exchange, fine = 3, the two-stage
+        bf16 MLP, a shape o_group_misfit accepts on this GPU's grid; asked for on one it cannot serve, the reason is
+        one clear error."""
+        if not o_group_on():
+            return False
+        cfg, rt = self.config, self.rt
+        why = None
+        if self.mk_tp or ll_local():
+            why = "tensor parallelism / the LL exchange"
+        elif getattr(self, "fused_mlp", False) or self.mlp_packed:
+            why = "the fused MLP / packed MLP weights"
+        elif self.fine != 3:
+            why = f"the attention -> O-proj scheme fine = {self.fine}"
+        else:
+            why = o_group_misfit(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                                 cfg.num_kv_heads, rt.num_sms, rt.warp_size)
+        if why:
+            raise UnsupportedError(f"HIPENGINE_MK_OGROUP=1: the grouped O-proj cannot serve this model: {why}")
         return True
 
     def _packed_wanted(self) -> bool:
@@ -706,13 +757,14 @@ class MonokernelBackend(GpuBackend):
         per-op path's), the attention -> O-proj scheme (mk_fine) — and load its kernel."""
         rt, cfg = self.rt, self.config
         self.q_regs, self.warp_max, self.fine = self._build_class()
+        self.o_group = self._o_group_wanted()
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
                                                         max_context=self.max_context, arch=rt.arch,
                                                         rows=(cfg.hidden_size, cfg.q_dim, cfg.intermediate_size),
                                                         qk_norm=cfg.qk_norm, fine=self.fine,
                                                         fused_mlp=self.fused_mlp, head_screen=self.head_screen,
-                                                        mlp_packed=self.mlp_packed))
+                                                        mlp_packed=self.mlp_packed, o_group=self.o_group))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 
@@ -778,7 +830,7 @@ class MonokernelBackend(GpuBackend):
             prof=self.prof_buf.ptr if self.prof_buf is not None else 0,
             tp_ll=self.tp_ll_ptr if self._ll_on() else 0, xb=self.xb_ptr, tp_world=self.tp_world,
             tp_rank=self.tp_rank, vocab_off=self.vocab_off, embed_vocab=self.embed_vocab,
-            x_fx=self.x_fx.ptr if self.fused_mlp else 0,
+            x_fx=self.x_fx.ptr if self.fused_mlp or self.o_group else 0,
             head_q=self.head_q.ptr if self.head_q is not None else 0,
             head_meta=self.head_meta.ptr if self.head_meta is not None else 0,
             screen_lo=self.screen_lo.ptr if self.screen_lo is not None else 0, head_c2=float(self.head_c2),
@@ -823,6 +875,8 @@ class MonokernelBackend(GpuBackend):
         if self._ll_on():  # every launch starts the exchange at epoch 0 (at tp > 1: before any rank starts)
             rt.memset(self.ll_buf, 0, self.ll_bytes, stream=s)
         rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 2), stream=s)
+        if self.o_group:  # the O-proj's fixed-point shares start from zero (the kernel clears them after each use)
+            rt.memset(self.x_fx, 0, 8 * self.config.hidden_size, stream=s)
         s.synchronize()  # the host words below are read by the kernel: reset them with nothing in flight
         self.host_words[:] = 0
 

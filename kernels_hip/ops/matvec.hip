@@ -164,6 +164,16 @@ template <class Op>
 struct HeMvIsPacked<Op, decltype(void(Op::kPacked))> {
   static constexpr bool value = Op::kPacked;
 };
+// Ops whose prologue input is the fixed-point buffer x_fx alone say so with `static constexpr bool kFxOnly = true`
+// (the monokernel's gate/up after the grouped O-proj, ops/matvec_group.hip): x is not read.
+template <class Op, class = void>
+struct HeMvFxOnly {
+  static constexpr bool value = false;
+};
+template <class Op>
+struct HeMvFxOnly<Op, decltype(void(Op::kFxOnly))> {
+  static constexpr bool value = Op::kFxOnly;
+};
 
 // Load batch columns [c0, c0 + B) of unit u of `op` (zeros past the rows' end or when there is no unit).
 template <class Op, int kRows>
@@ -266,7 +276,8 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   if constexpr (kPacked)
     he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, true>(op.x, op.gamma, op.eps, op.in, xs, scratch, op.x_fx, op.pk.post);
   else
-    he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS>(op.x, op.gamma, op.eps, op.in, xs, scratch, op.x_fx);
+    he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, false, HeMvFxOnly<Op>::value>(op.x, op.gamma, op.eps, op.in, xs,
+                                                                                  scratch, op.x_fx);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
   float acc[kRows][2];
 #pragma unroll

@@ -40,11 +40,27 @@ HE_INLINE void he_add_fx4(const he_i64* fx, float (&v)[4]) {
   v[3] = v[3] + he_fx_to_f32(he_i64_of_words(b.z, b.w));
 }
 
+// The stage's input values at float4 index i: x (+ fx when given), or kFxOnly: fx alone.
+template <bool kFxOnly>
+HE_INLINE void he_load_x4(const float* x, const he_i64* fx, int i, float (&v)[4]) {
+  if constexpr (kFxOnly) {
+    const he_vec16 a = he_load16(fx + 4 * i), b = he_load16(fx + 4 * i + 2);
+    v[0] = he_fx_to_f32(he_i64_of_words(a.x, a.y));
+    v[1] = he_fx_to_f32(he_i64_of_words(a.z, a.w));
+    v[2] = he_fx_to_f32(he_i64_of_words(b.x, b.y));
+    v[3] = he_fx_to_f32(he_i64_of_words(b.z, b.w));
+  } else {
+    he_load4f(x + 4 * i, v);
+    if (fx != nullptr) he_add_fx4(fx + 4 * i, v);
+  }
+}
+
 // dst[4i..4i+3] = x[...] (· scale · gamma[...]) for this thread's float4 indices, kB loads in flight.
-// fx != nullptr: x + fx (he_add_fx4) instead of x. kPost: each value then times `post`, a power of two (the
-// packed weights' exponent offset, ops/matvec_packed.hip: exact, so the stored value is the unscaled one's
-// bits shifted in exponent).
-template <int kB, bool kGamma, bool kPost = false>
+// fx != nullptr: x + fx (he_add_fx4) instead of x; kFxOnly: fx alone (x is not read: the fixed-point buffer holds
+// the whole value, the grouped O-proj's residual, ops/matvec_group.hip). kPost: each value then times `post`, a
+// power of two (the packed weights' exponent offset, ops/matvec_packed.hip: exact, so the stored value is the
+// unscaled one's bits shifted in exponent).
+template <int kB, bool kGamma, bool kPost = false, bool kFxOnly = false>
 HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, int n4, float* dst,
                              const he_i64* fx = nullptr, float post = 1.f) {
   const int t = he_thread_idx(), nt = he_block_dim();
@@ -54,8 +70,7 @@ HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, in
     for (int b = 0; b < kB; ++b) {
       const int i = i0 + b * nt;
       if (i < n4) {
-        he_load4f(x + 4 * i, v[b]);
-        if (fx != nullptr) he_add_fx4(fx + 4 * i, v[b]);
+        he_load_x4<kFxOnly>(x, fx, i, v[b]);
         if (kGamma) he_load4f(gamma + 4 * i, g[kGamma ? b : 0]);
       }
     }
@@ -74,10 +89,14 @@ HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, in
 }
 
 // Rows whose length is not a multiple of 4 (not 16-byte aligned): one element per thread per iteration.
+template <bool kFxOnly = false>
 HE_INLINE void he_rmsnorm_scalar(const float* x, const float* __restrict__ gamma, float eps, int n, float* dst,
                                  float* scratch, const he_i64* fx = nullptr, float post = 1.f) {
   const int t = he_thread_idx(), nt = he_block_dim();
-  auto xv = [&](int i) { return fx != nullptr ? x[i] + he_fx_to_f32(fx[i]) : x[i]; };
+  auto xv = [&](int i) {
+    if constexpr (kFxOnly) return he_fx_to_f32(fx[i]);
+    else return fx != nullptr ? x[i] + he_fx_to_f32(fx[i]) : x[i];
+  };
   float scale = 1.f;
   if (gamma) {
     float ss = 0.f;
@@ -89,7 +108,7 @@ HE_INLINE void he_rmsnorm_scalar(const float* x, const float* __restrict__ gamma
 }
 
 // This thread's sum of squares of x (+ fx) over its float4 indices, kB loads in flight, in index order.
-template <int kB>
+template <int kB, bool kFxOnly = false>
 HE_INLINE float he_norm_ss(const float* x, const he_i64* fx, int n4) {
   const int t = he_thread_idx(), nt = he_block_dim();
   float ss = 0.f;
@@ -99,8 +118,7 @@ HE_INLINE float he_norm_ss(const float* x, const he_i64* fx, int n4) {
     for (int b = 0; b < kB; ++b) {
       const int i = i0 + b * nt;
       if (i < n4) {
-        he_load4f(x + 4 * i, v[b]);
-        if (fx != nullptr) he_add_fx4(fx + 4 * i, v[b]);
+        he_load_x4<kFxOnly>(x, fx, i, v[b]);
       } else {
         v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
       }
@@ -115,13 +133,13 @@ HE_INLINE float he_norm_ss(const float* x, const he_i64* fx, int n4) {
 // kVec4: the caller promises n % 4 == 0 (a matvec build of whole-pair rows), so the scalar path is not compiled.
 // fx (optional): the residual stream's pending fixed-point addend (ops/mlp.hip); the stage normalises x + fx.
 // kPost: every stored value times `post` (he_norm_store; the scalar path multiplies by it unconditionally:
-// post is 1 there unless kPost, and x · 1 is x).
-template <bool kVec4 = false, bool kPost = false>
+// post is 1 there unless kPost, and x · 1 is x). kFxOnly: the input is fx alone (he_load_x4; x is not read).
+template <bool kVec4 = false, bool kPost = false, bool kFxOnly = false>
 HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma, float eps, int n,
                                 float* dst, float* scratch, const he_i64* fx = nullptr, float post = 1.f) {
   if constexpr (!kVec4) {
     if (HE_UNLIKELY(n % 4)) {
-      he_rmsnorm_scalar(x, gamma, eps, n, dst, scratch, fx, kPost ? post : 1.f);
+      he_rmsnorm_scalar<kFxOnly>(x, gamma, eps, n, dst, scratch, fx, kPost ? post : 1.f);
       return;
     }
   }
@@ -129,15 +147,15 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
   // With the addend the batches are halved: its two loads per float4 keep the registers of a batch (32) as
   // without it (the monokernel's weight stream is live here). Sums in the same element order either way.
   if (HE_UNLIKELY(!gamma)) {  // (a literal nullptr folds: the O-proj / down-proj take only this path)
-    if (fx != nullptr) he_norm_store<kNormBatch / 2, false, kPost>(x, nullptr, 1.f, n4, dst, fx, post);
+    if (fx != nullptr) he_norm_store<kNormBatch / 2, false, kPost, kFxOnly>(x, nullptr, 1.f, n4, dst, fx, post);
     else he_norm_store<kNormBatch, false, kPost>(x, nullptr, 1.f, n4, dst, nullptr, post);
     he_sync_block();
     return;
   }
-  const float ss = fx != nullptr ? he_norm_ss<kNormBatch / 2>(x, fx, n4) : he_norm_ss<kNormBatch>(x, nullptr, n4);
+  const float ss = fx != nullptr ? he_norm_ss<kNormBatch / 2, kFxOnly>(x, fx, n4) : he_norm_ss<kNormBatch>(x, nullptr, n4);
   // mean in fp32 then rsqrt: rsqrt.approx has ~2 ulp error, far below the bf16 weights' rounding.
   const float scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
-  if (fx != nullptr) he_norm_store<kNormBatch / 4, true, kPost>(x, gamma, scale, n4, dst, fx, post);
+  if (fx != nullptr) he_norm_store<kNormBatch / 4, true, kPost, kFxOnly>(x, gamma, scale, n4, dst, fx, post);
   else he_norm_store<kNormBatch / 2, true, kPost>(x, gamma, scale, n4, dst, nullptr, post);
   he_sync_block();
 }

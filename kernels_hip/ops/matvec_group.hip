@@ -1,0 +1,150 @@
+// The O-projection by KV-head group: y += Wo[:, group g's columns] · att_g, each group's share of every output
+// row added into a 64-bit fixed-point accumulator (port.h he_fx_*: integer adds commute, so the eight groups'
+// shares sum to the same bits in any order, on every run and on both paths).
+//
+// Why. The plain O-proj (matvec.hip HeMvPlain) needs every head of att, so the monokernel's attention must end
+// in a chain before it: the last split block of each KV head combines its group, stores att, releases a
+// heads-combined counter, and every block polls that counter and then stages att — two publications (partials,
+// then att) and their round trips. Split by the columns of one KV head's group (G·hd of them: the heads that
+// share K/V), the O-proj needs only that group's partials: the blocks of group g wait for its split counter,
+// combine its G heads themselves (he_attention_combine, the same arithmetic as the per-op combine kernel) and
+// multiply — one publication fewer on the attention → O-proj chain. The price: eight shares per output row,
+// summed in fixed point. The fixed-point buffer holds the whole residual stream after the O-proj (group 0's tiles
+// add x itself), so its two readers read it alone: the gate/up prologue (HeMvGateUpFx: x is not read) and the
+// down-proj's residual rows (HeMvPlainFxRes), which write the completed rows into x and clear the buffer.
+//
+// Geometry (kCols = G·hd columns per group, kCols / 8 a power of two from 16 to the warp width). A lane's
+// 16-byte load holds 8 weights of one row, kCols / 8 lanes cover a row's group columns, so one warp-wide load
+// covers kRowsPerLoad = kWarpSize·8 / kCols rows; a warp keeps the weight stream's 4·kMatvecUnroll loads per lane
+// (HeMvStream<2>'s registers: its whole 8 KiB on NVIDIA) for kLoads·kRowsPerLoad rows, and a block of kMkThreads
+// threads covers kBlockRows = kLoads · kThreads · 8 / kCols rows (128 for Llama-3.2-1B's 256 columns, on both
+// warp widths). A lane's 8 products of a row are one FMA chain (he_wfma8), the kCols / 8 lanes of the row are
+// summed by a halving butterfly (the 16 rows' sums shuffled 16 + 8 + 4 + 2 times, then plain adds), so every
+// row's sum is the same sequence of operations in the monokernel and in the per-op kernel.
+#ifndef HE_OPS_MATVEC_GROUP_HIP
+#define HE_OPS_MATVEC_GROUP_HIP
+#include "port.h"
+#include "ops/matvec.hip"
+
+constexpr int kMvgLoads = 4 * kMatvecUnroll;  // a lane's loads: HeMvStream<2>'s a[2][U] and b[2][U]
+
+template <int kCols>
+struct HeMvgGeom {
+  static constexpr int kLanesPerRow = kCols / 8;
+  static_assert(kCols % 8 == 0 && kLanesPerRow >= 16 && kLanesPerRow <= kWarpSize &&
+                    (kLanesPerRow & (kLanesPerRow - 1)) == 0,
+                "the grouped O-proj needs G*hd / 8 columns' lanes, a power of two from 16 to the warp width");
+  static constexpr int kRowsPerLoad = kWarpSize / kLanesPerRow;
+  static constexpr int kWarpRows = kMvgLoads * kRowsPerLoad;
+  static HE_INLINE int block_rows(int threads) { return kWarpRows * (threads / kWarpSize); }
+};
+
+// One warp's share: rows [row0, row0 + kWarpRows) of Wo (row-major [n_rows, in]), columns [g·kCols, (g+1)·kCols).
+struct HeMvGroupO {
+  const he_u16* W;
+  int in;      // Wo's row length (nh·hd)
+  int n_rows;  // Wo's rows (the hidden size)
+  int g;       // the KV-head group
+  int row0;    // this warp's first row
+  he_i64* y_fx;  // [n_rows] the fixed-point accumulator the shares are added into
+  const float* res;  // group 0's tiles: the residual x, added in fixed point with the share; else nullptr
+};
+
+// The row of load i for this lane.
+template <int kCols>
+HE_INLINE int he_mvg_row(const HeMvGroupO& op, int i) {
+  using G = HeMvgGeom<kCols>;
+  return op.row0 + i * G::kRowsPerLoad + he_lane_id() / G::kLanesPerRow;
+}
+
+template <int kCols>
+HE_INLINE he_vec16 he_mvg_load(const HeMvGroupO& op, int i) {
+  using G = HeMvgGeom<kCols>;
+  const int r = he_mvg_row<kCols>(op, i);
+  if (r >= op.n_rows) return he_vec16{0u, 0u, 0u, 0u};
+  return he_load16_stream(op.W + (he_i64)r * op.in + op.g * kCols + (he_lane_id() % G::kLanesPerRow) * 8);
+}
+
+// The warp's weights into the stream's registers (weights only: issue it before waiting for att).
+template <int kCols>
+HE_INLINE void he_mvg_fill(const HeMvGroupO& op, HeMvStream<2>& s) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int k = 0; k < kMatvecUnroll; ++k) {
+      s.a[r][k] = he_mvg_load<kCols>(op, r * kMatvecUnroll + k);
+      s.b[r][k] = he_mvg_load<kCols>(op, 2 * kMatvecUnroll + r * kMatvecUnroll + k);
+    }
+}
+
+// Halve the live sums over lane bit kOff: the lanes with the bit clear keep sums [0, kN/2) (adding their partner's
+// copies), the others keep [kN/2, kN) renumbered from 0 — kN/2 shuffles.
+template <int kN, int kOff>
+HE_INLINE void he_mvg_halve(float (&v)[kMvgLoads]) {
+  const bool hi = (he_lane_id() & kOff) != 0;
+#pragma unroll
+  for (int i = 0; i < kN / 2; ++i) {
+    const float keep = hi ? v[i + kN / 2] : v[i], send = hi ? v[i] : v[i + kN / 2];
+    v[i] = keep + he_shfl_xor(send, kOff);
+  }
+}
+
+// Which of the 16 loads' rows this lane holds after the four halvings (he_mvg_finish).
+template <int kCols>
+HE_INLINE int he_mvg_kept() {
+  constexpr int L = HeMvgGeom<kCols>::kLanesPerRow;
+  const int lane = he_lane_id();
+  return ((lane & (L / 2)) ? 8 : 0) + ((lane & (L / 4)) ? 4 : 0) + ((lane & (L / 8)) ? 2 : 0) + ((lane & (L / 16)) ? 1 : 0);
+}
+
+// att: the group's kCols inputs (shared memory). Sums this warp's rows and adds each into op.y_fx.
+template <bool kF16, int kCols>
+HE_INLINE void he_mvg_finish(const HeMvGroupO& op, const HeMvStream<2>& s, const float* att) {
+  using G = HeMvgGeom<kCols>;
+  static_assert(kMvgLoads == 16, "the butterfly below is written for 16 sums per lane");
+  constexpr int L = G::kLanesPerRow;
+  // the row this lane ends with; lanes whose bits below L / 16 are clear hold distinct rows (the others, copies)
+  const int r = he_mvg_row<kCols>(op, he_mvg_kept<kCols>());
+  const bool writer = (he_lane_id() & (L / 16 - 1)) == 0 && r < op.n_rows;
+  const float res = (op.res != nullptr && writer) ? op.res[r] : 0.f;  // requested before the sums
+  float xv[8];
+  const float* xa = att + (he_lane_id() % G::kLanesPerRow) * 8;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) xv[j] = xa[j];
+  float v[kMvgLoads];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int k = 0; k < kMatvecUnroll; ++k) {
+      v[r * kMatvecUnroll + k] = he_wfma8<kF16>(s.a[r][k], xv, 0.f);
+      v[2 * kMatvecUnroll + r * kMatvecUnroll + k] = he_wfma8<kF16>(s.b[r][k], xv, 0.f);
+    }
+  // kLanesPerRow lanes per row: log2 of it butterfly levels, the first four halving the 16 sums
+  he_mvg_halve<16, L / 2>(v);
+  he_mvg_halve<8, L / 4>(v);
+  he_mvg_halve<4, L / 8>(v);
+  he_mvg_halve<2, L / 16>(v);
+#pragma unroll
+  for (int o = L / 32; o > 0; o >>= 1) v[0] += he_shfl_xor(v[0], o);
+  if (writer)
+    he_red_add_i64_relaxed_device(op.y_fx + r, he_fx_from_f32(v[0]) + (op.res != nullptr ? he_fx_from_f32(res) : 0));
+}
+
+// The readers of the fixed-point residual the grouped O-proj leaves (the whole of x + the O-proj's output):
+// gate/up with x_fx as its prologue's only input (HeMvFxOnly: x is not read) ...
+struct HeMvGateUpFx : HeMvGateUp {
+  static constexpr bool kFxOnly = true;
+};
+// ... and the down-proj, whose residual rows are res_fx's (residual is not read): the epilogue writes y = the sum
+// + that row, and clears it (HeMvPlain::epi).
+struct HeMvPlainFxRes : HeMvPlain {
+  HE_INLINE void pre(int u, float (&pv)[2]) const {
+    pv[0] = pv[1] = 0.f;
+    if (he_lane_id() != 0) return;
+    const int r0 = 2 * u, r1 = r0 + 1;
+    pv[0] = he_fx_to_f32(res_fx[r0]);
+    if (r1 < n_rows) pv[1] = he_fx_to_f32(res_fx[r1]);
+  }
+};
+
+#endif  // HE_OPS_MATVEC_GROUP_HIP
