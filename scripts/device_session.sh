@@ -335,13 +335,13 @@ case "$MODE" in
     run mkprof_exp 70 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/mkprof_exp.json" ;;
   ogroup)  # session 36 (decode.hip MK_O_GROUP, ops/matvec_group.hip): the grouped O-proj's GPU test (its logits against
-           # the per-op path's), mk_sweep's variants $ONLY (default 0,29,0,29) at $AB_CONTEXTS in one process, then the 1K
-           # stage profiles of the default build and of the grouped one
-    run ogroup_tests 120 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k o_group
-    ONLY=${ONLY:-0,29,0,29} mk_sweep_ab mk_sweep 330
-    run mkprof_default 60 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
+           # the per-op path's), mk_sweep's variants $ONLY (default 0,29,30,0,29,30) at $AB_CONTEXTS (default 1K and 8K
+           # here: six variants) in one process, then the 1K stage profiles of the default build and of the grouped one
+    run ogroup_tests 100 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k o_group
+    ONLY=${ONLY:-0,29,30,0,29,30} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 360
+    run mkprof_default 55 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
       --json "$OUT/mkprof_default.json"
-    run mkprof_ogroup 60 env HIPENGINE_MK_OGROUP=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
+    run mkprof_ogroup 55 env HIPENGINE_MK_OGROUP=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/mkprof_ogroup.json" ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and

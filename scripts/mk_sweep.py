@@ -99,9 +99,12 @@ VARIANTS = [  # name, build env, runtime attrs
     # counter, no att in global memory). Its sums differ (fixed-point shares): tokens may differ from variant 0's
     # (tokens_common_prefix says from where).
     ("O-proj by KV-head group (HIPENGINE_MK_OGROUP)", {"HIPENGINE_MK_OGROUP": "1"}, {}),
+    # ... with gate/up's fixed-point prologue in two passes (ops/rmsnorm.hip HE_NORM_FX_ONE_PASS=0: one more round trip)
+    ("O-proj by KV-head group, gate/up prologue in two passes",
+     {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_NORM_FX_ONE_PASS=0"}, {}),
     # (session 35's MK_FILL_O_AFTER_WAIT — the O-proj's first pair after the heads-combined wait: −1.1 / −1.3 / −1.1% —
     # and then MK_ATTN_LL — the attention -> O-proj handoff through LL words: −26 / −23 / −19% — were variant 29 here,
-    # removed; 29 is now the grouped O-proj above.)
+    # removed; 29 is now the grouped O-proj above, 30 its two-pass prologue.)
     # (session 31's v76 — the matrix-core attention split with 2 / 3 K/V tiles in flight per warp: −1.3 / −2.9 / −2.1%
     # and −4 to −7% at 1K / 8K / 32K — were variants 20 / 21 here, removed.)
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were

@@ -277,4 +277,6 @@ def test_o_group_build_compiles(tmp_path, monkeypatch):
         "decode_o_group.hip": "#define MK_O_GROUP 1\n#define HE_ATTN_HD 64\n#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n"
                               '#define HE_COLD_HINTS 1\n#include "monokernel/decode.hip"\n',
         "decode_o_group_profile.hip": "#define MK_O_GROUP 1\n#define HE_ATTN_HD 64\n#define MK_PROFILE 1\n"
-                                      '#include "monokernel/decode.hip"\n'})
+                                      '#include "monokernel/decode.hip"\n',
+        "decode_o_group_2pass.hip": "#define MK_O_GROUP 1\n#define HE_ATTN_HD 64\n#define HE_NORM_FX_ONE_PASS 0\n"
+                                    '#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n#include "monokernel/decode.hip"\n'})

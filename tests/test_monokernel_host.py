@@ -342,3 +342,24 @@ def test_compile_args_lean_builds(monkeypatch):
     assert ops.whole_pairs(8192, 8, 32) == {"HE_MV_WHOLE_PAIRS": 1} and ops.whole_pairs(2048, 8, 32) == {}
     assert "MK_QK_NORM" not in d("nvidia", False, 4) and d("nvidia", False, 4, qk_norm=True)["MK_QK_NORM"] == 1
     assert "MK_FINE2" not in d("nvidia", False, 4) and d("nvidia", False, 4, fine=2)["MK_FINE2"] == 1
+
+
+def test_o_group_shape_rule_and_build(monkeypatch):
+    """The grouped O-proj (HIPENGINE_MK_OGROUP, decode.hip MK_O_GROUP): which shapes it can serve (a group's G·hd
+    columns 8 x a power of two from 16 lanes to the warp, whole tiles of a block's rows, a block per (group, tile)),
+    and the define compile_args adds; off by default."""
+    from hipengine.gpu import monokernel as M
+
+    assert M.o_group_misfit(4, 64, 2048, 8, 132, 32) is None      # llama-3.2-1b on an H200: 128 blocks of 132
+    assert M.o_group_misfit(4, 64, 2048, 8, 304, 64) is None      # ... on an MI300X (wave64: 2 rows per load)
+    assert "192 columns" in M.o_group_misfit(3, 64, 576, 3, 132, 32)
+    assert "more blocks" in M.o_group_misfit(4, 64, 2048, 8, 120, 32)
+    assert "whole tiles" in M.o_group_misfit(4, 64, 2000, 8, 132, 32)
+    monkeypatch.delenv("HIPENGINE_MK_OGROUP", raising=False)
+    assert not M.o_group_on()
+    monkeypatch.setenv("HIPENGINE_MK_OGROUP", "1")
+    assert M.o_group_on()
+    kw = M.compile_args("nvidia", False, 4, head_dim=64, max_context=1024, arch="sm_90", rows=(2048, 2048, 8192),
+                        o_group=True)
+    assert kw["defines"]["MK_O_GROUP"] == 1
+    assert "MK_O_GROUP" not in M.compile_args("nvidia", False, 4, head_dim=64, max_context=1024)["defines"]

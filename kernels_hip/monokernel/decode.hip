@@ -517,9 +517,10 @@ static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetch
 // nkv x d / kBlockRows blocks, d / kBlockRows per group) request their share of Wo's group-g columns
 // (ops/matvec_group.hip) right after their own splits, wait for that counter (acquire), combine the group's G
 // heads into shared memory themselves (he_attention_combine: the per-op combine's arithmetic) and add their rows'
-// shares into p.x_fx in fixed point; the gate/up prologue adds p.x_fx to x, the down-proj's residual rows add it
-// and clear it (so it is zero again before the next layer's O-proj, two barriers later). No heads-combined
-// counter, no att in global memory. tp = 1, fine = 3, the two-stage bf16 MLP only.
+// shares into p.x_fx in fixed point, group 0's tiles x itself as well, so p.x_fx holds the whole residual: the
+// gate/up prologue reads it alone, the down-proj's residual rows read it, write x and clear it (zero again before
+// the next layer's O-proj, two barriers later). No heads-combined counter, no att in global memory. tp = 1,
+// fine = 3, the two-stage bf16 MLP only. Measured: docs/perf-log.md session 36.
 static_assert(!(MK_O_GROUP && (MK_TP || MK_FUSED_MLP || MK_MLP_PACKED || MK_FINE2 || MK_GU_L2)),
               "MK_O_GROUP: tp = 1, fine = 3, the two-stage bf16 MLP");
 #if MK_O_GROUP

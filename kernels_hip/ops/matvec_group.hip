@@ -113,11 +113,11 @@ HE_INLINE void he_mvg_finish(const HeMvGroupO& op, const HeMvStream<2>& s, const
   for (int j = 0; j < 8; ++j) xv[j] = xa[j];
   float v[kMvgLoads];
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int q = 0; q < 2; ++q)
 #pragma unroll
     for (int k = 0; k < kMatvecUnroll; ++k) {
-      v[r * kMatvecUnroll + k] = he_wfma8<kF16>(s.a[r][k], xv, 0.f);
-      v[2 * kMatvecUnroll + r * kMatvecUnroll + k] = he_wfma8<kF16>(s.b[r][k], xv, 0.f);
+      v[q * kMatvecUnroll + k] = he_wfma8<kF16>(s.a[q][k], xv, 0.f);
+      v[2 * kMatvecUnroll + q * kMatvecUnroll + k] = he_wfma8<kF16>(s.b[q][k], xv, 0.f);
     }
   // kLanesPerRow lanes per row: log2 of it butterfly levels, the first four halving the 16 sums
   he_mvg_halve<16, L / 2>(v);

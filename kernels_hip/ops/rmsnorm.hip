@@ -22,6 +22,11 @@
 // Batches are 8 loads per thread (32 registers: the monokernel's weight stream is live during the
 // prologue, so more would spill), 4 in the scaling pass, which also loads gamma.
 constexpr int kNormBatch = 8;
+// The fixed-point-only stage's form (kFxOnly below): 1, one pass that keeps a one-batch vector's values; 0, two
+// passes at small batches (a build choice while both are measured: HIPENGINE_MK_DEFINES=HE_NORM_FX_ONE_PASS=0).
+#ifndef HE_NORM_FX_ONE_PASS
+#define HE_NORM_FX_ONE_PASS 1
+#endif
 
 HE_INLINE void he_load4f(const float* p, float (&v)[4]) {
   const he_vec16 w = he_load16(p);
@@ -152,10 +157,51 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
     he_sync_block();
     return;
   }
-  const float ss = fx != nullptr ? he_norm_ss<kNormBatch / 2, kFxOnly>(x, fx, n4) : he_norm_ss<kNormBatch>(x, nullptr, n4);
+  if constexpr (kFxOnly && HE_NORM_FX_ONE_PASS) {
+    // A vector that is one batch per thread (2 float4 per thread at a hidden size of 2,048) keeps its values
+    // between the passes: one round trip for the input, then gamma's after the sum, instead of the input twice.
+    // Same values, same order, same bits. (It runs beside the weight stream's 64 registers: the two-pass form at
+    // the x + fx batches spilled 190 B in the monokernel, this 18 B; session 36.)
+    constexpr int kB = kNormBatch / 4;
+    if (n4 <= kB * he_block_dim()) {
+      const int t = he_thread_idx(), nt = he_block_dim();
+      float v[kB][4];
+#pragma unroll
+      for (int b = 0; b < kB; ++b) {
+        const int i = t + b * nt;
+        if (i < n4) he_load_x4<true>(x, fx, i, v[b]);
+        else v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
+      }
+      float ss = 0.f;
+#pragma unroll
+      for (int b = 0; b < kB; ++b)
+        ss += v[b][0] * v[b][0] + v[b][1] * v[b][1] + v[b][2] * v[b][2] + v[b][3] * v[b][3];
+      const float scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
+#pragma unroll
+      for (int b = 0; b < kB; ++b) {
+        const int i = t + b * nt;
+        if (i < n4) {
+          float g[4];
+          he_load4f(gamma + 4 * i, g);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float y = v[b][j] * scale * g[j];
+            dst[4 * i + j] = kPost ? y * post : y;
+          }
+        }
+      }
+      he_sync_block();
+      return;
+    }
+  }
+  // kFxOnly, longer vectors or HE_NORM_FX_ONE_PASS=0: the passes' batches at a quarter and an eighth of kNormBatch
+  // (at the x + fx form's half / quarter ptxas spilled 190 B in the monokernel, 18 B at these; session 36). At a
+  // hidden size of 2,048 the scaling pass then takes two round trips.
+  constexpr int kFxSs = kFxOnly ? kNormBatch / 4 : kNormBatch / 2, kFxSt = kFxOnly ? kNormBatch / 8 : kNormBatch / 4;
+  const float ss = fx != nullptr ? he_norm_ss<kFxSs, kFxOnly>(x, fx, n4) : he_norm_ss<kNormBatch>(x, nullptr, n4);
   // mean in fp32 then rsqrt: rsqrt.approx has ~2 ulp error, far below the bf16 weights' rounding.
   const float scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
-  if (fx != nullptr) he_norm_store<kNormBatch / 4, true, kPost, kFxOnly>(x, gamma, scale, n4, dst, fx, post);
+  if (fx != nullptr) he_norm_store<kFxSt, true, kPost, kFxOnly>(x, gamma, scale, n4, dst, fx, post);
   else he_norm_store<kNormBatch / 2, true, kPost>(x, gamma, scale, n4, dst, nullptr, post);
   he_sync_block();
 }
