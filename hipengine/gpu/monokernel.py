@@ -19,7 +19,9 @@ HIPENGINE_MK_FINE (2/3 attention -> O-proj synchronisation; default by the split
 HIPENGINE_MK_POLL_SLEEP_NS (0), HIPENGINE_MK_TIMEOUT_S (every spin-wait, 5 s), HIPENGINE_MK_PROFILE (0; 1
 builds the stage-profiling variant, read with read_profile()), HIPENGINE_MK_ONE_ROUND (1: the monokernel's own
 one-round attention split plan, mk_plan; 0: the per-op path's), HIPENGINE_MK_HEAD_SCREEN (1: greedy steps read the
-LM head's int8 copy and recompute exactly only the rows that can hold the arg-max, head_screen_on; 0: the bf16 head).
+LM head's int8 copy and recompute exactly only the rows that can hold the arg-max, head_screen_on; 0: the bf16 head),
+HIPENGINE_MK_PACKED (0: the MLP's weights as bf16 rows; 1: their lossless 13-bit copies, mlp_packed_on),
+HIPENGINE_MK_OGROUP (0: the plain O-proj; 1: the O-proj by KV-head group, o_group_on — not yet measured).
 """
 from __future__ import annotations
 

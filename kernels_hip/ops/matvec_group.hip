@@ -124,8 +124,9 @@ HE_INLINE void he_mvg_finish(const HeMvGroupO& op, const HeMvStream<2>& s, const
   he_mvg_halve<8, L / 4>(v);
   he_mvg_halve<4, L / 8>(v);
   he_mvg_halve<2, L / 16>(v);
+  constexpr int kCopies = L / kMvgLoads;  // lanes that hold each row after the halvings: plain adds over them
 #pragma unroll
-  for (int o = L / 32; o > 0; o >>= 1) v[0] += he_shfl_xor(v[0], o);
+  for (int o = kCopies / 2; o > 0; o >>= 1) v[0] += he_shfl_xor(v[0], o);
   if (writer)
     he_red_add_i64_relaxed_device(op.y_fx + r, he_fx_from_f32(v[0]) + (op.res != nullptr ? he_fx_from_f32(res) : 0));
 }
