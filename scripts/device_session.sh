@@ -335,9 +335,10 @@ case "$MODE" in
     run mkprof_exp 70 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/mkprof_exp.json" ;;
   ogroup)  # session 36 (decode.hip MK_O_GROUP, ops/matvec_group.hip): the grouped O-proj's GPU test (its logits against
-           # the per-op path's), mk_sweep's variants $ONLY (default 0,29,30,0,29,30) at $AB_CONTEXTS (default 1K and 8K
+           # the per-op path's), its per-op kernels' op tests, mk_sweep's variants $ONLY (default 0,29,30,0,29,30) at $AB_CONTEXTS (default 1K and 8K
            # here: six variants) in one process, then the 1K stage profiles of the default build and of the grouped one
     run ogroup_tests 100 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k o_group
+    run ogroup_op_tests 60 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k group_o  # the per-op kernels (session 37)
     ONLY=${ONLY:-0,29,30,0,29,30} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 360
     run mkprof_default 55 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
       --json "$OUT/mkprof_default.json"

@@ -349,12 +349,13 @@ def test_o_group_shape_rule_and_build(monkeypatch):
     columns 8 x a power of two from 16 lanes to the warp, whole tiles of a block's rows, a block per (group, tile)),
     and the define compile_args adds; off by default."""
     from hipengine.gpu import monokernel as M
+    from hipengine.gpu import ops as O
 
-    assert M.o_group_misfit(4, 64, 2048, 8, 132, 32) is None      # llama-3.2-1b on an H200: 128 blocks of 132
-    assert M.o_group_misfit(4, 64, 2048, 8, 304, 64) is None      # ... on an MI300X (wave64: 2 rows per load)
-    assert "192 columns" in M.o_group_misfit(3, 64, 576, 3, 132, 32)
-    assert "more blocks" in M.o_group_misfit(4, 64, 2048, 8, 120, 32)
-    assert "whole tiles" in M.o_group_misfit(4, 64, 2000, 8, 132, 32)
+    assert O.o_group_misfit(4, 64, 2048, 8, 132, 32) is None      # llama-3.2-1b on an H200: 128 blocks of 132
+    assert O.o_group_misfit(4, 64, 2048, 8, 304, 64) is None      # ... on an MI300X (wave64: 2 rows per load)
+    assert "192 columns" in O.o_group_misfit(3, 64, 576, 3, 132, 32)
+    assert "more blocks" in O.o_group_misfit(4, 64, 2048, 8, 120, 32)
+    assert "whole tiles" in O.o_group_misfit(4, 64, 2000, 8, 132, 32)
     monkeypatch.delenv("HIPENGINE_MK_OGROUP", raising=False)
     assert not M.o_group_on()
     monkeypatch.setenv("HIPENGINE_MK_OGROUP", "1")

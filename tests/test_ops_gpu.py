@@ -200,6 +200,53 @@ def test_matvec_fixed_point_addend(gpu, inn):
     assert not rt.download(rb, rows, np.int64).any(), "the O-proj form must clear the addend it folded in"
 
 
+@pytest.mark.parametrize("nkv,G,hd,d", [(8, 4, 64, 2048), (2, 2, 64, 512), (4, 1, 128, 1024)])
+@pytest.mark.parametrize("f16", [False, True])
+def test_matvec_group_o_and_readers(gpu, nkv, G, hd, d, f16):
+    """The O-proj by KV-head group (ops/matvec_group.hip, the monokernel's MK_O_GROUP shares): y_fx = fx(x) +
+    every group's fx(Wo[:, g] · att_g) against float64, the same bits on a second run; then its two readers —
+    gate/up whose prologue reads y_fx alone, and the down-projection whose residual rows are y_fx's (it writes
+    them complete into y and clears y_fx) — against float64 on the value y_fx holds."""
+    rt, ops, O = gpu
+    if (G * hd // 8) > rt.warp_size:
+        pytest.skip("a group's columns need more lanes than this warp has")
+    qd, F = nkv * G * hd, 3 * d // 2
+    bo, Wo = weights(O, d, qd, f16)
+    att = RNG.standard_normal(qd).astype(np.float32)
+    x = RNG.standard_normal(d).astype(np.float32)
+    outs = []
+    for _ in range(2):
+        fx = rt.upload(np.zeros(d, np.int64))
+        ops.matvec_group_o(rt.upload(bo), rt.upload(att), rt.upload(x), fx, d, qd, nkv, f16=f16)
+        outs.append(rt.download(fx, d, np.int64))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    xo = outs[0].astype(np.float64) / FX
+    close(xo, x + Wo @ att, 1e-4, 1e-5)
+    # gate/up on x_fx alone (its prologue converts each word to float32, as the device does)
+    bg, Wg = weights(O, F, d, f16, scale=2.0)
+    bu, Wu = weights(O, F, d, f16)
+    g = (1 + 0.3 * RNG.standard_normal(d)).astype(np.float32)
+    xn = O.ref_rmsnorm((outs[0].astype(np.float32) * np.float32(1 / FX)).astype(np.float64), g, 1e-6)
+    h = poisoned(rt, F)
+    ops.matvec_gate_up_fx(rt.upload(bg), rt.upload(bu), rt.upload(outs[0]), h, F, d, gamma=rt.upload(g), eps=1e-6,
+                          f16=f16)
+    close(rt.download(h, F, np.float32), O.ref_silu(Wg @ xn) * (Wu @ xn), 1e-4, 1e-5)
+    # down with the fixed-point residual rows
+    bd, Wd = weights(O, d, F, f16)
+    hv = RNG.standard_normal(F).astype(np.float32)
+    y, rfx = poisoned(rt, d), rt.upload(outs[0])
+    ops.matvec_fx_res(rt.upload(bd), rt.upload(hv), rfx, y, d, F, f16=f16)
+    close(rt.download(y, d, np.float32), Wd @ hv + outs[0].astype(np.float32) * np.float32(1 / FX), 1e-4, 1e-5)
+    assert not rt.download(rfx, d, np.int64).any(), "the down-projection must clear the residual it read"
+
+
+def test_matvec_group_o_refuses_misfits(gpu):
+    rt, ops, O = gpu
+    from hipengine.errors import UnsupportedError
+    with pytest.raises(UnsupportedError, match="grouped O-proj"):
+        ops.matvec_group_o(0, 0, 0, 0, 576, 576, 3)
+
+
 QKV_CASES = [  # nh, nkv, hd, inn
     (4, 2, 24, 64), (6, 2, 16, 96), (32, 8, 64, 2048), (12, 2, 128, 264), (8, 8, 32, 72)]
 

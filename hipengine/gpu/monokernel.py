@@ -404,23 +404,6 @@ def o_group_on() -> bool:
     return O._env_switch("HIPENGINE_MK_OGROUP") is True
 
 
-def o_group_misfit(group: int, head_dim: int, hidden: int, num_kv_heads: int, blocks: int, warp: int,
-                   threads: int = THREADS) -> str | None:
-    """Why the grouped O-proj cannot serve this shape (None: it can): a group's G·hd columns must be 8·2^k with
-    16 <= 2^k <= the warp width lanes, the hidden size whole tiles of a block's rows, and every (group, tile) a
-    block of the grid (ops/matvec_group.hip HeMvgGeom)."""
-    cols = group * head_dim
-    lanes = cols // 8
-    if cols % 8 or lanes < 16 or lanes > warp or lanes & (lanes - 1):
-        return f"G*head_dim = {cols} columns per KV-head group (needs 8 x a power of two from 16 to {warp})"
-    rows = 16 * (warp // lanes) * (threads // warp)
-    if hidden % rows:
-        return f"hidden size {hidden} is not whole tiles of {rows} rows"
-    if num_kv_heads * (hidden // rows) > blocks:
-        return f"{num_kv_heads} groups x {hidden // rows} tiles need more blocks than the grid's {blocks}"
-    return None
-
-
 def mk_one_round() -> bool:
     """Whether the monokernel takes the one-round split plan (ops.attention_plan one_round; default) or the
     per-op path's (HIPENGINE_MK_ONE_ROUND=0: the same plan as the per-op path, hence its bits at every cache)."""
@@ -517,7 +500,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
                                    and all(n % packed.batch_cols(32) == 0 for n in (rows[0], rows[-1])),
                                    o_group=o_group_on() and fine == 3 and bool(rows) and not O.fused_mlp()
                                    and not mlp_packed_on() and not ll_local()
-                                   and o_group_misfit(g, head_dim, rows[0], 1, 1 << 30, 32) is None))
+                                   and O.o_group_misfit(g, head_dim, rows[0], 1, 1 << 30, 32) is None))
              for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm for fine in fines]
     # the decode-step modules' HE_PDL_LATE builds (Ops._late: the default trigger places or the env's)
     levels = O.pdl_trigger_levels()
@@ -609,7 +592,7 @@ class MonokernelBackend(GpuBackend):
 
     def _o_group_wanted(self) -> bool:
         """The grouped O-proj (o_group_on) where it applies: tp = 1 without the LL exchange, fine = 3, the two-stage
-        bf16 MLP, a shape o_group_misfit accepts on this GPU's grid; asked for on one it cannot serve, the reason is
+        bf16 MLP, a shape ops.o_group_misfit accepts on this GPU's grid; asked for on one it cannot serve, the reason is
         one clear error."""
         if not o_group_on():
             return False
@@ -622,7 +605,7 @@ class MonokernelBackend(GpuBackend):
         elif self.fine != 3:
             why = f"the attention -> O-proj scheme fine = {self.fine}"
         else:
-            why = o_group_misfit(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+            why = O.o_group_misfit(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                                  cfg.num_kv_heads, rt.num_sms, rt.warp_size)
         if why:
             raise UnsupportedError(f"HIPENGINE_MK_OGROUP=1: the grouped O-proj cannot serve this model: {why}")

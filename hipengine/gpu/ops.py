@@ -80,6 +80,23 @@ def attn_lanes(hd: int) -> int:
     return n
 
 
+def o_group_misfit(group: int, head_dim: int, hidden: int, num_kv_heads: int, blocks: int, warp: int,
+                   threads: int = MATVEC_THREADS) -> str | None:
+    """Why the grouped O-proj cannot serve this shape (None: it can): a group's G·hd columns must be 8·2^k with
+    16 <= 2^k <= the warp width lanes, the hidden size whole tiles of a block's rows, and every (group, tile) a
+    block of the grid (ops/matvec_group.hip HeMvgGeom)."""
+    cols = group * head_dim
+    lanes = cols // 8
+    if cols % 8 or lanes < 16 or lanes > warp or lanes & (lanes - 1):
+        return f"G*head_dim = {cols} columns per KV-head group (needs 8 x a power of two from 16 to {warp})"
+    rows = 16 * (warp // lanes) * (threads // warp)
+    if hidden % rows:
+        return f"hidden size {hidden} is not whole tiles of {rows} rows"
+    if num_kv_heads * (hidden // rows) > blocks:
+        return f"{num_kv_heads} groups x {hidden // rows} tiles need more blocks than the grid's {blocks}"
+    return None
+
+
 def attention_blocks_per_sm() -> float | None:
     """(kv head, split) blocks per SM the split plan aims for when HIPENGINE_ATTN_BLOCKS_PER_SM sets it
     (sweeps; fractions allowed); None: attention_plan's rule (1, or 2 where one would spill past a round)."""
@@ -811,6 +828,39 @@ class Ops:
         self.rt.launch(self.fn("matvec", "matvec_gate_up", {**self._late("gate_up"), **self._whole(inn)}), g, threads,
                        [_p(Wg), _p(Wu), _p(x), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
                         c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl("gate_up"))
+
+    # ---- the O-projection by KV-head group (ops/matvec_group.hip; the monokernel's MK_O_GROUP stages) -------------
+    def matvec_group_o(self, W, att, x, y_fx, rows: int, inn: int, nkv: int, f16=False, stream=None):
+        """y_fx += fx(W[:, group g] · att_g) for every KV-head group g, and group 0's tiles add fx(x) too: the O-proj
+        whose output is the whole residual in 64-bit fixed point (int64 [rows]; zero before). One block per (group,
+        tile of rows): the monokernel's shares, the same bits."""
+        cols = inn // nkv
+        why = o_group_misfit(1, cols, rows, nkv, 1 << 30, self.rt.warp_size, MATVEC_THREADS)
+        if inn % nkv or why:
+            raise UnsupportedError(f"the grouped O-proj cannot serve this shape: {why or f'{inn} columns, {nkv} groups'}")
+        tile = 16 * (self.rt.warp_size // (cols // 8)) * self.warps_per_block
+        self.rt.launch(self.fn("matvec_group", "matvec_group_o", {"HE_MVG_COLS": cols, **self._late("o")}),
+                       nkv * (rows // tile), MATVEC_THREADS,
+                       [_p(W), _p(att), _p(x), _p(y_fx), c_int32(inn), c_int32(rows), c_int32(int(f16))],
+                       stream=stream, pdl=self._pdl("o"))
+
+    def matvec_gate_up_fx(self, Wg, Wu, x_fx, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
+                          stream=None):
+        """matvec_gate_up whose input is the fixed-point residual x_fx (int64 [inn]) alone."""
+        self._check_in(inn)
+        self.rt.launch(self.fn("matvec_group", "matvec_gate_up_fx", {**self._late("gate_up"), **self._whole(inn)}),
+                       self._grid(rows), MATVEC_THREADS,
+                       [_p(Wg), _p(Wu), _p(x_fx), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
+                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl("gate_up"))
+
+    def matvec_fx_res(self, W, x, res_fx, y, rows: int, inn: int, f16=False, stream=None):
+        """y = W·x + res_fx (the fixed-point residual, int64 [rows]), which is then cleared: the down-projection
+        after the grouped O-proj."""
+        self._check_in(inn)
+        self.rt.launch(self.fn("matvec_group", "matvec_fx_res", {**self._late("down"), **self._whole(inn)}),
+                       self._grid((rows + 1) // 2), MATVEC_THREADS,
+                       [_p(W), _p(x), _p(res_fx), _p(y), c_int32(rows), c_int32(inn), c_int32(int(f16))],
+                       shared=inn * 4, stream=stream, pdl=self._pdl("down"))
 
     def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,
                    hd: int, inn: int, gamma=None, eps: float = 0.0, bias=None, rope: bool = True, f16=False,

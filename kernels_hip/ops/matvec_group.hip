@@ -148,4 +148,56 @@ struct HeMvPlainFxRes : HeMvPlain {
   }
 };
 
+// ---- the per-op kernels (the monokernel runs the same bodies in its stages; decode.hip MK_O_GROUP) ------------
+// Not in the monokernel's module: kernels beside its own change how NVVM compiles it (attention_decode.hip).
+#ifndef HE_IN_MONOKERNEL
+// One KV-head group's columns per block tile: G·hd, a build choice (hipengine/gpu/ops.py matvec_group_o).
+#ifndef HE_MVG_COLS
+#define HE_MVG_COLS 256
+#endif
+// y_fx += Wo[:, group g's columns] · att_g (+ x on group 0's tiles), in fixed point. Grid: one block per (group,
+// tile of block_rows rows), block b = group b / tiles, tile b % tiles — the monokernel's first nkv·tiles blocks'
+// shares, row for row and lane for lane, so each row's share is the same bits on both paths. The warp's weights are
+// requested before the wait (weights only: no kernel writes them); att (the combine kernel's output) and x after it.
+HE_KERNEL(kMatvecMaxThreads) matvec_group_o(const he_u16* __restrict__ W, const float* att, const float* x,
+                                           he_i64* y_fx, int in, int n_rows, int w_f16) {
+  using G = HeMvgGeom<HE_MVG_COLS>;
+  __shared__ float atts[HE_MVG_COLS];
+  he_pdl_trigger_top();
+  const int rows = G::block_rows(he_block_dim()), tiles = n_rows / rows;
+  const int g = he_block_idx() / tiles;
+  const HeMvGroupO op{W, in, n_rows, g, (he_block_idx() % tiles) * rows + he_warp_id() * G::kWarpRows, y_fx,
+                      g == 0 ? x : nullptr};
+  HeMvStream<2> s;
+  he_mvg_fill<HE_MVG_COLS>(op, s);
+  he_pdl_wait();  // port.h: att, x and y_fx come from the kernels before
+  he_pdl_trigger_late();
+  for (int i = he_thread_idx(); i < HE_MVG_COLS; i += he_block_dim()) atts[i] = att[(he_i64)g * HE_MVG_COLS + i];
+  he_sync_block();
+  if (w_f16) he_mvg_finish<true, HE_MVG_COLS>(op, s, atts);
+  else he_mvg_finish<false, HE_MVG_COLS>(op, s, atts);
+}
+
+// gate/up whose prologue input is x_fx alone (the grouped O-proj's residual): y = silu(Wg·x̂) * (Wu·x̂).
+HE_KERNEL(kMatvecMaxThreads) matvec_gate_up_fx(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu,
+                                              const he_i64* x_fx, const float* __restrict__ gamma, float eps, float* y,
+                                              int rows, int in, int w_f16) {
+  extern __shared__ float he_xs[];
+  __shared__ float scratch[kMaxWarpsPerBlock];
+  const HeMvGateUpFx op{{nullptr, gamma, eps, in, Wg, Wu, y, rows, x_fx}};
+  if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
+  else he_matvec_run<false>(op, he_xs, scratch);
+}
+
+// The down-projection whose residual rows are res_fx's: y = W·x + res_fx (then res_fx cleared, row by row).
+HE_KERNEL(kMatvecMaxThreads) matvec_fx_res(const he_u16* __restrict__ W, const float* x, he_i64* res_fx, float* y,
+                                          int rows, int in, int w_f16) {
+  extern __shared__ float he_xs[];
+  __shared__ float scratch[kMaxWarpsPerBlock];
+  const HeMvPlainFxRes op{{x, nullptr, 0.f, in, W, nullptr, y, rows, nullptr, res_fx}};
+  if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
+  else he_matvec_run<false>(op, he_xs, scratch);
+}
+#endif  // HE_IN_MONOKERNEL
+
 #endif  // HE_OPS_MATVEC_GROUP_HIP
