@@ -102,6 +102,9 @@ VARIANTS = [  # name, build env, runtime attrs
     # ... with gate/up's fixed-point prologue in two passes (ops/rmsnorm.hip HE_NORM_FX_ONE_PASS=0: one more round trip)
     ("O-proj by KV-head group, gate/up prologue in two passes",
      {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_NORM_FX_ONE_PASS=0"}, {}),
+    # session 37: the grouped O-proj became the default where it fits (variant 29 is then the default build again);
+    # this is the plain O-proj (combining block, heads-combined counter, att in global memory) for the A/B
+    ("plain O-proj (HIPENGINE_MK_OGROUP=0)", {"HIPENGINE_MK_OGROUP": "0"}, {}),
     # (session 35's MK_FILL_O_AFTER_WAIT — the O-proj's first pair after the heads-combined wait: −1.1 / −1.3 / −1.1% —
     # and then MK_ATTN_LL — the attention -> O-proj handoff through LL words: −26 / −23 / −19% — were variant 29 here,
     # removed; 29 is now the grouped O-proj above, 30 its two-pass prologue.)

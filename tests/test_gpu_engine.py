@@ -612,6 +612,9 @@ class EmulatedRuntime:
     def copy_dtod(self, dst, src, nbytes, stream=None):
         self.view(self._addr(dst), np.uint8, nbytes)[:] = self.view(self._addr(src), np.uint8, nbytes).copy()
 
+    def memset(self, dst, value, nbytes, stream=None):
+        self.view(self._addr(dst), np.uint8, nbytes)[:] = value
+
     def upload(self, a):
         b = self.malloc(max(a.nbytes, 1))
         self.copy_htod(b, a)
@@ -699,6 +702,20 @@ class EmulatedRuntime:
         if res_fx:
             self.view(res_fx, np.int64, rows)[:] = 0
         self._f32(y, rows)[:] = r
+
+    def _k_matvec_group_o(self, grid, W, att, x, y_fx, inn, rows, f16):  # ops/matvec_group.hip: the whole residual
+        r = self._w(W, rows, inn, f16) @ self._f32(att, inn).astype(np.float64) + self._f32(x, rows)
+        self.view(y_fx, np.int64, rows)[:] += np.round(r * 2.0 ** 32).astype(np.int64)
+
+    def _k_matvec_gate_up_fx(self, grid, Wg, Wu, x_fx, gamma, eps, y, rows, inn, f16):
+        xe = self._plus_fx(np.zeros(inn, np.float32), x_fx, inn)
+        xn = self._norm(np.asarray(xe, np.float64), gamma, eps, inn)
+        self._f32(y, rows)[:] = O.ref_silu(self._w(Wg, rows, inn, f16) @ xn) * (self._w(Wu, rows, inn, f16) @ xn)
+
+    def _k_matvec_fx_res(self, grid, W, x, res_fx, y, rows, inn, f16):
+        r = self._w(W, rows, inn, f16) @ self._f32(x, inn).astype(np.float64)
+        self._f32(y, rows)[:] = r + self._plus_fx(np.zeros(rows, np.float32), res_fx, rows)
+        self.view(res_fx, np.int64, rows)[:] = 0
 
     def _k_mlp_fused(self, grid, Wg, Wu, WdT, x, gamma, eps, y_fx, d, F, f16):
         xn = self._norm(self._f32(x, d).astype(np.float64), gamma, eps, d)
@@ -954,6 +971,40 @@ def test_fused_mlp_wiring_matches_reference(emulated, kind, tmp_path, monkeypatc
     d = model.config.hidden_size
     assert gpu.rt.download(gpu.x_fx, d, np.int64).any()
     gpu.close()
+
+
+@pytest.mark.parametrize("setting", ["", "1", "0"])
+def test_o_group_wiring_matches_reference(emulated, setting, tmp_path, monkeypatch):
+    """The grouped O-proj on the per-op path (ops/matvec_group.hip; hipengine/gpu/monokernel.py o_group_decide, the
+    default where a shape fits): x + the O-proj's output into the fixed-point buffer, gate/up reading it alone, down
+    adding it to its rows and clearing it — decode logits as the reference's and greedy tokens equal, the buffer
+    zero between steps; HIPENGINE_MK_OGROUP=0 keeps the plain O-proj; the tiny shapes that do not fit keep it too."""
+    monkeypatch.setenv("HIPENGINE_MK_OGROUP", setting)
+    from hipengine.loader import load_model
+    from hipengine.reference import ReferenceBackend
+    from tiny_models import save_tiny_model
+
+    # G·hd = 4 x 32 = 128 columns (16 lanes a row), 256 hidden rows: one tile per group on a 32-lane warp
+    path, _ = save_tiny_model("llama3", tmp_path, seed=5, max_position_embeddings=1024, hidden_size=256,
+                              num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    model = load_model(path, progress=False)
+    ids = np.random.default_rng(2).integers(3, model.config.vocab_size, 21)
+    want = ReferenceBackend(model, max_context=64).prefill(ids, all_logits=True)
+    gpu = emulated(model, max_context=64)
+    assert gpu.o_group == (setting != "0")
+    _decode_matches_reference(gpu, model, ids, want)
+    assert not gpu.rt.download(gpu.x_fx, model.config.hidden_size, np.int64).any()
+    gpu.close()
+    path, _ = save_tiny_model("llama", tmp_path / "misfit", seed=5, max_position_embeddings=1024)
+    if setting == "1":  # asked for on a shape it cannot serve: one clear error
+        from hipengine.errors import UnsupportedError
+
+        with pytest.raises(UnsupportedError, match="grouped O-proj cannot serve"):
+            emulated(load_model(path, progress=False), max_context=64)
+    else:
+        gpu = emulated(load_model(path, progress=False), max_context=64)
+        assert not gpu.o_group
+        gpu.close()
 
 
 @pytest.mark.parametrize("fused", ["1", "0"])

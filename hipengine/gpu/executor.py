@@ -91,6 +91,13 @@ class GpuBackend(Backend):
         # monokernel's LL exchange at tp = 1 (mk_tp builds keep the two stages).
         self.fused_mlp = (O.fused_mlp() and self.fused_mlp_ok()
                           and O.mlp_supported(cfg.hidden_size, rt.warp_size))
+        # The O-proj by KV-head group (ops/matvec_group.hip), by the monokernel's rule at this cache size so both
+        # decode paths compute the same sums (hipengine/gpu/monokernel.py o_group_decide; a subclass that builds the
+        # monokernel decides again with its own reasons, the same way).
+        from .monokernel import o_group_decide
+
+        self.o_group = o_group_decide(cfg, rt.num_sms, rt.warp_size, self.max_context, self.fused_mlp,
+                                      None if self.o_group_ok() else "tensor parallelism")
         self.ops = O.Ops(rt, defines=kv_defines(self.kv_f16))
         self._check_fits(loaded)
         self.stream = rt.stream()
@@ -105,6 +112,10 @@ class GpuBackend(Backend):
     # ---- setup ----------------------------------------------------------------------------------------------
     def fused_mlp_ok(self) -> bool:
         """Whether this backend's decode may run the fused MLP (tp = 1 ranks that own the whole residual)."""
+        return True
+
+    def o_group_ok(self) -> bool:
+        """Whether this backend's decode may run the grouped O-proj (tp = 1 ranks that own the whole residual)."""
         return True
 
     def _extra_weight_bytes(self) -> int:
@@ -269,9 +280,16 @@ class GpuBackend(Backend):
                           nh=cfg.num_heads, nkv=cfg.num_kv_heads, hd=hd, max_ctx=self.max_context,
                           nsplit=self.nsplit, chunk=self.chunk, count=self.attn_count,
                           early=self._capturing, stream=s)
-            ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s, role="o", res_fx=fx)
+            if self.o_group:  # x + the O-proj's output, whole, in fixed point (ops/matvec_group.hip)
+                ops.matvec_group_o(L["wo"], self.att, self.x, self.x_fx, d, qd, cfg.num_kv_heads, f16=f16, stream=s)
+            else:
+                ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s, role="o", res_fx=fx)
             yield 1
-            if fx is not None:
+            if self.o_group:  # gate/up reads that residual alone; down adds it, writes x and clears it
+                ops.matvec_gate_up_fx(L["w_gate"], L["w_up"], self.x_fx, self.h, F, d, gamma=L["ffn_norm"], eps=eps,
+                                      f16=f16, stream=s)
+                ops.matvec_fx_res(L["w_down"], self.h, self.x_fx, self.x, d, F, f16=f16, stream=s)
+            elif fx is not None:
                 ops.mlp_fused(L["w_gate"], L["w_up"], L["w_down_t"], self.x, fx, d, F, gamma=L["ffn_norm"], eps=eps,
                               f16=f16, stream=s)
             else:
@@ -320,6 +338,8 @@ class GpuBackend(Backend):
     # ---- Backend API ----------------------------------------------------------------------------------------
     def reset(self) -> None:
         self.pos = 0
+        if self.o_group:  # the grouped O-proj adds into zeros (down clears them; an aborted step may not have)
+            self.rt.memset(self.x_fx, 0, 8 * self.config.hidden_size, stream=self.stream)
 
     def decode(self, token_id: int) -> np.ndarray:
         if self.pos >= self.max_context:

@@ -21,7 +21,8 @@ builds the stage-profiling variant, read with read_profile()), HIPENGINE_MK_ONE_
 one-round attention split plan, mk_plan; 0: the per-op path's), HIPENGINE_MK_HEAD_SCREEN (1: greedy steps read the
 LM head's int8 copy and recompute exactly only the rows that can hold the arg-max, head_screen_on; 0: the bf16 head),
 HIPENGINE_MK_PACKED (0: the MLP's weights as bf16 rows; 1: their lossless 13-bit copies, mlp_packed_on),
-HIPENGINE_MK_OGROUP (0: the plain O-proj; 1: the O-proj by KV-head group, o_group_on — not yet measured).
+HIPENGINE_MK_OGROUP (1: the O-proj by KV-head group where it applies, o_group_decide — both decode paths; 0: the
+plain O-proj).
 """
 from __future__ import annotations
 
@@ -396,12 +397,45 @@ def mlp_packed_on() -> bool:
     return O._env_switch("HIPENGINE_MK_PACKED") is True
 
 
-def o_group_on() -> bool:
-    """Whether the monokernel's O-proj runs by KV-head group (decode.hip MK_O_GROUP, ops/matvec_group.hip): the
-    blocks of each group combine its heads themselves and add their shares in fixed point, one publication fewer
-    on the attention -> O-proj chain. HIPENGINE_MK_OGROUP=1 / 0; off by default until measured (its sums differ
-    from the plain O-proj's, and the per-op path keeps the plain one)."""
-    return O._env_switch("HIPENGINE_MK_OGROUP") is True
+# The grouped O-proj's default where it applies (o_group_decide): measured in session 37 on an H100 against the
+# plain O-proj, alternated twice in one process, tokens equal: +0.7% at 1K, +1.4% at 8K (docs/perf-log.md).
+O_GROUP_DEFAULT = True
+
+
+def o_group_on() -> bool | None:
+    """HIPENGINE_MK_OGROUP: 1 asks for the O-proj by KV-head group (decode.hip MK_O_GROUP, ops/matvec_group.hip: the
+    blocks of each group combine its heads themselves and add their shares in fixed point, one publication fewer on
+    the attention -> O-proj chain), 0 keeps the plain O-proj, unset: O_GROUP_DEFAULT where it applies."""
+    return O._env_switch("HIPENGINE_MK_OGROUP")
+
+
+def o_group_why_not(cfg, num_sms: int, warp: int, max_context: int, fused_mlp: bool = False) -> str | None:
+    """Why the grouped O-proj cannot serve this decode (None: it can): it needs the two-stage bf16 MLP, the
+    monokernel's fine = 3 scheme at this cache size (mk_fine) and a shape ops.o_group_misfit accepts on this grid."""
+    if fused_mlp or mlp_packed_on():
+        return "the fused MLP / packed MLP weights"
+    fine = mk_fine(max_context, cfg.num_kv_heads, num_sms, cfg.head_dim)
+    if fine != 3:
+        return f"the attention -> O-proj scheme fine = {fine}"
+    return O.o_group_misfit(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.num_kv_heads,
+                            num_sms, warp)
+
+
+def o_group_decide(cfg, num_sms: int, warp: int, max_context: int, fused_mlp: bool = False,
+                   why: str | None = None) -> bool:
+    """Whether a tp = 1 decode runs its O-proj by KV-head group — one rule for both paths (the monokernel's build and
+    the per-op path's kernels: ops.matvec_group_o and its readers), so their greedy tokens stay the same. `why`: a
+    reason of the caller's that rules it out (tensor parallelism, the LL exchange). Asked for (HIPENGINE_MK_OGROUP=1)
+    where it cannot serve, the reason is one clear error; by default it falls back to the plain O-proj silently."""
+    setting = o_group_on()
+    if setting is False:
+        return False
+    why = why or o_group_why_not(cfg, num_sms, warp, max_context, fused_mlp)
+    if why:
+        if setting:
+            raise UnsupportedError(f"HIPENGINE_MK_OGROUP=1: the grouped O-proj cannot serve this model: {why}")
+        return False
+    return bool(setting) or O_GROUP_DEFAULT
 
 
 def mk_one_round() -> bool:
@@ -498,7 +532,8 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
                                    fused_mlp=O.fused_mlp(), head_screen=head_screen_on(),
                                    mlp_packed=mlp_packed_on() and bool(rows) and not f16
                                    and all(n % packed.batch_cols(32) == 0 for n in (rows[0], rows[-1])),
-                                   o_group=o_group_on() and fine == 3 and bool(rows) and not O.fused_mlp()
+                                   o_group=o_group_on() is not False and bool(o_group_on() or O_GROUP_DEFAULT)
+                                   and fine == 3 and bool(rows) and not O.fused_mlp()
                                    and not mlp_packed_on() and not ll_local()
                                    and O.o_group_misfit(g, head_dim, rows[0], 1, 1 << 30, 32) is None))
              for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm for fine in fines]
@@ -590,26 +625,13 @@ class MonokernelBackend(GpuBackend):
             return False
         return True
 
+    def o_group_ok(self) -> bool:
+        return not self.mk_tp and not ll_local()  # the LL exchange builds keep the plain O-proj
+
     def _o_group_wanted(self) -> bool:
-        """The grouped O-proj (o_group_on) where it applies: tp = 1 without the LL exchange, fine = 3, the two-stage
-        bf16 MLP, a shape ops.o_group_misfit accepts on this GPU's grid; asked for on one it cannot serve, the reason is
-        one clear error."""
-        if not o_group_on():
-            return False
-        cfg, rt = self.config, self.rt
-        why = None
-        if self.mk_tp or ll_local():
-            why = "tensor parallelism / the LL exchange"
-        elif getattr(self, "fused_mlp", False) or self.mlp_packed:
-            why = "the fused MLP / packed MLP weights"
-        elif self.fine != 3:
-            why = f"the attention -> O-proj scheme fine = {self.fine}"
-        else:
-            why = O.o_group_misfit(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
-                                 cfg.num_kv_heads, rt.num_sms, rt.warp_size)
-        if why:
-            raise UnsupportedError(f"HIPENGINE_MK_OGROUP=1: the grouped O-proj cannot serve this model: {why}")
-        return True
+        """The grouped O-proj by o_group_decide's rule (the per-op path's too) at this cache size."""
+        return o_group_decide(self.config, self.rt.num_sms, self.rt.warp_size, self.max_context, self.fused_mlp,
+                              None if self.o_group_ok() else "tensor parallelism / the LL exchange")
 
     def _packed_wanted(self) -> bool:
         """The packed MLP weights (mlp_packed_on) where they apply: tp = 1 without the LL exchange, the two-stage

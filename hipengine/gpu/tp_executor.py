@@ -84,6 +84,9 @@ class TpRank(GpuBackend):
     def fused_mlp_ok(self) -> bool:
         return False  # the down-proj's output is this rank's partial sum for the all-reduce
 
+    def o_group_ok(self) -> bool:
+        return False  # the O-proj's output is this rank's partial sum for the all-reduce
+
     def _alloc_state(self) -> None:
         super()._alloc_state()
         # rank > 0: the partial-sum buffer [prefill_m, hidden] that the all-reduce adds into x
