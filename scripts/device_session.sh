@@ -345,14 +345,14 @@ case "$MODE" in
     run mkprof_ogroup 55 env HIPENGINE_MK_OGROUP=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/mkprof_ogroup.json" ;;
   ogroupdef)  # session 37 (the grouped O-proj the default on both paths where it fits): its same-bits test (monokernel
-              # logits == per-op logits, 64 greedy tokens), mk_sweep's variants $ONLY (default 0,31,0,31: grouped / plain)
-              # at $AB_CONTEXTS (default 1K/8K/32K) in one process, then the decode bench of record (both paths, tokens
-              # compared) in the time left (the call stays under ${BUDGET_S:-540} s)
+              # logits == per-op logits, 64 greedy tokens), the decode bench of record at $BENCH_CONTEXTS (both paths,
+              # tokens compared), then mk_sweep's variants $ONLY (default 0,31,0,31: grouped / plain) at $AB_CONTEXTS
+              # (default 1K/8K/32K) in one process, in the time left (the call stays under ${BUDGET_S:-540} s)
     run ogroup_tests 120 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k o_group
-    ONLY=${ONLY:-0,31,0,31} mk_sweep_ab mk_sweep 260
-    left=$((${BUDGET_S:-540} - SECONDS)); [ $left -gt 60 ] && run bench $left $PY -m hipengine bench decode \
-      --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --json "$OUT/bench_decode.json" \
-      --plot "$OUT/bench_decode.png" ;;
+    run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b \
+      $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) \
+      --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
+    left=$((${BUDGET_S:-540} - SECONDS)); [ $left -gt 60 ] && ONLY=${ONLY:-0,31,0,31} mk_sweep_ab mk_sweep $left ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
