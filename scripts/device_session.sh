@@ -349,7 +349,8 @@ case "$MODE" in
               # tokens compared), then mk_sweep's variants $ONLY (default 0,31,0,31: grouped / plain) at $AB_CONTEXTS
               # (default 1K/8K/32K) in one process, in the time left (the call stays under ${BUDGET_S:-540} s)
     run ogroup_tests 120 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k o_group
-    run bench 200 $PY -m hipengine bench decode --shape llama-3.2-1b \
+    run bench $((${BUDGET_S:-540} - SECONDS < 200 ? ${BUDGET_S:-540} - SECONDS : 200)) $PY -m hipengine bench decode \
+      --shape llama-3.2-1b \
       $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) \
       --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
     left=$((${BUDGET_S:-540} - SECONDS)); [ $left -gt 60 ] && ONLY=${ONLY:-0,31,0,31} mk_sweep_ab mk_sweep $left ;;
