@@ -975,10 +975,13 @@ def test_fused_mlp_wiring_matches_reference(emulated, kind, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("setting", ["", "1", "0"])
 def test_o_group_wiring_matches_reference(emulated, setting, tmp_path, monkeypatch):
-    """The grouped O-proj on the per-op path (ops/matvec_group.hip; hipengine/gpu/monokernel.py o_group_decide, the
-    default where a shape fits): x + the O-proj's output into the fixed-point buffer, gate/up reading it alone, down
-    adding it to its rows and clearing it — decode logits as the reference's and greedy tokens equal, the buffer
-    zero between steps; HIPENGINE_MK_OGROUP=0 keeps the plain O-proj; the tiny shapes that do not fit keep it too."""
+    """The grouped O-proj on the per-op path (ops/matvec_group.hip; hipengine/gpu/monokernel.py o_group_decide:
+    HIPENGINE_MK_OGROUP=1, or unset where O_GROUP_DEFAULT says so and a shape fits): x + the O-proj's output into the
+    fixed-point buffer, gate/up reading it alone, down adding it to its rows and clearing it — decode logits as the
+    reference's and greedy tokens equal, the buffer zero between steps; HIPENGINE_MK_OGROUP=0 keeps the plain
+    O-proj; the tiny shapes that do not fit keep it too."""
+    from hipengine.gpu.monokernel import O_GROUP_DEFAULT
+
     monkeypatch.setenv("HIPENGINE_MK_OGROUP", setting)
     from hipengine.loader import load_model
     from hipengine.reference import ReferenceBackend
@@ -991,7 +994,7 @@ def test_o_group_wiring_matches_reference(emulated, setting, tmp_path, monkeypat
     ids = np.random.default_rng(2).integers(3, model.config.vocab_size, 21)
     want = ReferenceBackend(model, max_context=64).prefill(ids, all_logits=True)
     gpu = emulated(model, max_context=64)
-    assert gpu.o_group == (setting != "0")
+    assert gpu.o_group == (setting == "1" or (setting == "" and O_GROUP_DEFAULT))
     _decode_matches_reference(gpu, model, ids, want)
     assert not gpu.rt.download(gpu.x_fx, model.config.hidden_size, np.int64).any()
     gpu.close()

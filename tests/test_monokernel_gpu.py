@@ -282,15 +282,15 @@ def test_stage_profile_build(tmp_path, monkeypatch):
 
 
 def test_o_group_same_bits_as_per_op(monkeypatch):
-    """The grouped O-proj (decode.hip MK_O_GROUP; the per-op path's ops.matvec_group_o and its readers), the default
-    where the shape fits (monokernel.o_group_decide): both paths add the same eight fixed-point shares per row, so the
-    monokernel's logits equal the per-op path's bit for bit, the fixed-point buffer is clear after every step, and
-    the greedy tokens are the same."""
+    """The grouped O-proj (decode.hip MK_O_GROUP; the per-op path's ops.matvec_group_o and its readers; one rule for
+    both paths, monokernel.o_group_decide): both add the same eight fixed-point shares per row, so the monokernel's
+    logits equal the per-op path's bit for bit, the fixed-point buffer is clear after every step, and the greedy
+    tokens are the same."""
     from hipengine.gpu.executor import GpuBackend
     from hipengine.gpu.monokernel import MonokernelBackend
     from hipengine.presets import preset_model
 
-    monkeypatch.delenv("HIPENGINE_MK_OGROUP", raising=False)
+    monkeypatch.setenv("HIPENGINE_MK_OGROUP", "1")
     be = MonokernelBackend(preset_model("llama-3.2-1b", 0), max_context=1024)
     try:
         assert be.o_group

@@ -21,8 +21,8 @@ builds the stage-profiling variant, read with read_profile()), HIPENGINE_MK_ONE_
 one-round attention split plan, mk_plan; 0: the per-op path's), HIPENGINE_MK_HEAD_SCREEN (1: greedy steps read the
 LM head's int8 copy and recompute exactly only the rows that can hold the arg-max, head_screen_on; 0: the bf16 head),
 HIPENGINE_MK_PACKED (0: the MLP's weights as bf16 rows; 1: their lossless 13-bit copies, mlp_packed_on),
-HIPENGINE_MK_OGROUP (1: the O-proj by KV-head group where it applies, o_group_decide — both decode paths; 0: the
-plain O-proj).
+HIPENGINE_MK_OGROUP (1: the O-proj by KV-head group, o_group_decide — both decode paths; 0: the plain O-proj;
+unset: O_GROUP_DEFAULT where it applies).
 """
 from __future__ import annotations
 
@@ -397,9 +397,11 @@ def mlp_packed_on() -> bool:
     return O._env_switch("HIPENGINE_MK_PACKED") is True
 
 
-# The grouped O-proj's default where it applies (o_group_decide): measured in session 37 on an H100 against the
-# plain O-proj, alternated twice in one process, tokens equal: +0.7% at 1K, +1.4% at 8K (docs/perf-log.md).
-O_GROUP_DEFAULT = True
+# The grouped O-proj's default where it applies (o_group_decide). Measured in session 37 on an H100 against the
+# plain O-proj, alternated twice in one process, tokens equal: +0.7% at 1K, +1.4% at 8K (docs/perf-log.md). Off
+# until a GPU has run the per-op path's grouped kernels end to end against the monokernel (tests/test_monokernel_gpu.py
+# test_o_group_same_bits_as_per_op) and the bench of record with it: no device was lent for that call in session 37.
+O_GROUP_DEFAULT = False
 
 
 def o_group_on() -> bool | None:
