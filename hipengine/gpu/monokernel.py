@@ -411,6 +411,12 @@ def o_group_on() -> bool | None:
     return O._env_switch("HIPENGINE_MK_OGROUP")
 
 
+def o_group_asked() -> bool:
+    """Whether the grouped O-proj is wanted where it applies: HIPENGINE_MK_OGROUP, else O_GROUP_DEFAULT."""
+    setting = o_group_on()
+    return O_GROUP_DEFAULT if setting is None else setting
+
+
 def o_group_why_not(cfg, num_sms: int, warp: int, max_context: int, fused_mlp: bool = False) -> str | None:
     """Why the grouped O-proj cannot serve this decode (None: it can): it needs the two-stage bf16 MLP, the
     monokernel's fine = 3 scheme at this cache size (mk_fine) and a shape ops.o_group_misfit accepts on this grid."""
@@ -429,15 +435,12 @@ def o_group_decide(cfg, num_sms: int, warp: int, max_context: int, fused_mlp: bo
     the per-op path's kernels: ops.matvec_group_o and its readers), so their greedy tokens stay the same. `why`: a
     reason of the caller's that rules it out (tensor parallelism, the LL exchange). Asked for (HIPENGINE_MK_OGROUP=1)
     where it cannot serve, the reason is one clear error; by default it falls back to the plain O-proj silently."""
-    setting = o_group_on()
-    if setting is False:
+    if not o_group_asked():
         return False
     why = why or o_group_why_not(cfg, num_sms, warp, max_context, fused_mlp)
-    if why:
-        if setting:
-            raise UnsupportedError(f"HIPENGINE_MK_OGROUP=1: the grouped O-proj cannot serve this model: {why}")
-        return False
-    return bool(setting) or O_GROUP_DEFAULT
+    if why and o_group_on():
+        raise UnsupportedError(f"HIPENGINE_MK_OGROUP=1: the grouped O-proj cannot serve this model: {why}")
+    return why is None
 
 
 def mk_one_round() -> bool:
@@ -534,8 +537,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
                                    fused_mlp=O.fused_mlp(), head_screen=head_screen_on(),
                                    mlp_packed=mlp_packed_on() and bool(rows) and not f16
                                    and all(n % packed.batch_cols(32) == 0 for n in (rows[0], rows[-1])),
-                                   o_group=o_group_on() is not False and bool(o_group_on() or O_GROUP_DEFAULT)
-                                   and fine == 3 and bool(rows) and not O.fused_mlp()
+                                   o_group=o_group_asked() and fine == 3 and bool(rows) and not O.fused_mlp()
                                    and not mlp_packed_on() and not ll_local()
                                    and O.o_group_misfit(g, head_dim, rows[0], 1, 1 << 30, 32) is None))
              for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm for fine in fines]

@@ -80,6 +80,12 @@ def attn_lanes(hd: int) -> int:
     return n
 
 
+def o_group_tile_rows(cols: int, warp: int, threads: int = MATVEC_THREADS) -> int:
+    """Rows of one block's tile of the grouped O-proj (ops/matvec_group.hip HeMvgGeom::block_rows): 16 loads per lane,
+    warp / (cols / 8) rows per load, per warp."""
+    return 16 * (warp // (cols // 8)) * (threads // warp)
+
+
 def o_group_misfit(group: int, head_dim: int, hidden: int, num_kv_heads: int, blocks: int, warp: int,
                    threads: int = MATVEC_THREADS) -> str | None:
     """Why the grouped O-proj cannot serve this shape (None: it can): a group's G·hd columns must be 8·2^k with
@@ -89,7 +95,7 @@ def o_group_misfit(group: int, head_dim: int, hidden: int, num_kv_heads: int, bl
     lanes = cols // 8
     if cols % 8 or lanes < 16 or lanes > warp or lanes & (lanes - 1):
         return f"G*head_dim = {cols} columns per KV-head group (needs 8 x a power of two from 16 to {warp})"
-    rows = 16 * (warp // lanes) * (threads // warp)
+    rows = o_group_tile_rows(cols, warp, threads)
     if hidden % rows:
         return f"hidden size {hidden} is not whole tiles of {rows} rows"
     if num_kv_heads * (hidden // rows) > blocks:
@@ -838,9 +844,9 @@ class Ops:
         why = o_group_misfit(1, cols, rows, nkv, 1 << 30, self.rt.warp_size, MATVEC_THREADS)
         if inn % nkv or why:
             raise UnsupportedError(f"the grouped O-proj cannot serve this shape: {why or f'{inn} columns, {nkv} groups'}")
-        tile = 16 * (self.rt.warp_size // (cols // 8)) * self.warps_per_block
+        tiles = rows // o_group_tile_rows(cols, self.rt.warp_size)
         self.rt.launch(self.fn("matvec_group", "matvec_group_o", {"HE_MVG_COLS": cols, **self._late("o")}),
-                       nkv * (rows // tile), MATVEC_THREADS,
+                       nkv * tiles, MATVEC_THREADS,
                        [_p(W), _p(att), _p(x), _p(y_fx), c_int32(inn), c_int32(rows), c_int32(int(f16))],
                        stream=stream, pdl=self._pdl("o"))
 
