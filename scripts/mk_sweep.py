@@ -103,6 +103,11 @@ VARIANTS = [  # name, build env, runtime attrs
     # ... with gate/up's fixed-point prologue in two passes (ops/rmsnorm.hip HE_NORM_FX_ONE_PASS=0: one more round trip)
     ("O-proj by KV-head group, gate/up prologue in two passes",
      {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_NORM_FX_ONE_PASS=0"}, {}),
+    # session 38: ... with down's clear of its fixed-point residual rows at the unit's start, right after lane 0 read
+    # them (ops/matvec_group.hip HE_FXRES_CLEAR_PRE=1), not in the epilogue before the barrier's release. Values do not
+    # change: tokens must equal variant 29's.
+    ("O-proj by KV-head group, down clears x_fx at its units' start",
+     {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_FXRES_CLEAR_PRE=1"}, {}),
     # (session 35's MK_FILL_O_AFTER_WAIT — the O-proj's first pair after the heads-combined wait: −1.1 / −1.3 / −1.1% —
     # and then MK_ATTN_LL — the attention -> O-proj handoff through LL words: −26 / −23 / −19% — were variant 29 here,
     # removed; 29 is now the grouped O-proj above, 30 its two-pass prologue.)

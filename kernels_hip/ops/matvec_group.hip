@@ -137,7 +137,14 @@ struct HeMvGateUpFx : HeMvGateUp {
   static constexpr bool kFxOnly = true;
 };
 // ... and the down-proj, whose residual rows are res_fx's (residual is not read): the epilogue writes y = the sum
-// + that row, and clears it (HeMvPlain::epi).
+// + that row. The row is cleared for the next layer's O-proj (zero again before it: two barriers later) either by
+// the epilogue after y (HE_FXRES_CLEAR_PRE=0: HeMvPlain::epi), or (=1) by pre() right after lane 0 has read it —
+// at the unit's start, so the store is acknowledged long before the stage's barrier release, which otherwise
+// waits for it beside y's (session 37's profile: down +0.5 µs per layer in the grouped build). The same lane
+// reads and then clears the word, so the read sees the O-proj's sum; nobody else reads it in this stage.
+#ifndef HE_FXRES_CLEAR_PRE
+#define HE_FXRES_CLEAR_PRE 0
+#endif
 struct HeMvPlainFxRes : HeMvPlain {
   HE_INLINE void pre(int u, float (&pv)[2]) const {
     pv[0] = pv[1] = 0.f;
@@ -145,6 +152,20 @@ struct HeMvPlainFxRes : HeMvPlain {
     const int r0 = 2 * u, r1 = r0 + 1;
     pv[0] = he_fx_to_f32(res_fx[r0]);
     if (r1 < n_rows) pv[1] = he_fx_to_f32(res_fx[r1]);
+    if constexpr (HE_FXRES_CLEAR_PRE != 0) {
+      res_fx[r0] = 0;
+      if (r1 < n_rows) res_fx[r1] = 0;
+    }
+  }
+  HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
+    if constexpr (HE_FXRES_CLEAR_PRE != 0) {
+      if (he_lane_id() != 0) return;
+      const int r0 = 2 * u, r1 = r0 + 1;
+      y[r0] = acc[0] + pv[0];
+      if (r1 < n_rows) y[r1] = acc[1] + pv[1];
+    } else {
+      HeMvPlain::epi(u, acc, pv);
+    }
   }
 };
 
