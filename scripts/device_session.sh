@@ -347,14 +347,15 @@ case "$MODE" in
   ogroupdef)  # session 37, prepared for the next call: the grouped O-proj on BOTH paths (HIPENGINE_MK_OGROUP=1, the per-op
               # path's ops.matvec_group_o and readers): its same-bits test (monokernel logits == per-op logits, 64 greedy
               # tokens), the decode bench at $BENCH_CONTEXTS with it (both paths, tokens compared), then mk_sweep's
-              # variants $ONLY (default 0,29,0,29: plain / grouped) at $AB_CONTEXTS (default 1K/8K/32K) in one process,
-              # in the time left (the call stays under ${BUDGET_S:-540} s). Builds: precompile_mk.py 1b-f3 1b-ogroup.
+              # variants $ONLY (default 0,29,31,0,29,31: plain / grouped / grouped with session 37's down) at
+              # $AB_CONTEXTS (default 1K/8K/32K) in one process, in the time left (the call stays under
+              # ${BUDGET_S:-540} s). Builds: precompile_mk.py 1b-f3 1b-ogroup 1b-ogroup-s37.
     run ogroup_tests 120 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k o_group
     run bench $((${BUDGET_S:-540} - SECONDS < 200 ? ${BUDGET_S:-540} - SECONDS : 200)) env HIPENGINE_MK_OGROUP=1 \
       $PY -m hipengine bench decode --shape llama-3.2-1b \
       $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) \
       --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
-    left=$((${BUDGET_S:-540} - SECONDS)); [ $left -gt 60 ] && ONLY=${ONLY:-0,29,0,29} mk_sweep_ab mk_sweep $left ;;
+    left=$((${BUDGET_S:-540} - SECONDS)); [ $left -gt 60 ] && ONLY=${ONLY:-0,29,31,0,29,31} mk_sweep_ab mk_sweep $left ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import os
 import subprocess
 import sys
@@ -103,11 +104,11 @@ VARIANTS = [  # name, build env, runtime attrs
     # ... with gate/up's fixed-point prologue in two passes (ops/rmsnorm.hip HE_NORM_FX_ONE_PASS=0: one more round trip)
     ("O-proj by KV-head group, gate/up prologue in two passes",
      {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_NORM_FX_ONE_PASS=0"}, {}),
-    # session 38: ... with down's clear of its fixed-point residual rows at the unit's start, right after lane 0 read
-    # them (ops/matvec_group.hip HE_FXRES_CLEAR_PRE=1), not in the epilogue before the barrier's release. Values do not
-    # change: tokens must equal variant 29's.
-    ("O-proj by KV-head group, down clears x_fx at its units' start",
-     {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_FXRES_CLEAR_PRE=1"}, {}),
+    # session 38: variant 29 is now the form whose gate/up writes the fixed-point residual back into x (down adds x as
+    # usual and clears x_fx: decode.hip MK_OG_XOUT=1); 31 is session 37's form (down reads and converts the 64-bit
+    # words itself, MK_OG_XOUT=0). Same values, same bits: tokens must equal variant 29's.
+    ("O-proj by KV-head group, session 37's down (reads x_fx: MK_OG_XOUT=0)",
+     {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "MK_OG_XOUT=0"}, {}),
     # (session 35's MK_FILL_O_AFTER_WAIT — the O-proj's first pair after the heads-combined wait: −1.1 / −1.3 / −1.1% —
     # and then MK_ATTN_LL — the attention -> O-proj handoff through LL words: −26 / −23 / −19% — were variant 29 here,
     # removed; 29 is now the grouped O-proj above, 30 its two-pass prologue.)
@@ -165,6 +166,60 @@ def baseline(tree: str, contexts: list[int], runs: int, max_context: int = 0) ->
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def sweep(picks, model, contexts, args, rows: list, ref: dict) -> None:
+    """Measure variants `picks` at `contexts` in this process, appending a row per (variant, context) to rows."""
+    from hipengine.errors import DeviceError, UnsupportedError
+    from hipengine.gpu.monokernel import MonokernelBackend, grid_info
+
+    be, be_env, base = None, None, {}
+    try:
+        for i in picks:
+            name, env, attrs = VARIANTS[i]
+            try:
+                if be is None or env != be_env:
+                    if be is not None:
+                        be.close()
+                        be = None
+                    for k in BUILD_KNOBS:
+                        os.environ.pop(k, None)
+                    os.environ.update(env)
+                    t0 = time.perf_counter()
+                    be, be_env = MonokernelBackend(model, max_context=max(min(contexts), args.max_context)), env
+                    base = {"poll_sleep_ns": be.poll_sleep_ns}  # (fine is the build's: mk_fine / HIPENGINE_MK_FINE)
+                    print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
+                for k, v in {**base, **attrs}.items():
+                    setattr(be, k, v)
+                for r in measure(be, contexts, ["monokernel"], runs=args.runs, log=lambda m: None,
+                                 max_context=args.max_context or None):
+                    C = r["context"]
+                    first = ref.setdefault(C, r["tokens"])
+                    same = first == r["tokens"]
+                    prefix = next((i for i, (a, b) in enumerate(zip(first, r["tokens"])) if a != b),
+                                  min(len(first), len(r["tokens"])))
+                    rows.append({"variant": name, "env": env, "attrs": attrs, "context": C, "tok_s": r["tok_s"],
+                                 "tok_s_runs": r["tok_s_runs"], "tokens_equal_first_variant": same,
+                                 "tokens_common_prefix": prefix, "tokens": len(r["tokens"]), "grid": grid_info(be)})
+                    print(f"{name:50s} {C:6d} {r['tok_s']:8.1f} tok/s  runs {[round(x, 1) for x in r['tok_s_runs']]}"
+                          f"{'' if same else f'  TOKENS DIFFER from the first variant from token {prefix} of {len(first)}'}",
+                          flush=True)
+            except (DeviceError, UnsupportedError) as e:  # one variant's failure is its row; the sweep goes on
+                rows.append({"variant": name, "env": env, "attrs": attrs, "error": str(e)})
+                print(f"{name:50s} FAILED: {e}", flush=True)
+                if be is not None:
+                    try:
+                        be.close()
+                    except DeviceError:
+                        pass
+                be, be_env = None, None
+    finally:
+        if be is not None:
+            be.close()
+
+
+def _time_up(*_):
+    raise KeyboardInterrupt("SIGTERM: the sweep's time is up")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="1024", help="comma-separated contexts (tokens in the KV cache)")
@@ -179,12 +234,9 @@ def main() -> int:
                          "first tree's (repeatable: each tree in turn)")
     ap.add_argument("--best-env", default=None, help="write the fastest variant's runtime knobs as shell exports")
     args = ap.parse_args()
-    from hipengine.errors import DeviceError, UnsupportedError
-    from hipengine.gpu.monokernel import MonokernelBackend, grid_info
-
     model = preset_model("llama-3.2-1b", 0)
     contexts = [int(c) for c in args.contexts.split(",")]
-    rows, be, be_env, ref = [], None, None, {}
+    rows, ref = [], {}
     picks = [int(i) for i in args.only.split(",") if i.strip()] if args.only is not None else range(len(VARIANTS))
     for tree in args.baseline_tree:
         t0 = time.perf_counter()
@@ -196,47 +248,16 @@ def main() -> int:
                   f"{[round(x, 1) for x in r['tok_s_runs']]}{'' if same else '  TOKENS DIFFER from the first'}",
                   flush=True)
         print(f"baseline {tree} measured in {time.perf_counter() - t0:.1f} s", flush=True)
-    for i in picks:
-        name, env, attrs = VARIANTS[i]
-        try:
-            if be is None or env != be_env:
-                if be is not None:
-                    be.close()
-                    be = None
-                for k in BUILD_KNOBS:
-                    os.environ.pop(k, None)
-                os.environ.update(env)
-                t0 = time.perf_counter()
-                be, be_env = MonokernelBackend(model, max_context=max(min(contexts), args.max_context)), env
-                base = {"poll_sleep_ns": be.poll_sleep_ns}  # (fine is the build's: mk_fine / HIPENGINE_MK_FINE)
-                print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
-            for k, v in {**base, **attrs}.items():
-                setattr(be, k, v)
-            for r in measure(be, contexts, ["monokernel"], runs=args.runs, log=lambda m: None,
-                             max_context=args.max_context or None):
-                C = r["context"]
-                first = ref.setdefault(C, r["tokens"])
-                same = first == r["tokens"]
-                prefix = next((i for i, (a, b) in enumerate(zip(first, r["tokens"])) if a != b),
-                              min(len(first), len(r["tokens"])))
-                rows.append({"variant": name, "env": env, "attrs": attrs, "context": C, "tok_s": r["tok_s"],
-                             "tok_s_runs": r["tok_s_runs"], "tokens_equal_first_variant": same,
-                             "tokens_common_prefix": prefix, "tokens": len(r["tokens"]), "grid": grid_info(be)})
-                print(f"{name:50s} {C:6d} {r['tok_s']:8.1f} tok/s  runs {[round(x, 1) for x in r['tok_s_runs']]}"
-                      f"{'' if same else f'  TOKENS DIFFER from the first variant from token {prefix} of {len(first)}'}",
-                      flush=True)
-        except (DeviceError, UnsupportedError) as e:  # one variant's failure is its row; the sweep goes on
-            rows.append({"variant": name, "env": env, "attrs": attrs, "error": str(e)})
-            print(f"{name:50s} FAILED: {e}", flush=True)
-            if be is not None:
-                try:
-                    be.close()
-                except DeviceError:
-                    pass
-            be, be_env = None, None
-    if be is not None:
-        be.close()
-    ours = [r for r in rows if r.get("context") == contexts[0] and not r["variant"].startswith("baseline tree")]
+    # A time-boxed call (device_session.sh: `timeout`) ends the sweep with SIGTERM: it stops there (the backend
+    # closed by sweep()) and the rows so far are written, so a sweep cut short still leaves its JSON.
+    signal.signal(signal.SIGTERM, _time_up)
+    try:
+        sweep(picks, model, contexts, args, rows, ref)
+    except KeyboardInterrupt as e:
+        print(f"sweep stopped early ({e}); writing the {len(rows)} rows measured", flush=True)
+        rows.append({"variant": "(the sweep stopped here)", "env": {}, "attrs": {}, "error": str(e) or "interrupted"})
+    ours = [r for r in rows if r.get("context") == contexts[0] and not r["variant"].startswith("baseline tree")
+            and "tok_s" in r]
     if args.best_env and ours:  # the fastest of this tree's variants at the first context
         best = max(ours, key=lambda r: r["tok_s"])
         names = {"poll_sleep_ns": "HIPENGINE_MK_POLL_SLEEP_NS"}

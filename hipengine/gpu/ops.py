@@ -850,22 +850,23 @@ class Ops:
                        [_p(W), _p(att), _p(x), _p(y_fx), c_int32(inn), c_int32(rows), c_int32(int(f16))],
                        stream=stream, pdl=self._pdl("o"))
 
-    def matvec_gate_up_fx(self, Wg, Wu, x_fx, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
+    def matvec_gate_up_fx(self, Wg, Wu, x_fx, y, x_out, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
                           stream=None):
-        """matvec_gate_up whose input is the fixed-point residual x_fx (int64 [inn]) alone."""
+        """matvec_gate_up whose input is the fixed-point residual x_fx (int64 [inn]) alone; its prologue also writes
+        that input as float32 into x_out ([inn], each block a share) for the down-projection's residual rows."""
         self._check_in(inn)
         self.rt.launch(self.fn("matvec_group", "matvec_gate_up_fx", {**self._late("gate_up"), **self._whole(inn)}),
                        self._grid(rows), MATVEC_THREADS,
-                       [_p(Wg), _p(Wu), _p(x_fx), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
-                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl("gate_up"))
+                       [_p(Wg), _p(Wu), _p(x_fx), _p(gamma), c_float(eps), _p(y), _p(x_out), c_int32(rows),
+                        c_int32(inn), c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl("gate_up"))
 
-    def matvec_fx_res(self, W, x, res_fx, y, rows: int, inn: int, f16=False, stream=None):
-        """y = W·x + res_fx (the fixed-point residual, int64 [rows]), which is then cleared: the down-projection
-        after the grouped O-proj."""
+    def matvec_res_clr(self, W, x, residual, clr, y, rows: int, inn: int, f16=False, stream=None):
+        """y = W·x + residual, and clr (int64 [rows]) cleared: the down-projection after the grouped O-proj (its
+        residual is the x gate/up wrote back; clr the fixed-point buffer, zero again for the next O-proj)."""
         self._check_in(inn)
-        self.rt.launch(self.fn("matvec_group", "matvec_fx_res", {**self._late("down"), **self._whole(inn)}),
+        self.rt.launch(self.fn("matvec_group", "matvec_res_clr", {**self._late("down"), **self._whole(inn)}),
                        self._grid((rows + 1) // 2), MATVEC_THREADS,
-                       [_p(W), _p(x), _p(res_fx), _p(y), c_int32(rows), c_int32(inn), c_int32(int(f16))],
+                       [_p(W), _p(x), _p(residual), _p(clr), _p(y), c_int32(rows), c_int32(inn), c_int32(int(f16))],
                        shared=inn * 4, stream=stream, pdl=self._pdl("down"))
 
     def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,

@@ -175,6 +175,13 @@ struct HeMvFxOnly<Op, decltype(void(Op::kFxOnly))> {
   static constexpr bool value = Op::kFxOnly;
 };
 
+// Where a fixed-point-only prologue also writes its input as float (the op's x_out; ops/matvec_group.hip).
+template <class Op>
+HE_INLINE float* he_mv_x_out(const Op& op) {
+  if constexpr (HeMvFxOnly<Op>::value) return op.x_out;
+  else return nullptr;
+}
+
 // Load batch columns [c0, c0 + B) of unit u of `op` (zeros past the rows' end or when there is no unit).
 template <class Op, int kRows>
 HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
@@ -277,7 +284,8 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
     he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, true>(op.x, op.gamma, op.eps, op.in, xs, scratch, op.x_fx, op.pk.post);
   else
     he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, false, HeMvFxOnly<Op>::value>(op.x, op.gamma, op.eps, op.in, xs,
-                                                                                  scratch, op.x_fx);
+                                                                                  scratch, op.x_fx, 1.f,
+                                                                                  he_mv_x_out(op));
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
   float acc[kRows][2];
 #pragma unroll
