@@ -402,11 +402,14 @@ struct HeMvPlain1 {
   float* y;
   int n_rows;
   const he_i64* x_fx;  // as HeMvPlain's (no res_fx: the per-op path's one-row down is not the fused MLP's)
+  he_i64* clr;  // optional: row u's word zeroed by lane 0 at the unit's start (the grouped O-proj's x_fx, cleared
+                // by its down-proj: ops/matvec_group.hip HeMvPlainClr, the two-row form)
   HE_INLINE int units() const { return n_rows; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[1]) const { rp[0] = W + (he_i64)u * in; }
   HE_INLINE void pre(int u, float (&pv)[1]) const {  // as HeMvPlain::pre
     pv[0] = 0.f;
     if (residual != nullptr && he_lane_id() == 0) pv[0] = residual[u];
+    if (clr != nullptr && he_lane_id() == 0) clr[u] = 0;
   }
   HE_INLINE void epi(int u, const float (&acc)[1], const float (&pv)[1]) const {
     if (he_lane_id() == 0) y[u] = acc[0] + pv[0];
@@ -462,11 +465,12 @@ HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x
 // Not in the monokernel's module (HE_IN_MONOKERNEL): it does not use it, and kernels beside its own change
 // how NVVM compiles it (see attention_decode.hip).
 #ifndef HE_IN_MONOKERNEL
+// clr (optional): zeroed row by row (HeMvPlain1::clr).
 HE_KERNEL(kMatvecMaxThreads) matvec_rows1(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma,
-                             float eps, const float* residual, float* y, int rows, int in, int w_f16) {
+                             float eps, const float* residual, float* y, int rows, int in, int w_f16, he_i64* clr) {
   extern __shared__ float he_xs[];  // [in]
   __shared__ float scratch[kMaxWarpsPerBlock];
-  const HeMvPlain1 op{x, gamma, eps, in, W, residual, y, rows};
+  const HeMvPlain1 op{x, gamma, eps, in, W, residual, y, rows, nullptr, clr};
   if (w_f16) he_matvec_run<true, 1>(op, he_xs, scratch);
   else he_matvec_run<false, 1>(op, he_xs, scratch);
 }
