@@ -350,12 +350,15 @@ case "$MODE" in
               # tokens compared), then mk_sweep's variants $ONLY (default 0,29,31,0,29,31: plain / grouped / grouped with session 37's down) at
               # $AB_CONTEXTS (default 1K/8K/32K) in one process, in the time left (the call stays under
               # ${BUDGET_S:-540} s). Builds: precompile_mk.py 1b-f3 1b-ogroup 1b-ogroup-s37.
+    # SWEEP_S (seconds): the sweep first, in that long, then the bench in the time left (a short call)
     run ogroup_tests 150 $PY -m pytest tests/test_monokernel_gpu.py tests/test_ops_gpu.py -q -rs -k "o_group or group_o"
-    run bench $((${BUDGET_S:-540} - SECONDS < 200 ? ${BUDGET_S:-540} - SECONDS : 200)) env HIPENGINE_MK_OGROUP=1 \
-      $PY -m hipengine bench decode --shape llama-3.2-1b \
+    [ -n "${SWEEP_S:-}" ] && ONLY=${ONLY:-0,29,31,0,29,31} mk_sweep_ab mk_sweep "$SWEEP_S"
+    left=$((${BUDGET_S:-540} - SECONDS)); [ $left -gt 60 ] && run bench $((left < 200 ? left : 200)) \
+      env HIPENGINE_MK_OGROUP=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
       $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) \
       --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
-    left=$((${BUDGET_S:-540} - SECONDS)); [ $left -gt 60 ] && ONLY=${ONLY:-0,29,31,0,29,31} mk_sweep_ab mk_sweep $left ;;
+    left=$((${BUDGET_S:-540} - SECONDS))
+    [ -z "${SWEEP_S:-}" ] && [ $left -gt 60 ] && ONLY=${ONLY:-0,29,31,0,29,31} mk_sweep_ab mk_sweep $left ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
