@@ -718,10 +718,8 @@ class EmulatedRuntime:
         self._f32(y, rows)[:] = r + self._f32(residual, rows)
         self.view(clr, np.int64, rows)[:] = 0
 
-    def _k_matvec_rows1(self, grid, W, x, gamma, eps, residual, y, rows, inn, f16, clr=0):  # matvec's, one-row units
-        self._k_matvec(grid, W, x, gamma, eps, residual, y, rows, inn, f16)
-        if clr:
-            self.view(clr, np.int64, rows)[:] = 0
+    def _k_matvec_rows1_clr(self, grid, W, x, residual, clr, y, rows, inn, f16):  # matvec_res_clr, one-row units
+        self._k_matvec_res_clr(grid, W, x, residual, clr, y, rows, inn, f16)
 
     def _k_mlp_fused(self, grid, Wg, Wu, WdT, x, gamma, eps, y_fx, d, F, f16):
         xn = self._norm(self._f32(x, d).astype(np.float64), gamma, eps, d)

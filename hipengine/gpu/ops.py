@@ -779,7 +779,8 @@ class Ops:
             g = grid or self._grid((rows + 1) // 2, threads)
         args = [_p(W), _p(x), _p(gamma), c_float(eps), _p(residual), _p(y), c_int32(rows), c_int32(inn),
                 c_int32(int(f16))]
-        args += [_p(None)] if rows1 else [_p(x_fx), _p(res_fx)]  # rows1: no row to clear (matvec_res_clr's)
+        if not rows1:
+            args += [_p(x_fx), _p(res_fx)]
         self.rt.launch(fn, g, threads, args, shared=inn * 4, stream=stream, pdl=self._pdl(role))
 
     def head_screen(self, Wq, meta, c2: float, x, gamma, eps: float, d: int, vocab: int, lo, hi, block_lo,
@@ -862,15 +863,16 @@ class Ops:
     def matvec_res_clr(self, W, x, residual, clr, y, rows: int, inn: int, f16=False, stream=None):
         """y = W·x + residual, and clr (int64 [rows]) cleared: the down-projection after the grouped O-proj (its
         residual is the x gate/up wrote back; clr the fixed-point buffer, zero again for the next O-proj). One-row
-        units where ops.matvec would take them (matvec_rows1: the same bits), else matvec_group's two-row kernel."""
+        units where ops.matvec would take them (matvec_rows1_clr: matvec_rows1's bits), else matvec_group's two-row
+        kernel."""
         self._check_in(inn)
         if matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms):
-            self.rt.launch(self.fn("matvec", "matvec_rows1", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL,
-                                                              **self._late("down"),
-                                                              **self._whole(inn, MATVEC_ROWS1_UNROLL)}),
+            self.rt.launch(self.fn("matvec", "matvec_rows1_clr", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL,
+                                                                  **self._late("down"),
+                                                                  **self._whole(inn, MATVEC_ROWS1_UNROLL)}),
                            self._grid(rows), MATVEC_THREADS,
-                           [_p(W), _p(x), _p(None), c_float(0.0), _p(residual), _p(y), c_int32(rows), c_int32(inn),
-                            c_int32(int(f16)), _p(clr)], shared=inn * 4, stream=stream, pdl=self._pdl("down"))
+                           [_p(W), _p(x), _p(residual), _p(clr), _p(y), c_int32(rows), c_int32(inn), c_int32(int(f16))],
+                           shared=inn * 4, stream=stream, pdl=self._pdl("down"))
             return
         self.rt.launch(self.fn("matvec_group", "matvec_res_clr", {**self._late("down"), **self._whole(inn)}),
                        self._grid((rows + 1) // 2), MATVEC_THREADS,

@@ -465,12 +465,22 @@ HE_KERNEL(kMatvecMaxThreads) matvec(const he_u16* __restrict__ W, const float* x
 // Not in the monokernel's module (HE_IN_MONOKERNEL): it does not use it, and kernels beside its own change
 // how NVVM compiles it (see attention_decode.hip).
 #ifndef HE_IN_MONOKERNEL
-// clr (optional): zeroed row by row (HeMvPlain1::clr).
 HE_KERNEL(kMatvecMaxThreads) matvec_rows1(const he_u16* __restrict__ W, const float* x, const float* __restrict__ gamma,
-                             float eps, const float* residual, float* y, int rows, int in, int w_f16, he_i64* clr) {
+                             float eps, const float* residual, float* y, int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];  // [in]
   __shared__ float scratch[kMaxWarpsPerBlock];
-  const HeMvPlain1 op{x, gamma, eps, in, W, residual, y, rows, nullptr, clr};
+  const HeMvPlain1 op{x, gamma, eps, in, W, residual, y, rows, nullptr, nullptr};
+  if (w_f16) he_matvec_run<true, 1>(op, he_xs, scratch);
+  else he_matvec_run<false, 1>(op, he_xs, scratch);
+}
+
+// ... and clr zeroed row by row (HeMvPlain1::clr): the grouped O-proj's down-proj (hipengine/gpu/ops.py
+// matvec_res_clr). A kernel of its own so that matvec_rows1's code stays without the clear.
+HE_KERNEL(kMatvecMaxThreads) matvec_rows1_clr(const he_u16* __restrict__ W, const float* x, const float* residual,
+                                             he_i64* clr, float* y, int rows, int in, int w_f16) {
+  extern __shared__ float he_xs[];  // [in]
+  __shared__ float scratch[kMaxWarpsPerBlock];
+  const HeMvPlain1 op{x, nullptr, 0.f, in, W, residual, y, rows, nullptr, clr};
   if (w_f16) he_matvec_run<true, 1>(op, he_xs, scratch);
   else he_matvec_run<false, 1>(op, he_xs, scratch);
 }
