@@ -400,7 +400,8 @@ def mlp_packed_on() -> bool:
 # The grouped O-proj's default where it applies (o_group_decide). Measured in session 37 on an H100 against the
 # plain O-proj, alternated twice in one process, tokens equal: +0.7% at 1K, +1.4% at 8K (docs/perf-log.md). Off
 # until a GPU has run the per-op path's grouped kernels end to end against the monokernel (tests/test_monokernel_gpu.py
-# test_o_group_same_bits_as_per_op) and the bench of record with it: no device was lent for that call in session 37.
+# test_o_group_same_bits_as_per_op) and the bench of record with it: no device was lent for that call in sessions 37
+# and 38 (session 38 also moved its down-proj's residual back into x, MK_OG_XOUT: unmeasured, same bits).
 O_GROUP_DEFAULT = False
 
 
