@@ -344,12 +344,13 @@ case "$MODE" in
       --json "$OUT/mkprof_default.json"
     run mkprof_ogroup 55 env HIPENGINE_MK_OGROUP=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/mkprof_ogroup.json" ;;
-  ogroupdef)  # session 37, prepared for the next call: the grouped O-proj on BOTH paths (HIPENGINE_MK_OGROUP=1, the per-op
-              # path's ops.matvec_group_o and readers): its same-bits test (monokernel logits == per-op logits, 64 greedy
-              # tokens) and the per-op kernels' op tests, the decode bench at $BENCH_CONTEXTS with it (both paths,
-              # tokens compared), then mk_sweep's variants $ONLY (default 0,29,31,0,29,31: plain / grouped / grouped with session 37's down) at
-              # $AB_CONTEXTS (default 1K/8K/32K) in one process, in the time left (the call stays under
-              # ${BUDGET_S:-540} s). Builds: precompile_mk.py 1b-f3 1b-ogroup 1b-ogroup-s37.
+  ogroupdef)  # sessions 37-38, prepared for the next call: the grouped O-proj on BOTH paths (HIPENGINE_MK_OGROUP=1,
+              # the per-op path's ops.matvec_group_o and readers): its same-bits test (monokernel logits == per-op
+              # logits, 64 greedy tokens) and the per-op kernels' op tests, the decode bench at $BENCH_CONTEXTS with it
+              # (both paths, tokens compared), then mk_sweep's variants $ONLY (default 0,29,31,0,29,31: plain /
+              # grouped / grouped with session 37's down) at $AB_CONTEXTS (default 1K/8K/32K) in one process, in the
+              # time left (the call stays under ${BUDGET_S:-540} s). Builds: precompile_mk.py 1b-f3 1b-ogroup
+              # 1b-ogroup-s37.
     # SWEEP_S (seconds): the sweep first, in that long, then the bench in the time left (a short call)
     run ogroup_tests 150 $PY -m pytest tests/test_monokernel_gpu.py tests/test_ops_gpu.py -q -rs -k "o_group or group_o"
     [ -n "${SWEEP_S:-}" ] && ONLY=${ONLY:-0,29,31,0,29,31} mk_sweep_ab mk_sweep "$SWEEP_S"
