@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import os
+import signal
 import subprocess
 import sys
 import time
