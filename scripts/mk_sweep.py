@@ -97,21 +97,24 @@ VARIANTS = [  # name, build env, runtime attrs
      {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=2,MK_GU_L2_GAP=74"}, {}),
     # session 36: the O-proj by KV-head group (decode.hip MK_O_GROUP, ops/matvec_group.hip): the blocks of each group
     # combine its heads themselves and add their rows' shares in fixed point (no combining block, no heads-combined
-    # counter, no att in global memory). Its sums differ (fixed-point shares): tokens may differ from variant 0's
-    # (tokens_common_prefix says from where).
-    # Measured (session 37, H100): +0.7 / +1.4% at 1K / 8K, tokens equal; opt-in until its bench of record runs.
-    ("O-proj by KV-head group (HIPENGINE_MK_OGROUP)", {"HIPENGINE_MK_OGROUP": "1"}, {}),
-    # ... with gate/up's fixed-point prologue in two passes (ops/rmsnorm.hip HE_NORM_FX_ONE_PASS=0: one more round trip)
+    # counter, no att in global memory). The default since session 39 (H100: +0.3 / +1.6 / +2.7% at 1K / 8K / 32K,
+    # tokens equal); variant 29 is the plain O-proj it replaced, for the A/B on any part.
+    ("plain O-proj (HIPENGINE_MK_OGROUP=0)", {"HIPENGINE_MK_OGROUP": "0"}, {}),
+    # ... the grouped O-proj with gate/up's fixed-point prologue in two passes (ops/rmsnorm.hip HE_NORM_FX_ONE_PASS=0:
+    # one more round trip)
     ("O-proj by KV-head group, gate/up prologue in two passes",
      {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_NORM_FX_ONE_PASS=0"}, {}),
-    # session 38: variant 29 is now the form whose gate/up writes the fixed-point residual back into x (down adds x as
-    # usual and clears x_fx: decode.hip MK_OG_XOUT=1); 31 is session 37's form (down reads and converts the 64-bit
-    # words itself, MK_OG_XOUT=0). Same values, same bits: tokens must equal variant 29's.
-    ("O-proj by KV-head group, session 37's down (reads x_fx: MK_OG_XOUT=0)",
-     {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "MK_OG_XOUT=0"}, {}),
+    # session 39: the grouped O-proj's down-proj as session 37 built it (ops/matvec_group.hip HE_FXRES_RAW=0: lane 0
+    # converts the fixed-point residual words in pre(), waiting for them); the default keeps their raw bits until the
+    # epilogue. Same bits: tokens must equal variant 0's.
+    ("O-proj by KV-head group, session 37's down (HE_FXRES_RAW=0)",
+     {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_FXRES_RAW=0"}, {}),
+    # (session 38's MK_OG_XOUT — gate/up's prologue wrote the fixed-point residual back into x, down added x and
+    # cleared x_fx — was variant 29 here and session 37's form 31: XOUT −0.4 / −0.5 / −0.8% against it, removed;
+    # 29 is now the plain O-proj, 31 session 37's down again.)
     # (session 35's MK_FILL_O_AFTER_WAIT — the O-proj's first pair after the heads-combined wait: −1.1 / −1.3 / −1.1% —
     # and then MK_ATTN_LL — the attention -> O-proj handoff through LL words: −26 / −23 / −19% — were variant 29 here,
-    # removed; 29 is now the grouped O-proj above, 30 its two-pass prologue.)
+    # removed.)
     # (session 31's v76 — the matrix-core attention split with 2 / 3 K/V tiles in flight per warp: −1.3 / −2.9 / −2.1%
     # and −4 to −7% at 1K / 8K / 32K — were variants 20 / 21 here, removed.)
     # (session 27's v71 — the QKV position by value: level — and v73 — the combine by the spare blocks: −3% — were

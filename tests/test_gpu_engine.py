@@ -707,19 +707,15 @@ class EmulatedRuntime:
         r = self._w(W, rows, inn, f16) @ self._f32(att, inn).astype(np.float64) + self._f32(x, rows)
         self.view(y_fx, np.int64, rows)[:] += np.round(r * 2.0 ** 32).astype(np.int64)
 
-    def _k_matvec_gate_up_fx(self, grid, Wg, Wu, x_fx, gamma, eps, y, x_out, rows, inn, f16):
+    def _k_matvec_gate_up_fx(self, grid, Wg, Wu, x_fx, gamma, eps, y, rows, inn, f16):
         xe = self._plus_fx(np.zeros(inn, np.float32), x_fx, inn)
         xn = self._norm(np.asarray(xe, np.float64), gamma, eps, inn)
         self._f32(y, rows)[:] = O.ref_silu(self._w(Wg, rows, inn, f16) @ xn) * (self._w(Wu, rows, inn, f16) @ xn)
-        self._f32(x_out, inn)[:] = xe
 
-    def _k_matvec_res_clr(self, grid, W, x, residual, clr, y, rows, inn, f16):
+    def _k_matvec_fx_res(self, grid, W, x, res_fx, y, rows, inn, f16):
         r = self._w(W, rows, inn, f16) @ self._f32(x, inn).astype(np.float64)
-        self._f32(y, rows)[:] = r + self._f32(residual, rows)
-        self.view(clr, np.int64, rows)[:] = 0
-
-    def _k_matvec_rows1_clr(self, grid, W, x, residual, clr, y, rows, inn, f16):  # matvec_res_clr, one-row units
-        self._k_matvec_res_clr(grid, W, x, residual, clr, y, rows, inn, f16)
+        self._f32(y, rows)[:] = r + self._plus_fx(np.zeros(rows, np.float32), res_fx, rows)
+        self.view(res_fx, np.int64, rows)[:] = 0
 
     def _k_mlp_fused(self, grid, Wg, Wu, WdT, x, gamma, eps, y_fx, d, F, f16):
         xn = self._norm(self._f32(x, d).astype(np.float64), gamma, eps, d)

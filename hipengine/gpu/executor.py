@@ -285,10 +285,10 @@ class GpuBackend(Backend):
             else:
                 ops.matvec(L["wo"], self.att, out, d, qd, residual=res, f16=f16, stream=s, role="o", res_fx=fx)
             yield 1
-            if self.o_group:  # gate/up reads that residual alone and writes it back into x; down adds x, clears it
-                ops.matvec_gate_up_fx(L["w_gate"], L["w_up"], self.x_fx, self.h, self.x, F, d, gamma=L["ffn_norm"],
-                                      eps=eps, f16=f16, stream=s)
-                ops.matvec_res_clr(L["w_down"], self.h, self.x, self.x_fx, self.x, d, F, f16=f16, stream=s)
+            if self.o_group:  # gate/up reads that residual alone; down adds it, writes x and clears it
+                ops.matvec_gate_up_fx(L["w_gate"], L["w_up"], self.x_fx, self.h, F, d, gamma=L["ffn_norm"], eps=eps,
+                                      f16=f16, stream=s)
+                ops.matvec_fx_res(L["w_down"], self.h, self.x_fx, self.x, d, F, f16=f16, stream=s)
             elif fx is not None:
                 ops.mlp_fused(L["w_gate"], L["w_up"], L["w_down_t"], self.x, fx, d, F, gamma=L["ffn_norm"], eps=eps,
                               f16=f16, stream=s)

@@ -397,12 +397,11 @@ def mlp_packed_on() -> bool:
     return O._env_switch("HIPENGINE_MK_PACKED") is True
 
 
-# The grouped O-proj's default where it applies (o_group_decide). Measured in session 37 on an H100 against the
-# plain O-proj, alternated twice in one process, tokens equal: +0.7% at 1K, +1.4% at 8K (docs/perf-log.md). Off
-# until a GPU has run the per-op path's grouped kernels end to end against the monokernel (tests/test_monokernel_gpu.py
-# test_o_group_same_bits_as_per_op) and the bench of record with it: no device was lent for that call in sessions 37
-# and 38 (session 38 also moved its down-proj's residual back into x, MK_OG_XOUT: unmeasured, same bits).
-O_GROUP_DEFAULT = False
+# The grouped O-proj's default where it applies (o_group_decide). Measured in session 39 on an H100 against the
+# plain O-proj, alternated twice in one process, tokens equal (monokernel_ogroup_xout_ab_h100_s39.json): +0.3% at 1K,
+# +1.6% at 8K, +2.7% at 32K; the two paths' greedy tokens identical with it at every context and the monokernel's
+# logits equal to the per-op path's bit for bit (docs/perf-log.md session 39).
+O_GROUP_DEFAULT = True
 
 
 def o_group_on() -> bool | None:

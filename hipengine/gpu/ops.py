@@ -771,7 +771,8 @@ class Ops:
             rows1 = (grid is None and x_fx is None and res_fx is None
                      and matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms))
         if rows1:
-            fn = self._rows1_fn("matvec_rows1", role, inn)
+            fn = self.fn("matvec", "matvec_rows1", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL, **self._late(role),
+                                                    **self._whole(inn, MATVEC_ROWS1_UNROLL)})
             g = grid or self._grid(rows, threads)
         else:
             fn = self.fn("matvec", "matvec", {**self._late(role), **self._whole(inn), **_fx_defines(x_fx, res_fx)})
@@ -849,36 +850,23 @@ class Ops:
                        [_p(W), _p(att), _p(x), _p(y_fx), c_int32(inn), c_int32(rows), c_int32(int(f16))],
                        stream=stream, pdl=self._pdl("o"))
 
-    def matvec_gate_up_fx(self, Wg, Wu, x_fx, y, x_out, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
+    def matvec_gate_up_fx(self, Wg, Wu, x_fx, y, rows: int, inn: int, gamma=None, eps: float = 0.0, f16=False,
                           stream=None):
-        """matvec_gate_up whose input is the fixed-point residual x_fx (int64 [inn]) alone; its prologue also writes
-        that input as float32 into x_out ([inn], each block a share) for the down-projection's residual rows."""
+        """matvec_gate_up whose input is the fixed-point residual x_fx (int64 [inn]) alone."""
         self._check_in(inn)
         self.rt.launch(self.fn("matvec_group", "matvec_gate_up_fx", {**self._late("gate_up"), **self._whole(inn)}),
                        self._grid(rows), MATVEC_THREADS,
-                       [_p(Wg), _p(Wu), _p(x_fx), _p(gamma), c_float(eps), _p(y), _p(x_out), c_int32(rows),
-                        c_int32(inn), c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl("gate_up"))
+                       [_p(Wg), _p(Wu), _p(x_fx), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
+                        c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl("gate_up"))
 
-    def matvec_res_clr(self, W, x, residual, clr, y, rows: int, inn: int, f16=False, stream=None):
-        """y = W·x + residual, and clr (int64 [rows]) cleared: the down-projection after the grouped O-proj (its
-        residual is the x gate/up wrote back; clr the fixed-point buffer, zero again for the next O-proj). One-row
-        units where ops.matvec would take them (matvec_rows1_clr: matvec_rows1's bits), else matvec_group's two-row
-        kernel."""
+    def matvec_fx_res(self, W, x, res_fx, y, rows: int, inn: int, f16=False, stream=None):
+        """y = W·x + res_fx (the fixed-point residual, int64 [rows]), which is then cleared: the down-projection
+        after the grouped O-proj."""
         self._check_in(inn)
-        if matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms):
-            fn, units = self._rows1_fn("matvec_rows1_clr", "down", inn), rows
-        else:
-            fn = self.fn("matvec_group", "matvec_res_clr", {**self._late("down"), **self._whole(inn)})
-            units = (rows + 1) // 2
-        self.rt.launch(fn, self._grid(units), MATVEC_THREADS,
-                       [_p(W), _p(x), _p(residual), _p(clr), _p(y), c_int32(rows), c_int32(inn), c_int32(int(f16))],
+        self.rt.launch(self.fn("matvec_group", "matvec_fx_res", {**self._late("down"), **self._whole(inn)}),
+                       self._grid((rows + 1) // 2), MATVEC_THREADS,
+                       [_p(W), _p(x), _p(res_fx), _p(y), c_int32(rows), c_int32(inn), c_int32(int(f16))],
                        shared=inn * 4, stream=stream, pdl=self._pdl("down"))
-
-    def _rows1_fn(self, name: str, role: str, inn: int):
-        """A kernel of matvec.hip's one-row-unit build (HE_MATVEC_UNROLL = MATVEC_ROWS1_UNROLL): matvec_rows1 or
-        matvec_rows1_clr."""
-        return self.fn("matvec", name, {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL, **self._late(role),
-                                        **self._whole(inn, MATVEC_ROWS1_UNROLL)})
 
     def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,
                    hd: int, inn: int, gamma=None, eps: float = 0.0, bias=None, rope: bool = True, f16=False,

@@ -92,11 +92,6 @@ __device__ inline void mk_attn_mark(int k);
 #ifndef MK_O_GROUP
 #define MK_O_GROUP 0
 #endif
-// MK_OG_XOUT (MK_O_GROUP builds): 1, gate/up's prologue writes the fixed-point residual back into x as float and
-// the down-proj adds x as usual (HeMvPlainClr); 0, session 37's form: down reads the 64-bit words (HeMvPlainFxRes).
-#ifndef MK_OG_XOUT
-#define MK_OG_XOUT 1
-#endif
 #if MK_O_GROUP
 #include "ops/matvec_group.hip"
 #endif
@@ -523,10 +518,9 @@ static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetch
 // (ops/matvec_group.hip) right after their own splits, wait for that counter (acquire), combine the group's G
 // heads into shared memory themselves (he_attention_combine: the per-op combine's arithmetic) and add their rows'
 // shares into p.x_fx in fixed point, group 0's tiles x itself as well, so p.x_fx holds the whole residual: the
-// gate/up prologue reads it alone and writes it back into x as float (each block a share), the down-proj adds x as
-// its residual rows and clears p.x_fx (zero again before the next layer's O-proj, two barriers later). No
-// heads-combined counter, no att in global memory. tp = 1, fine = 3, the two-stage bf16 MLP only. Measured:
-// docs/perf-log.md sessions 37-38.
+// gate/up prologue reads it alone, the down-proj's residual rows read it, write x and clear it (zero again before
+// the next layer's O-proj, two barriers later). No heads-combined counter, no att in global memory. tp = 1,
+// fine = 3, the two-stage bf16 MLP only. Measured: docs/perf-log.md session 36.
 static_assert(!(MK_O_GROUP && (MK_TP || MK_FUSED_MLP || MK_MLP_PACKED || MK_FINE2 || MK_GU_L2)),
               "MK_O_GROUP: tp = 1, fine = 3, the two-stage bf16 MLP");
 #if MK_O_GROUP
@@ -664,11 +658,7 @@ HE_INLINE HeMvPlainP mk_down_op(const MkParams& p, const MkLayer& L, he_u32) {
                       L.esc_down, L.down_post, L.down_unpost);
 }
 #else
-#if MK_O_GROUP && MK_OG_XOUT  // residual x (gate/up wrote it back from the fixed-point buffer), which it clears
-HE_INLINE HeMvPlainClr mk_down_op(const MkParams& p, const MkLayer& L, he_u32) {
-  return HeMvPlainClr{{p.h, nullptr, 0.f, p.ffn, L.w_down, p.x, p.x, p.d, nullptr, nullptr}, mk_ofx(p)};
-}
-#elif MK_O_GROUP  // the residual rows from the fixed-point buffer the grouped O-proj fills (ops/matvec_group.hip)
+#if MK_O_GROUP  // the residual rows from the fixed-point buffer the grouped O-proj fills (ops/matvec_group.hip)
 HE_INLINE HeMvPlainFxRes mk_down_op(const MkParams& p, const MkLayer& L, he_u32) {
   return HeMvPlainFxRes{{p.h, nullptr, 0.f, p.ffn, L.w_down, nullptr, p.x, p.d, nullptr, mk_ofx(p)}};
 }
@@ -685,10 +675,9 @@ HE_INLINE HeMvGateUpP mk_gate_up_op(const MkParams& p, const MkLayer& L, const f
   return he_mvp_gate_up(HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn, nullptr}, L.w_gate_p,
                         L.w_up_p, L.esc_gu, L.gu_post, L.gu_unpost);
 }
-#elif MK_O_GROUP  // its input is the fixed-point buffer alone (ops/matvec_group.hip), written back into x as float
+#elif MK_O_GROUP  // its input is the fixed-point buffer alone (ops/matvec_group.hip)
 HE_INLINE HeMvGateUpFx mk_gate_up_op(const MkParams& p, const MkLayer& L, const float*) {
-  return HeMvGateUpFx{{nullptr, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn, mk_ofx(p)},
-                      MK_OG_XOUT ? p.x : nullptr};
+  return HeMvGateUpFx{{nullptr, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn, mk_ofx(p)}};
 }
 #else
 HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x) {

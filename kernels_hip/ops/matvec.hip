@@ -175,13 +175,6 @@ struct HeMvFxOnly<Op, decltype(void(Op::kFxOnly))> {
   static constexpr bool value = Op::kFxOnly;
 };
 
-// Where a fixed-point-only prologue also writes its input as float (the op's x_out; ops/matvec_group.hip).
-template <class Op>
-HE_INLINE float* he_mv_x_out(const Op& op) {
-  if constexpr (HeMvFxOnly<Op>::value) return op.x_out;
-  else return nullptr;
-}
-
 // Load batch columns [c0, c0 + B) of unit u of `op` (zeros past the rows' end or when there is no unit).
 template <class Op, int kRows>
 HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
@@ -284,8 +277,7 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
     he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, true>(op.x, op.gamma, op.eps, op.in, xs, scratch, op.x_fx, op.pk.post);
   else
     he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, false, HeMvFxOnly<Op>::value>(op.x, op.gamma, op.eps, op.in, xs,
-                                                                                  scratch, op.x_fx, 1.f,
-                                                                                  he_mv_x_out(op));
+                                                                                  scratch, op.x_fx);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
   float acc[kRows][2];
 #pragma unroll
@@ -402,14 +394,11 @@ struct HeMvPlain1 {
   float* y;
   int n_rows;
   const he_i64* x_fx;  // as HeMvPlain's (no res_fx: the per-op path's one-row down is not the fused MLP's)
-  he_i64* clr;  // optional: row u's word zeroed by lane 0 at the unit's start (the grouped O-proj's x_fx, cleared
-                // by its down-proj: ops/matvec_group.hip HeMvPlainClr, the two-row form)
   HE_INLINE int units() const { return n_rows; }
   HE_INLINE void rows(int u, const he_u16* (&rp)[1]) const { rp[0] = W + (he_i64)u * in; }
   HE_INLINE void pre(int u, float (&pv)[1]) const {  // as HeMvPlain::pre
     pv[0] = 0.f;
     if (residual != nullptr && he_lane_id() == 0) pv[0] = residual[u];
-    if (clr != nullptr && he_lane_id() == 0) clr[u] = 0;
   }
   HE_INLINE void epi(int u, const float (&acc)[1], const float (&pv)[1]) const {
     if (he_lane_id() == 0) y[u] = acc[0] + pv[0];
@@ -469,18 +458,7 @@ HE_KERNEL(kMatvecMaxThreads) matvec_rows1(const he_u16* __restrict__ W, const fl
                              float eps, const float* residual, float* y, int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];  // [in]
   __shared__ float scratch[kMaxWarpsPerBlock];
-  const HeMvPlain1 op{x, gamma, eps, in, W, residual, y, rows, nullptr, nullptr};
-  if (w_f16) he_matvec_run<true, 1>(op, he_xs, scratch);
-  else he_matvec_run<false, 1>(op, he_xs, scratch);
-}
-
-// ... and clr zeroed row by row (HeMvPlain1::clr): the grouped O-proj's down-proj (hipengine/gpu/ops.py
-// matvec_res_clr). A kernel of its own so that matvec_rows1's code stays without the clear.
-HE_KERNEL(kMatvecMaxThreads) matvec_rows1_clr(const he_u16* __restrict__ W, const float* x, const float* residual,
-                                             he_i64* clr, float* y, int rows, int in, int w_f16) {
-  extern __shared__ float he_xs[];  // [in]
-  __shared__ float scratch[kMaxWarpsPerBlock];
-  const HeMvPlain1 op{x, nullptr, 0.f, in, W, residual, y, rows, nullptr, clr};
+  const HeMvPlain1 op{x, gamma, eps, in, W, residual, y, rows};
   if (w_f16) he_matvec_run<true, 1>(op, he_xs, scratch);
   else he_matvec_run<false, 1>(op, he_xs, scratch);
 }

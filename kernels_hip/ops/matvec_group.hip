@@ -10,8 +10,8 @@
 // combine its G heads themselves (he_attention_combine, the same arithmetic as the per-op combine kernel) and
 // multiply — one publication fewer on the attention → O-proj chain. The price: eight shares per output row,
 // summed in fixed point. The fixed-point buffer holds the whole residual stream after the O-proj (group 0's tiles
-// add x itself), so gate/up's prologue reads it alone (HeMvGateUpFx: x is not read) and writes it back into x as
-// float, which the down-proj adds as its residual rows as usual; down clears the buffer (HeMvPlainClr).
+// add x itself), so its two readers read it alone: the gate/up prologue (HeMvGateUpFx: x is not read) and the
+// down-proj's residual rows (HeMvPlainFxRes), which write the completed rows into x and clear the buffer.
 //
 // Geometry (kCols = G·hd columns per group, kCols / 8 a power of two from 16 to the warp width). A lane's
 // 16-byte load holds 8 weights of one row, kCols / 8 lanes cover a row's group columns, so one warp-wide load
@@ -132,32 +132,39 @@ HE_INLINE void he_mvg_finish(const HeMvGroupO& op, const HeMvStream<2>& s, const
 }
 
 // The readers of the fixed-point residual the grouped O-proj leaves (the whole of x + the O-proj's output):
-// gate/up with x_fx as its prologue's only input (HeMvFxOnly: x is not read). With x_out its prologue also writes
-// the values it converted back into x as float (block b its share, ops/rmsnorm.hip he_fx_out4: x is not read
-// after the O barrier until down), so that ...
+// gate/up with x_fx as its prologue's only input (HeMvFxOnly: x is not read) ...
 struct HeMvGateUpFx : HeMvGateUp {
   static constexpr bool kFxOnly = true;
-  float* x_out;
 };
-// ... the down-proj's residual rows are plain floats again (HeMvPlain's residual = x: the same value as he_fx_to_f32
-// of the word, so the same bits), and it only clears x_fx for the next layer's O-proj (zero again before it: two
-// barriers later): lane 0 stores the zeros at the unit's start (pre), long before the stage's barrier release.
-// (Session 37's first form read the 64-bit words in down's pre() and converted them there: the conversion waited
-// for the load, which returns behind the weights the warp requested before the stage, and held up the staging's
-// loads behind it — down +0.5 µs per layer. HeMvPlainFxRes below, kept for the A/B: decode.hip MK_OG_XOUT=0.)
-struct HeMvPlainClr : HeMvPlain {
-  he_i64* clr;  // x_fx
-  HE_INLINE void pre(int u, float (&pv)[2]) const {
-    HeMvPlain::pre(u, pv);
-    if (he_lane_id() != 0) return;
-    const int r0 = 2 * u, r1 = r0 + 1;
-    clr[r0] = 0;
-    if (r1 < n_rows) clr[r1] = 0;
-  }
-};
-// The first form: down's residual rows from res_fx (residual is not read), converted in pre(); the epilogue writes
-// y = the sum + that row and clears it (HeMvPlain::epi).
+// ... and the down-proj, whose residual rows are res_fx's (residual is not read): the epilogue writes y = the sum
+// + that row, and clears it.
+// HE_FXRES_RAW=1: lane l loads row 2u + (l & 1)'s 64-bit word in pre() and keeps its raw bits in its two pv
+// registers; lanes 0 and 1 finish one row each in the epilogue (the sums are in every lane after the butterfly); the conversion
+// waits until the epilogue, when the word has long arrived. 0: session 37's form, lane 0 loads both words and
+// converts them in pre() — the conversion waits for the load, which returns behind the weights the warp asked for
+// before the stage (the in-order law, docs/perf-log.md v25), and the staging's loads of x wait behind that (down
+// +0.5 µs per layer on H100, session 37's profile). Same value, same bits either way.
+#ifndef HE_FXRES_RAW
+#define HE_FXRES_RAW 1
+#endif
 struct HeMvPlainFxRes : HeMvPlain {
+#if HE_FXRES_RAW
+  HE_INLINE void pre(int u, float (&pv)[2]) const {
+    // Every lane loads (one 16-byte request for the warp): a load under a branch leaves ptxas a merge with the
+    // not-loaded value, and the register moves after that merge wait for the load — the stall this form removes.
+    const int r1 = 2 * u + (he_lane_id() & 1), r = r1 < n_rows ? r1 : n_rows - 1;
+    const he_i64 w = res_fx[r];
+    pv[0] = he_u32_as_f32((he_u32)w);
+    constexpr int kWordBits = 8 * sizeof(he_u32);
+    pv[1] = he_u32_as_f32((he_u32)((he_u64)w >> kWordBits));
+  }
+  HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
+    const int l = he_lane_id(), r = 2 * u + l;
+    if (l >= 2 || r >= n_rows) return;
+    y[r] = (l == 0 ? acc[0] : acc[1]) + he_fx_to_f32(he_i64_of_words(he_f32_as_u32(pv[0]), he_f32_as_u32(pv[1])));
+    res_fx[r] = 0;
+  }
+#else
   HE_INLINE void pre(int u, float (&pv)[2]) const {
     pv[0] = pv[1] = 0.f;
     if (he_lane_id() != 0) return;
@@ -165,6 +172,7 @@ struct HeMvPlainFxRes : HeMvPlain {
     pv[0] = he_fx_to_f32(res_fx[r0]);
     if (r1 < n_rows) pv[1] = he_fx_to_f32(res_fx[r1]);
   }
+#endif
 };
 
 // ---- the per-op kernels (the monokernel runs the same bodies in its stages; decode.hip MK_O_GROUP) ------------
@@ -197,24 +205,23 @@ HE_KERNEL(kMatvecMaxThreads) matvec_group_o(const he_u16* __restrict__ W, const 
   else he_mvg_finish<false, HE_MVG_COLS>(op, s, atts);
 }
 
-// gate/up whose prologue input is x_fx alone (the grouped O-proj's residual): y = silu(Wg·x̂) * (Wu·x̂); the
-// prologue also writes x_fx's values as float into x_out (a share per block).
+// gate/up whose prologue input is x_fx alone (the grouped O-proj's residual): y = silu(Wg·x̂) * (Wu·x̂).
 HE_KERNEL(kMatvecMaxThreads) matvec_gate_up_fx(const he_u16* __restrict__ Wg, const he_u16* __restrict__ Wu,
                                               const he_i64* x_fx, const float* __restrict__ gamma, float eps, float* y,
-                                              float* x_out, int rows, int in, int w_f16) {
+                                              int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
-  const HeMvGateUpFx op{{nullptr, gamma, eps, in, Wg, Wu, y, rows, x_fx}, x_out};
+  const HeMvGateUpFx op{{nullptr, gamma, eps, in, Wg, Wu, y, rows, x_fx}};
   if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
   else he_matvec_run<false>(op, he_xs, scratch);
 }
 
-// The down-projection after it: y = W·x + residual (the x gate/up wrote), and clr (x_fx) cleared, row by row.
-HE_KERNEL(kMatvecMaxThreads) matvec_res_clr(const he_u16* __restrict__ W, const float* x, const float* residual,
-                                           he_i64* clr, float* y, int rows, int in, int w_f16) {
+// The down-projection whose residual rows are res_fx's: y = W·x + res_fx (then res_fx cleared, row by row).
+HE_KERNEL(kMatvecMaxThreads) matvec_fx_res(const he_u16* __restrict__ W, const float* x, he_i64* res_fx, float* y,
+                                          int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];
   __shared__ float scratch[kMaxWarpsPerBlock];
-  const HeMvPlainClr op{{x, nullptr, 0.f, in, W, residual, y, rows, nullptr, nullptr}, clr};
+  const HeMvPlainFxRes op{{x, nullptr, 0.f, in, W, nullptr, y, rows, nullptr, res_fx}};
   if (w_f16) he_matvec_run<true>(op, he_xs, scratch);
   else he_matvec_run<false>(op, he_xs, scratch);
 }

@@ -60,15 +60,6 @@ HE_INLINE void he_load_x4(const float* x, const he_i64* fx, int i, float (&v)[4]
   }
 }
 
-// kFxOnly with x_out: float4 index i of the converted values is written into x_out by block i mod grid (each index
-// once over the grid), so the stage also leaves x itself in float for a later reader (the grouped O-proj's down-proj
-// residual rows, ops/matvec_group.hip). The block writes them before its barrier's release like any stage output.
-HE_INLINE void he_fx_out4(float* x_out, int i, const float (&v)[4]) {
-  if (x_out != nullptr && i % he_grid_dim() == he_block_idx())
-    *(he_vec16*)(x_out + 4 * i) = he_vec16{he_f32_as_u32(v[0]), he_f32_as_u32(v[1]), he_f32_as_u32(v[2]),
-                                           he_f32_as_u32(v[3])};
-}
-
 // dst[4i..4i+3] = x[...] (· scale · gamma[...]) for this thread's float4 indices, kB loads in flight.
 // fx != nullptr: x + fx (he_add_fx4) instead of x; kFxOnly: fx alone (x is not read: the fixed-point buffer holds
 // the whole value, the grouped O-proj's residual, ops/matvec_group.hip). kPost: each value then times `post`, a
@@ -76,7 +67,7 @@ HE_INLINE void he_fx_out4(float* x_out, int i, const float (&v)[4]) {
 // unscaled one's bits shifted in exponent).
 template <int kB, bool kGamma, bool kPost = false, bool kFxOnly = false>
 HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, int n4, float* dst,
-                             const he_i64* fx = nullptr, float post = 1.f, float* x_out = nullptr) {
+                             const he_i64* fx = nullptr, float post = 1.f) {
   const int t = he_thread_idx(), nt = he_block_dim();
   for (int i0 = t; i0 < n4; i0 += kB * nt) {
     float v[kB][4], g[kGamma ? kB : 1][4];
@@ -87,11 +78,6 @@ HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, in
         he_load_x4<kFxOnly>(x, fx, i, v[b]);
         if (kGamma) he_load4f(gamma + 4 * i, g[kGamma ? b : 0]);
       }
-    }
-    if constexpr (kFxOnly) {
-#pragma unroll
-      for (int b = 0; b < kB; ++b)
-        if (i0 + b * nt < n4) he_fx_out4(x_out, i0 + b * nt, v[b]);
     }
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
@@ -110,8 +96,7 @@ HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, in
 // Rows whose length is not a multiple of 4 (not 16-byte aligned): one element per thread per iteration.
 template <bool kFxOnly = false>
 HE_INLINE void he_rmsnorm_scalar(const float* x, const float* __restrict__ gamma, float eps, int n, float* dst,
-                                 float* scratch, const he_i64* fx = nullptr, float post = 1.f,
-                                 float* x_out = nullptr) {
+                                 float* scratch, const he_i64* fx = nullptr, float post = 1.f) {
   const int t = he_thread_idx(), nt = he_block_dim();
   auto xv = [&](int i) {
     if constexpr (kFxOnly) return he_fx_to_f32(fx[i]);
@@ -124,11 +109,6 @@ HE_INLINE void he_rmsnorm_scalar(const float* x, const float* __restrict__ gamma
     scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
   }
   for (int i = t; i < n; i += nt) dst[i] = (gamma ? xv(i) * scale * gamma[i] : xv(i)) * post;
-  if constexpr (kFxOnly) {  // (he_fx_out4's rule per element: element i by block i mod grid)
-    if (x_out != nullptr)
-      for (int i = t; i < n; i += nt)
-        if (i % he_grid_dim() == he_block_idx()) x_out[i] = xv(i);
-  }
   he_sync_block();
 }
 
@@ -158,15 +138,13 @@ HE_INLINE float he_norm_ss(const float* x, const he_i64* fx, int n4) {
 // kVec4: the caller promises n % 4 == 0 (a matvec build of whole-pair rows), so the scalar path is not compiled.
 // fx (optional): the residual stream's pending fixed-point addend (ops/mlp.hip); the stage normalises x + fx.
 // kPost: every stored value times `post` (he_norm_store; the scalar path multiplies by it unconditionally:
-// post is 1 there unless kPost, and x · 1 is x). kFxOnly: the input is fx alone (he_load_x4; x is not read), and
-// x_out (optional) receives it converted to float, a share per block (he_fx_out4).
+// post is 1 there unless kPost, and x · 1 is x). kFxOnly: the input is fx alone (he_load_x4; x is not read).
 template <bool kVec4 = false, bool kPost = false, bool kFxOnly = false>
 HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma, float eps, int n,
-                                float* dst, float* scratch, const he_i64* fx = nullptr, float post = 1.f,
-                                float* x_out = nullptr) {
+                                float* dst, float* scratch, const he_i64* fx = nullptr, float post = 1.f) {
   if constexpr (!kVec4) {
     if (HE_UNLIKELY(n % 4)) {
-      he_rmsnorm_scalar<kFxOnly>(x, gamma, eps, n, dst, scratch, fx, kPost ? post : 1.f, x_out);
+      he_rmsnorm_scalar<kFxOnly>(x, gamma, eps, n, dst, scratch, fx, kPost ? post : 1.f);
       return;
     }
   }
@@ -174,7 +152,7 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
   // With the addend the batches are halved: its two loads per float4 keep the registers of a batch (32) as
   // without it (the monokernel's weight stream is live here). Sums in the same element order either way.
   if (HE_UNLIKELY(!gamma)) {  // (a literal nullptr folds: the O-proj / down-proj take only this path)
-    if (fx != nullptr) he_norm_store<kNormBatch / 2, false, kPost, kFxOnly>(x, nullptr, 1.f, n4, dst, fx, post, x_out);
+    if (fx != nullptr) he_norm_store<kNormBatch / 2, false, kPost, kFxOnly>(x, nullptr, 1.f, n4, dst, fx, post);
     else he_norm_store<kNormBatch, false, kPost>(x, nullptr, 1.f, n4, dst, nullptr, post);
     he_sync_block();
     return;
@@ -194,9 +172,6 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
         if (i < n4) he_load_x4<true>(x, fx, i, v[b]);
         else v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
       }
-#pragma unroll
-      for (int b = 0; b < kB; ++b)
-        if (t + b * nt < n4) he_fx_out4(x_out, t + b * nt, v[b]);
       float ss = 0.f;
 #pragma unroll
       for (int b = 0; b < kB; ++b)
@@ -226,7 +201,7 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
   const float ss = fx != nullptr ? he_norm_ss<kFxSs, kFxOnly>(x, fx, n4) : he_norm_ss<kNormBatch>(x, nullptr, n4);
   // mean in fp32 then rsqrt: rsqrt.approx has ~2 ulp error, far below the bf16 weights' rounding.
   const float scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
-  if (fx != nullptr) he_norm_store<kFxSt, true, kPost, kFxOnly>(x, gamma, scale, n4, dst, fx, post, x_out);
+  if (fx != nullptr) he_norm_store<kFxSt, true, kPost, kFxOnly>(x, gamma, scale, n4, dst, fx, post);
   else he_norm_store<kNormBatch / 2, true, kPost>(x, gamma, scale, n4, dst, nullptr, post);
   he_sync_block();
 }
