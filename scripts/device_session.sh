@@ -45,7 +45,7 @@
 #           both paths per word of $AB_ENVS, the monokernel tests in the time left (of $BUDGET_S, default 575 s)
 #   mlpparts: bench_ops with the fused MLP's parts, the monokernel stage profile at 1K per $AB_PROFILE_ENVS word
 #   packed: packed 13-bit MLP weights (session 33): their tests, mk_sweep $ONLY (0,22,0,22) at $AB_CONTEXTS, the profile
-#   rawdef: session 39: mk_sweep 0/31/29 at 1K/8K/32K, the bench of record, monokernel + grouped op tests, 1K profile
+#   ogrecord: session 39: the bench of record, mk_sweep 0/29 (grouped / plain O-proj) at 1K/8K/32K, grouped op tests
 #   paced : session 35: mk_sweep $ONLY at $AB_CONTEXTS (default 1K), the 1K stage profiles of the default and $EXP_DEFINES
 #   screenrec: the bench of record, the head-screen tests, the monokernel tests (session 34: v77b the default)
 #   screen: the screened LM head (session 32): its tests, mk_sweep $ONLY (0,20,0,20) at $AB_CONTEXTS, its stage profile
@@ -345,22 +345,13 @@ case "$MODE" in
       --json "$OUT/mkprof_default.json"
     run mkprof_ogroup 55 env HIPENGINE_MK_OGROUP=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/mkprof_ogroup.json" ;;
-  rawdef)  # session 39: the grouped O-proj is the default; its down-proj keeps the fixed-point words' raw bits until
-           # the epilogue (ops/matvec_group.hip HE_FXRES_RAW). mk_sweep's variants $ONLY (default 0,31,29,0,31,29:
-           # the default / session 37's down / the plain O-proj) at $AB_CONTEXTS (1K/8K/32K) in one process, tokens
-           # compared; the bench of record (both paths); every monokernel GPU test; the grouped per-op kernels' op
-           # tests; then the default's 1K stage profile in the time left of ${BUDGET_S:-540} s. Builds:
-           # precompile_mk.py session 1b-f3 1b-plain-o 1b-ogroup-s37 1b-1k-profile.
-    ONLY=${ONLY:-0,31,29,0,31,29} mk_sweep_ab mk_sweep 200
-    run bench 120 $PY -m hipengine bench decode --shape llama-3.2-1b \
-      $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) \
-      --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"
-    left=$((${BUDGET_S:-540} - SECONDS - 60)); [ $left -gt 60 ] && run mk_tests $((left < 270 ? left : 270)) \
-      $PY -m pytest tests/test_monokernel_gpu.py -q -rs
-    left=$((${BUDGET_S:-540} - SECONDS)); [ $left -gt 30 ] && run ogroup_op_tests $((left < 60 ? left : 60)) \
-      $PY -m pytest tests/test_ops_gpu.py -q -rs -k group_o
-    left=$((${BUDGET_S:-540} - SECONDS)); [ $left -gt 40 ] && run mkprof_default $left \
-      $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_default.json" ;;
+  ogrecord)  # session 39: the grouped O-proj the default (its down keeps the fixed-point words' raw bits until the
+             # epilogue): the bench of record (both paths, tokens compared), mk_sweep's variants $ONLY (default
+             # 0,29,0,29: the default / the plain O-proj) at $AB_CONTEXTS (1K/8K/32K) in one process, then the grouped
+             # per-op kernels' op tests. Builds: precompile_mk.py 1b-f3 1b-plain-o.
+    bench
+    ONLY=${ONLY:-0,29,0,29} mk_sweep_ab mk_sweep 200
+    run ogroup_op_tests 60 $PY -m pytest tests/test_ops_gpu.py -q -rs -k group_o ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
@@ -368,7 +359,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (rawdef|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -104,14 +104,10 @@ VARIANTS = [  # name, build env, runtime attrs
     # one more round trip)
     ("O-proj by KV-head group, gate/up prologue in two passes",
      {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_NORM_FX_ONE_PASS=0"}, {}),
-    # session 39: the grouped O-proj's down-proj as session 37 built it (ops/matvec_group.hip HE_FXRES_RAW=0: lane 0
-    # converts the fixed-point residual words in pre(), waiting for them); the default keeps their raw bits until the
-    # epilogue. Same bits: tokens must equal variant 0's.
-    ("O-proj by KV-head group, session 37's down (HE_FXRES_RAW=0)",
-     {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_FXRES_RAW=0"}, {}),
     # (session 38's MK_OG_XOUT — gate/up's prologue wrote the fixed-point residual back into x, down added x and
-    # cleared x_fx — was variant 29 here and session 37's form 31: XOUT −0.4 / −0.5 / −0.8% against it, removed;
-    # 29 is now the plain O-proj, 31 session 37's down again.)
+    # cleared x_fx — was variant 29 here and session 37's down 31: XOUT −0.4 / −0.5 / −0.8% against it, removed.
+    # Then 31 was session 37's down against session 39's (ops/matvec_group.hip HeMvPlainFxRes: the words' raw bits
+    # kept until the epilogue): level, −0.1 / +0.1 / +0.1%; removed. 29 is now the plain O-proj.)
     # (session 35's MK_FILL_O_AFTER_WAIT — the O-proj's first pair after the heads-combined wait: −1.1 / −1.3 / −1.1% —
     # and then MK_ATTN_LL — the attention -> O-proj handoff through LL words: −26 / −23 / −19% — were variant 29 here,
     # removed.)

@@ -137,25 +137,20 @@ struct HeMvGateUpFx : HeMvGateUp {
   static constexpr bool kFxOnly = true;
 };
 // ... and the down-proj, whose residual rows are res_fx's (residual is not read): the epilogue writes y = the sum
-// + that row, and clears it.
-// HE_FXRES_RAW=1: lane l loads row 2u + (l & 1)'s 64-bit word in pre() and keeps its raw bits in its two pv
-// registers; lanes 0 and 1 finish one row each in the epilogue (the sums are in every lane after the butterfly); the conversion
-// waits until the epilogue, when the word has long arrived. 0: session 37's form, lane 0 loads both words and
-// converts them in pre() — the conversion waits for the load, which returns behind the weights the warp asked for
-// before the stage (the in-order law, docs/perf-log.md v25), and the staging's loads of x wait behind that (down
-// +0.5 µs per layer on H100, session 37's profile). Same value, same bits either way.
-#ifndef HE_FXRES_RAW
-#define HE_FXRES_RAW 1
-#endif
+// + that row, and clears it. Lane l loads row 2u + (l & 1)'s 64-bit word in pre() and keeps its raw bits in its two
+// pv registers; lanes 0 and 1 finish one row each in the epilogue (the sums are in every lane after the butterfly),
+// so nothing waits for the words before the epilogue. (Session 37's form converted them in lane 0's pre(): the
+// conversion waited for the load, which returns behind the weights the warp asked for before the stage — the
+// in-order law, docs/perf-log.md v25 — and the staging's loads of x waited behind it: down's work +0.35 µs per
+// layer on H100. Same value, same bits; measured level in tok/s, session 39.)
 struct HeMvPlainFxRes : HeMvPlain {
-#if HE_FXRES_RAW
   HE_INLINE void pre(int u, float (&pv)[2]) const {
     // Every lane loads (one 16-byte request for the warp): a load under a branch leaves ptxas a merge with the
     // not-loaded value, and the register moves after that merge wait for the load — the stall this form removes.
     const int r1 = 2 * u + (he_lane_id() & 1), r = r1 < n_rows ? r1 : n_rows - 1;
     const he_i64 w = res_fx[r];
-    pv[0] = he_u32_as_f32((he_u32)w);
     constexpr int kWordBits = 8 * sizeof(he_u32);
+    pv[0] = he_u32_as_f32((he_u32)w);
     pv[1] = he_u32_as_f32((he_u32)((he_u64)w >> kWordBits));
   }
   HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
@@ -164,15 +159,6 @@ struct HeMvPlainFxRes : HeMvPlain {
     y[r] = (l == 0 ? acc[0] : acc[1]) + he_fx_to_f32(he_i64_of_words(he_f32_as_u32(pv[0]), he_f32_as_u32(pv[1])));
     res_fx[r] = 0;
   }
-#else
-  HE_INLINE void pre(int u, float (&pv)[2]) const {
-    pv[0] = pv[1] = 0.f;
-    if (he_lane_id() != 0) return;
-    const int r0 = 2 * u, r1 = r0 + 1;
-    pv[0] = he_fx_to_f32(res_fx[r0]);
-    if (r1 < n_rows) pv[1] = he_fx_to_f32(res_fx[r1]);
-  }
-#endif
 };
 
 // ---- the per-op kernels (the monokernel runs the same bodies in its stages; decode.hip MK_O_GROUP) ------------
