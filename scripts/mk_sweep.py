@@ -97,7 +97,7 @@ VARIANTS = [  # name, build env, runtime attrs
      {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_DEFINES": "MK_GU_L2=2,MK_GU_L2_GAP=74"}, {}),
     # session 36: the O-proj by KV-head group (decode.hip MK_O_GROUP, ops/matvec_group.hip): the blocks of each group
     # combine its heads themselves and add their rows' shares in fixed point (no combining block, no heads-combined
-    # counter, no att in global memory). The default since session 39 (H100: +0.3 / +1.6 / +2.7% at 1K / 8K / 32K,
+    # counter, no att in global memory). The default since session 39 (H100: +1.1 / +1.7 / +2.1% at 1K / 8K / 32K,
     # tokens equal); variant 29 is the plain O-proj it replaced, for the A/B on any part.
     ("plain O-proj (HIPENGINE_MK_OGROUP=0)", {"HIPENGINE_MK_OGROUP": "0"}, {}),
     # ... the grouped O-proj with gate/up's fixed-point prologue in two passes (ops/rmsnorm.hip HE_NORM_FX_ONE_PASS=0:

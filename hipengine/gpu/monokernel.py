@@ -398,8 +398,8 @@ def mlp_packed_on() -> bool:
 
 
 # The grouped O-proj's default where it applies (o_group_decide). Measured in session 39 on an H100 against the
-# plain O-proj, alternated twice in one process, tokens equal (monokernel_ogroup_xout_ab_h100_s39.json): +0.3% at 1K,
-# +1.6% at 8K, +2.7% at 32K; the two paths' greedy tokens identical with it at every context and the monokernel's
+# plain O-proj, alternated twice in one process, tokens equal (monokernel_ogroup_default_ab_h100_s39.json): +1.1% at
+# 1K, +1.7% at 8K, +2.1% at 32K; the two paths' greedy tokens identical with it at every context and the monokernel's
 # logits equal to the per-op path's bit for bit (docs/perf-log.md session 39).
 O_GROUP_DEFAULT = True
 
