@@ -335,7 +335,8 @@ case "$MODE" in
       --json "$OUT/mkprof_default.json"
     run mkprof_exp 70 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/mkprof_exp.json" ;;
-  ogroup)  # session 36 (decode.hip MK_O_GROUP, ops/matvec_group.hip): the grouped O-proj's GPU test (its logits against
+  ogroup)  # session 36 (decode.hip MK_O_GROUP, ops/matvec_group.hip; since session 39 the default, and mk_sweep 29 the
+           # plain O-proj): the grouped O-proj's GPU test (its logits against
            # the per-op path's), its per-op kernels' op tests, mk_sweep's variants $ONLY (default 0,29,30,0,29,30) at $AB_CONTEXTS (default 1K and 8K
            # here: six variants) in one process, then the 1K stage profiles of the default build and of the grouped one
     run ogroup_tests 100 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k o_group
