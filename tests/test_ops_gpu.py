@@ -240,6 +240,24 @@ def test_matvec_group_o_and_readers(gpu, nkv, G, hd, d, f16):
     assert not rt.download(rfx, d, np.int64).any(), "the down-projection must clear the residual it read"
 
 
+@pytest.mark.parametrize("rows", [1, 513])
+def test_matvec_fx_res_odd_rows(gpu, rows):
+    """The grouped O-proj's down-projection with an odd row count: the last unit's second lane loads a clamped row
+    and must neither write nor clear past the end (ops/matvec_group.hip HeMvPlainFxRes)."""
+    rt, ops, O = gpu
+    inn = 1024
+    bd, Wd = weights(O, rows, inn, False)
+    hv = RNG.standard_normal(inn).astype(np.float32)
+    rfx_host = np.round(RNG.standard_normal(rows + 1) * FX).astype(np.int64)  # one guard word past the rows
+    y, rfx = poisoned(rt, rows + 1), rt.upload(rfx_host)  # y's guard element stays NaN
+    ops.matvec_fx_res(rt.upload(bd), rt.upload(hv), rfx, y, rows, inn)
+    got = rt.download(y, rows + 1, np.float32)
+    close(got[:rows], Wd @ hv + rfx_host[:rows].astype(np.float32) * np.float32(1 / FX), 1e-4, 1e-5)
+    assert np.isnan(got[rows]), "wrote past the last row"
+    words = rt.download(rfx, rows + 1, np.int64)
+    assert not words[:rows].any() and words[rows] == rfx_host[rows], "must clear its rows and only them"
+
+
 def test_matvec_group_o_refuses_misfits(gpu):
     rt, ops, O = gpu
     from hipengine.errors import UnsupportedError
