@@ -34,7 +34,8 @@ from hipengine.bench.decode import _decode_rate, _fill_kv, _per_op_from_state
 RUNS = 3
 GEN = 64
 LAYER_ROLES = {"matvec_qkv": "qkv", "matvec_gate_up": "gate_up",  # (+ the grouped O-proj's kernels: matvec_group.hip)
-               "matvec_group_o": "o", "matvec_gate_up_fx": "gate_up", "matvec_fx_res": "down"}
+               "matvec_group_o": "o", "matvec_gate_up_fx": "gate_up", "matvec_fx_res": "down",
+               "matvec_rows1_fx_res": "down"}
 
 
 def label(names: list[str]) -> list[str]:

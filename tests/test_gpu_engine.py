@@ -717,6 +717,8 @@ class EmulatedRuntime:
         self._f32(y, rows)[:] = r + self._plus_fx(np.zeros(rows, np.float32), res_fx, rows)
         self.view(res_fx, np.int64, rows)[:] = 0
 
+    _k_matvec_rows1_fx_res = _k_matvec_fx_res  # its one-row-unit kernel (matvec.hip): the same result
+
     def _k_mlp_fused(self, grid, Wg, Wu, WdT, x, gamma, eps, y_fx, d, F, f16):
         xn = self._norm(self._f32(x, d).astype(np.float64), gamma, eps, d)
         h = O.ref_silu(self._w(Wg, F, d, f16) @ xn) * (self._w(Wu, F, d, f16) @ xn)

@@ -240,22 +240,45 @@ def test_matvec_group_o_and_readers(gpu, nkv, G, hd, d, f16):
     assert not rt.download(rfx, d, np.int64).any(), "the down-projection must clear the residual it read"
 
 
+@pytest.mark.parametrize("rows1", [False, True])
 @pytest.mark.parametrize("rows", [1, 513])
-def test_matvec_fx_res_odd_rows(gpu, rows):
+def test_matvec_fx_res_odd_rows(gpu, rows, rows1):
     """The grouped O-proj's down-projection with an odd row count: the last unit's second lane loads a clamped row
-    and must neither write nor clear past the end (ops/matvec_group.hip HeMvPlainFxRes)."""
+    and must neither write nor clear past the end (ops/matvec_group.hip HeMvPlainFxRes); the one-row-unit kernel
+    (matvec.hip HeMvPlain1FxRes) likewise."""
     rt, ops, O = gpu
     inn = 1024
     bd, Wd = weights(O, rows, inn, False)
     hv = RNG.standard_normal(inn).astype(np.float32)
     rfx_host = np.round(RNG.standard_normal(rows + 1) * FX).astype(np.int64)  # one guard word past the rows
     y, rfx = poisoned(rt, rows + 1), rt.upload(rfx_host)  # y's guard element stays NaN
-    ops.matvec_fx_res(rt.upload(bd), rt.upload(hv), rfx, y, rows, inn)
+    ops.matvec_fx_res(rt.upload(bd), rt.upload(hv), rfx, y, rows, inn, rows1=rows1)
     got = rt.download(y, rows + 1, np.float32)
     close(got[:rows], Wd @ hv + rfx_host[:rows].astype(np.float32) * np.float32(1 / FX), 1e-4, 1e-5)
     assert np.isnan(got[rows]), "wrote past the last row"
     words = rt.download(rfx, rows + 1, np.int64)
     assert not words[:rows].any() and words[rows] == rfx_host[rows], "must clear its rows and only them"
+
+
+@pytest.mark.parametrize("rows,inn", [(2048, 8192), (333, 2048), (3, 12288)])
+@pytest.mark.parametrize("f16", [False, True])
+def test_matvec_fx_res_rows1_same_bits(gpu, rows, inn, f16):
+    """The per-op down-projection after the grouped O-proj in one-row units (matvec.hip matvec_rows1_fx_res, which
+    ops.matvec_fx_res picks for llama-3.2-1b's down) gives the two-row kernel's bits — the monokernel's — and clears
+    the words it read; the words span the whole 64-bit range's signs, so both halves matter."""
+    rt, ops, O = gpu
+    bits, W = weights(O, rows, inn, f16)
+    hv = rt.upload(RNG.standard_normal(inn).astype(np.float32))
+    words = np.round(RNG.standard_normal(rows) * FX * 8).astype(np.int64)
+    out = {}
+    for rows1 in (False, True):
+        y, rfx = poisoned(rt, rows), rt.upload(words)
+        ops.matvec_fx_res(rt.upload(bits), hv, rfx, y, rows, inn, f16=f16, rows1=rows1)
+        out[rows1] = rt.download(y, rows, np.float32)
+        assert not rt.download(rfx, rows, np.int64).any(), "must clear the residual words it read"
+    assert not np.isnan(out[True]).any()
+    assert out[True].tobytes() == out[False].tobytes()
+    close(out[True], W @ rt.download(hv, inn, np.float32) + words.astype(np.float32) * np.float32(1 / FX), 1e-4, 1e-4)
 
 
 def test_matvec_group_o_refuses_misfits(gpu):

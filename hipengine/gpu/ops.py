@@ -859,12 +859,22 @@ class Ops:
                        [_p(Wg), _p(Wu), _p(x_fx), _p(gamma), c_float(eps), _p(y), c_int32(rows), c_int32(inn),
                         c_int32(int(f16))], shared=inn * 4, stream=stream, pdl=self._pdl("gate_up"))
 
-    def matvec_fx_res(self, W, x, res_fx, y, rows: int, inn: int, f16=False, stream=None):
+    def matvec_fx_res(self, W, x, res_fx, y, rows: int, inn: int, f16=False, stream=None, rows1: bool | None = None):
         """y = W·x + res_fx (the fixed-point residual, int64 [rows]), which is then cleared: the down-projection
-        after the grouped O-proj."""
+        after the grouped O-proj. rows1: one-row units (matvec.hip matvec_rows1_fx_res) instead of two-row ones
+        (matvec_group.hip matvec_fx_res); default: where matvec_rows1(...) picks them for a plain matvec of this
+        shape (llama-3.2-1b's down). Same sums, same conversion: the same bits either way."""
         self._check_in(inn)
-        self.rt.launch(self.fn("matvec_group", "matvec_fx_res", {**self._late("down"), **self._whole(inn)}),
-                       self._grid((rows + 1) // 2), MATVEC_THREADS,
+        if rows1 is None:
+            rows1 = matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms)
+        if rows1:
+            fn = self.fn("matvec", "matvec_rows1_fx_res", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL, **self._late("down"),
+                                                           **self._whole(inn, MATVEC_ROWS1_UNROLL)})
+            grid = self._grid(rows)
+        else:
+            fn = self.fn("matvec_group", "matvec_fx_res", {**self._late("down"), **self._whole(inn)})
+            grid = self._grid((rows + 1) // 2)
+        self.rt.launch(fn, grid, MATVEC_THREADS,
                        [_p(W), _p(x), _p(res_fx), _p(y), c_int32(rows), c_int32(inn), c_int32(int(f16))],
                        shared=inn * 4, stream=stream, pdl=self._pdl("down"))
 
