@@ -47,7 +47,6 @@
 #   packed: packed 13-bit MLP weights (session 33): their tests, mk_sweep $ONLY (0,22,0,22) at $AB_CONTEXTS, the profile
 #   rows1fx: session 40: the one-row per-op down after the grouped O-proj — its op tests, the same-bits monokernel
 #           tests, the per-op A/B against the two-row kernel (HIPENGINE_MATVEC_ROWS1=0) at 1K/8K/32K
-#   splitsync: session 40: mk_sweep 0 / 31 (MK_SPLIT_TAIL_SYNC=0) alternated at 1K/8K/32K, then the bench of record
 #   ogrecord: session 39: the bench of record, mk_sweep 0/29 (grouped / plain O-proj) at 1K/8K/32K, grouped op tests
 #   paced : session 35: mk_sweep $ONLY at $AB_CONTEXTS (default 1K), the 1K stage profiles of the default and $EXP_DEFINES
 #   screenrec: the bench of record, the head-screen tests, the monokernel tests (session 34: v77b the default)
@@ -364,11 +363,6 @@ case "$MODE" in
     run mk_same_bits 200 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "o_group_same_bits or 1b_preset"
     env_runs abenv 90 "${AB_ENVS:-- HIPENGINE_MATVEC_ROWS1=0 - HIPENGINE_MATVEC_ROWS1=0}" $PY -m hipengine bench decode \
       --shape llama-3.2-1b $(for c in ${AB_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) --no-monokernel ;;
-  splitsync)  # session 40: mk_sweep's variants $ONLY (default 0,31,0,31: the default / no block barrier after a block's
-              # last attention split, MK_SPLIT_TAIL_SYNC=0) at $AB_CONTEXTS (1K/8K/32K) in one process, tokens compared,
-              # then the decode bench of record (both paths). Builds: precompile_mk.py 1b-f3 1b-split-nosync.
-    ONLY=${ONLY:-0,31,0,31} mk_sweep_ab mk_sweep 280
-    bench ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
@@ -376,7 +370,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (splitsync|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

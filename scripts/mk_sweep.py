@@ -104,11 +104,8 @@ VARIANTS = [  # name, build env, runtime attrs
     # one more round trip)
     ("O-proj by KV-head group, gate/up prologue in two passes",
      {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_NORM_FX_ONE_PASS=0"}, {}),
-    # session 40: no block barrier after a block's last attention split item (decode.hip MK_SPLIT_TAIL_SYNC=0): warps
-    # 1-7 request their O-proj weights while thread 0's release of the split counter is still in flight, as after a
-    # grid barrier's arrival. Values do not change (tokens compared with the first variant's).
-    ("no block barrier after a block's last attention split (MK_SPLIT_TAIL_SYNC=0)",
-     {"HIPENGINE_MK_DEFINES": "MK_SPLIT_TAIL_SYNC=0"}, {}),
+    # (session 40's MK_SPLIT_TAIL_SYNC=0 — no block barrier after a block's last attention split, so warps 1-7 request
+    # their O-proj weights during thread 0's release: −0.2 / +0.1 / +0.1%, level — was variant 31 here, removed.)
     # (session 38's MK_OG_XOUT — gate/up's prologue wrote the fixed-point residual back into x, down added x and
     # cleared x_fx — was variant 29 here and session 37's down 31: XOUT −0.4 / −0.5 / −0.8% against it, removed.
     # Then 31 was session 37's down against session 39's (ops/matvec_group.hip HeMvPlainFxRes: the words' raw bits

@@ -505,12 +505,6 @@ static_assert(MK_GU_L2 >= 0, "MK_GU_L2: gate/up units per warp to prefetch");
 static_assert(MK_GU_L2_GAP >= 0 && (MK_GU_L2 > 0 || MK_GU_L2_GAP == 0), "MK_GU_L2_GAP paces MK_GU_L2's rows");
 static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetches the bf16 gate/up stage's rows");
 
-// MK_SPLIT_TAIL_SYNC (session 40, default 1): the block barrier after each attention split item; 0 skips it after a
-// block's last item (mk_attention). Values do not change.
-#ifndef MK_SPLIT_TAIL_SYNC
-#define MK_SPLIT_TAIL_SYNC 1
-#endif
-
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -754,11 +748,7 @@ HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
     } else if (p.fine == 3 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit)) {
       mk_combine(p, kvh * MK_ATTN_G, MK_ATTN_G, pos + 1);
     }
-    // shared memory is reused by the next item. MK_SPLIT_TAIL_SYNC=0 (session 40's experiment): only when this block
-    // has a next item — otherwise warps 1-7 go on to request their O-proj weights while thread 0's release above
-    // still waits for the partial's stores, as after a grid barrier's arrival (which is not followed by a block
-    // barrier either); the split's shared memory is next written by the combine, after the heads wait's barriers.
-    if (MK_SPLIT_TAIL_SYNC || it + he_grid_dim() < items) he_sync_block();
+    he_sync_block();  // shared memory is reused by the next item
   }
   return true;
 }
