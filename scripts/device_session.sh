@@ -47,6 +47,7 @@
 #   packed: packed 13-bit MLP weights (session 33): their tests, mk_sweep $ONLY (0,22,0,22) at $AB_CONTEXTS, the profile
 #   rows1fx: session 40: the one-row per-op down after the grouped O-proj — its op tests, the same-bits monokernel
 #           tests, the per-op A/B against the two-row kernel (HIPENGINE_MATVEC_ROWS1=0) at 1K/8K/32K
+#   rows1rec: session 40: those op tests again, the same-bits tests, the bench of record, the 1K stage profile, engine tests
 #   ogrecord: session 39: the bench of record, mk_sweep 0/29 (grouped / plain O-proj) at 1K/8K/32K, grouped op tests
 #   paced : session 35: mk_sweep $ONLY at $AB_CONTEXTS (default 1K), the 1K stage profiles of the default and $EXP_DEFINES
 #   screenrec: the bench of record, the head-screen tests, the monokernel tests (session 34: v77b the default)
@@ -363,6 +364,15 @@ case "$MODE" in
     run mk_same_bits 200 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "o_group_same_bits or 1b_preset"
     env_runs abenv 90 "${AB_ENVS:-- HIPENGINE_MATVEC_ROWS1=0 - HIPENGINE_MATVEC_ROWS1=0}" $PY -m hipengine bench decode \
       --shape llama-3.2-1b $(for c in ${AB_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) --no-monokernel ;;
+  rows1rec)  # session 40, after rows1fx: the one-row down's op tests (its final form: 32-bit halves throughout), the
+             # monokernel's same-bits tests, the decode bench of record (both paths, tokens compared), the monokernel's
+             # 1K stage profile, then the engine tests in the time left (the call stays under 575 s). Builds: 1b-f3.
+    run ops_tests_k 120 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "fx_res or group_o or rows1"
+    run mk_same_bits 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "o_group_same_bits or 1b_preset"
+    bench
+    run mkprof 90 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_1k.json"
+    left=$((575 - SECONDS)); [ $left -gt 40 ] && run engine_tests $left $PY -m pytest tests/test_gpu_engine.py -q -rs \
+      -k "not 1b_preset" ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
@@ -370,7 +380,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
