@@ -265,7 +265,8 @@ def test_matvec_fx_res_odd_rows(gpu, rows, rows1):
 def test_matvec_fx_res_rows1_same_bits(gpu, rows, inn, f16):
     """The per-op down-projection after the grouped O-proj in one-row units (matvec.hip matvec_rows1_fx_res, which
     ops.matvec_fx_res picks for llama-3.2-1b's down) gives the two-row kernel's bits — the monokernel's — and clears
-    the words it read; the words span the whole 64-bit range's signs, so both halves matter."""
+    the words it read; the words are positive and negative (their high halves differ: 0 / 0xffffffff and beyond), so
+    both halves matter."""
     rt, ops, O = gpu
     bits, W = weights(O, rows, inn, f16)
     hv = rt.upload(RNG.standard_normal(inn).astype(np.float32))
