@@ -377,7 +377,7 @@ case "$MODE" in
   obulk)  # session 40: mk_sweep's variants $ONLY (default 0,31,0,31: the default / the O-proj tiles by bulk copy,
           # MK_O_BULK=1) at $AB_CONTEXTS (1K/8K/32K) in one process, tokens compared, then the 1K stage profiles of both
           # builds. Builds: precompile_mk.py 1b-f3 1b-o-bulk (+ 1b-1k-profile and the profile of MK_O_BULK, on device).
-    ONLY=${ONLY:-0,31,0,31} mk_sweep_ab mk_sweep 300
+    ONLY=${ONLY:-0,31,0,31} mk_sweep_ab mk_sweep 330  # (AB_TREES=.carry/rec: the record tree's default first)
     run mkprof_default 80 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
       --json "$OUT/mkprof_default.json"
     run mkprof_obulk 80 env HIPENGINE_MK_DEFINES=MK_O_BULK=1 $PY -m hipengine bench decode --shape llama-3.2-1b \

@@ -542,7 +542,8 @@ constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of colu
 #define MK_O_BULK 0
 #endif
 #if MK_O_BULK
-static_assert(MK_O_GROUP && kHasBulkCopy, "MK_O_BULK: the grouped O-proj and the copy engine (sm_90)");
+static_assert(MK_O_GROUP && kHasBulkCopy && kAttnMma && !MK_ATTN_EARLY,
+              "MK_O_BULK: the grouped O-proj, the copy engine (sm_90), the matrix-core split (its hook)");
 constexpr int kMkObRows = HeMvgGeom<kMkOCols>::kWarpRows * (kMkThreads / kWarpSize);  // a block's tile rows
 constexpr he_u32 kMkObRowBytes = kMkOCols * sizeof(he_u16), kMkObBytes = kMkObRows * kMkObRowBytes;
 // The tile (16-byte aligned) and its mbarrier at the end of the dynamic shared memory (the host's layout).
@@ -558,6 +559,17 @@ HE_INLINE MkOBulk mk_ob_slots(float* smem) {
 }
 // This block's tile requested: src = its first row's first column of its group, rows `stride` elements apart
 // (nullptr: a block without a tile). One 512-byte copy per thread of warps 0-3.
+HE_INLINE void mk_ob_issue(const he_u16* src, int stride, float* smem);
+// mk_attention's hook (ops/attention_decode.hip HeAttnNoHook): the tile's copies, from inside the block's first
+// split once the split has requested its first K/V tile and q.
+struct MkOBulkHook {
+  static constexpr bool kNone = false;
+  const he_u16* src;
+  int stride;
+  float* smem;
+  HE_INLINE MkOBulkHook none() const { return MkOBulkHook{nullptr, stride, smem}; }
+  HE_INLINE void operator()() const { mk_ob_issue(src, stride, smem); }
+};
 HE_INLINE void mk_ob_issue(const he_u16* src, int stride, float* smem) {
   if (src == nullptr) return;
   const MkOBulk ob = mk_ob_slots(smem);
@@ -795,16 +807,26 @@ struct MkWaitQkv {
 // (v73 handed fine == 3's combine to the blocks without a split item, two heads each, so that split blocks need
 // not wait for he_arrive_last's reply: 3% slower at 1K / 8K on H200 — the combine is on the O-proj's critical
 // path, and serialising two of them lengthened it; docs/perf-log.md.)
-template <bool kEarly, class Wait>
-HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof, const Wait& wait) {
+// hook (MK_O_BULK: MkOBulkHook): called once — inside this block's first split, after its first requests, or at
+// once by a block without a split item; later items get its no-op copy (hook.none()), the same instantiation.
+template <bool kEarly, class Wait, class Hook = HeAttnNoHook>
+HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof, const Wait& wait,
+                            const Hook& hook = Hook{}) {
   const int items = p.nkv * p.nsplit;
   if (kEarly && he_block_idx() >= items) return wait();
+  if constexpr (!Hook::kNone) {
+    if (he_block_idx() >= items) hook();
+  }
   for (int it = he_block_idx(); it < items; it += he_grid_dim()) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
     if (kEarly && it == he_block_idx()) {
       if (!he_attention_split_block<MK_ATTN_G, true>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split,
                                                      p.nsplit, p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem, wait))
         return false;
+    } else if constexpr (!Hook::kNone) {
+      he_attention_split_block<MK_ATTN_G, false, false, HeAttnPdlWait, Hook>(
+          p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit, p.chunk, p.nh, p.nkv, p.hd, p.max_ctx,
+          smem, HeAttnPdlWait{}, it == he_block_idx() ? hook : hook.none());
     } else {
       he_attention_split_block<MK_ATTN_G>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
                                           p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem);
@@ -1093,8 +1115,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
                                    ? L.wo + (he_i64)(he_block_idx() % ob_per) * kMkObRows * ob_in +
                                          (he_block_idx() / ob_per) * kMkOCols
                                    : nullptr;
-        mk_ob_issue(ob_src, ob_in, he_mk_smem);
-        mk_attention<false>(p, L, pos, he_mk_smem, prof, HeAttnPdlWait{});
+        mk_attention<false>(p, L, pos, he_mk_smem, prof, HeAttnPdlWait{}, MkOBulkHook{ob_src, ob_in, he_mk_smem});
 #else
         mk_attention<false>(p, L, pos, he_mk_smem, prof, HeAttnPdlWait{});
 #endif
