@@ -48,7 +48,6 @@
 #   rows1fx: session 40: the one-row per-op down after the grouped O-proj — its op tests, the same-bits monokernel
 #           tests, the per-op A/B against the two-row kernel (HIPENGINE_MATVEC_ROWS1=0) at 1K/8K/32K
 #   rows1rec: session 40: those op tests again, the same-bits tests, the bench of record, the 1K stage profile, engine tests
-#   obulk : session 40: mk_sweep 0 / 31 (MK_O_BULK=1: the O-proj tiles by bulk copy) at 1K/8K/32K, the 1K profiles
 #   ogrecord: session 39: the bench of record, mk_sweep 0/29 (grouped / plain O-proj) at 1K/8K/32K, grouped op tests
 #   paced : session 35: mk_sweep $ONLY at $AB_CONTEXTS (default 1K), the 1K stage profiles of the default and $EXP_DEFINES
 #   screenrec: the bench of record, the head-screen tests, the monokernel tests (session 34: v77b the default)
@@ -374,14 +373,6 @@ case "$MODE" in
     run mkprof 90 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_1k.json"
     left=$((575 - SECONDS)); [ $left -gt 40 ] && run engine_tests $left $PY -m pytest tests/test_gpu_engine.py -q -rs \
       -k "not 1b_preset" ;;
-  obulk)  # session 40: mk_sweep's variants $ONLY (default 0,31,0,31: the default / the O-proj tiles by bulk copy,
-          # MK_O_BULK=1) at $AB_CONTEXTS (1K/8K/32K) in one process, tokens compared, then the 1K stage profiles of both
-          # builds. Builds: precompile_mk.py 1b-f3 1b-o-bulk (+ 1b-1k-profile and the profile of MK_O_BULK, on device).
-    ONLY=${ONLY:-0,31,0,31} mk_sweep_ab mk_sweep 330  # (AB_TREES=.carry/rec: the record tree's default first)
-    run mkprof_default 80 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
-      --json "$OUT/mkprof_default.json"
-    run mkprof_obulk 80 env HIPENGINE_MK_DEFINES=MK_O_BULK=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
-      --context 1024 --profile --json "$OUT/mkprof_obulk.json" ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
@@ -389,7 +380,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (obulk|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -742,9 +742,6 @@ class MonokernelBackend(GpuBackend):
             from .head_screen import smem_bytes
 
             self.smem = max(self.smem, smem_bytes(cfg.hidden_size, cfg.vocab_size, rt.num_sms, THREADS // rt.warp_size))
-        if self.o_group and extra_defines().get("MK_O_BULK"):  # decode.hip MK_O_BULK: the O-proj tile + its mbarrier
-            tile = O.o_group_tile_rows(G * cfg.head_dim, rt.warp_size, THREADS) * G * cfg.head_dim * 2
-            self.smem = -(-self.smem // 16) * 16 + tile + 16
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")

@@ -528,88 +528,6 @@ static_assert(HE_ATTN_HD > 0, "MK_O_GROUP: the build's head_dim (HE_ATTN_HD, ops
 constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of columns of Wo
 #endif
 
-// MK_O_BULK=1 (session 40's experiment; sm_90, the grouped O-proj): each O-proj block's tile of Wo (its rows x its
-// group's columns, 64 KiB for llama-3.2-1b) is copied into shared memory by the copy engine (cp.async.bulk, one
-// 512-byte row per thread of warps 0-3) as the attention stage begins, instead of being requested into the stream's
-// registers after the block's split (he_mvg_fill). The heads wait's poll then queues behind no weights of its own SM
-// (a poll behind bulk copies returns in ~0.45 µs, behind the same bytes as loads in ~1.8: docs/perf-log.md session
-// 21), so the wait ends when the last split's count arrives, not when the block's 64 KiB have landed. Before that
-// wait each lane reads from the tile the 16 vectors he_mvg_fill would have loaded: the same sums, the same bits.
-// (Issued from inside the split, after its first K/V requests, through the body's kEarly hook, the build spilled
-// 522 / 756 bytes; here 14 / 40, the default 18 / 48.) The host adds the tile and its mbarrier to the dynamic shared
-// memory (MonokernelBackend._size_launch).
-#ifndef MK_O_BULK
-#define MK_O_BULK 0
-#endif
-#if MK_O_BULK
-static_assert(MK_O_GROUP && kHasBulkCopy && kAttnMma && !MK_ATTN_EARLY,
-              "MK_O_BULK: the grouped O-proj, the copy engine (sm_90), the matrix-core split (its hook)");
-constexpr int kMkObRows = HeMvgGeom<kMkOCols>::kWarpRows * (kMkThreads / kWarpSize);  // a block's tile rows
-constexpr he_u32 kMkObRowBytes = kMkOCols * sizeof(he_u16), kMkObBytes = kMkObRows * kMkObRowBytes;
-// The tile (16-byte aligned) and its mbarrier at the end of the dynamic shared memory (the host's layout).
-struct MkOBulk {
-  char* tile;
-  he_u64* bar;
-};
-HE_INLINE MkOBulk mk_ob_slots(float* smem) {
-  he_u32 dyn;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-  char* tile = (char*)smem + (dyn - kMkObBytes - 16);
-  return MkOBulk{tile, (he_u64*)(tile + kMkObBytes)};
-}
-// This block's tile requested: src = its first row's first column of its group, rows `stride` elements apart
-// (nullptr: a block without a tile). One 512-byte copy per thread of warps 0-3.
-HE_INLINE void mk_ob_issue(const he_u16* src, int stride, float* smem);
-// mk_attention's hook (ops/attention_decode.hip HeAttnNoHook): the tile's copies, from inside the block's first
-// split once the split has requested its first K/V tile and q.
-struct MkOBulkHook {
-  static constexpr bool kNone = false;
-  const he_u16* src;
-  int stride;
-  float* smem;
-  HE_INLINE MkOBulkHook none() const { return MkOBulkHook{nullptr, stride, smem}; }
-  HE_INLINE void operator()() const { mk_ob_issue(src, stride, smem); }
-};
-HE_INLINE void mk_ob_issue(const he_u16* src, int stride, float* smem) {
-  if (src == nullptr) return;
-  const MkOBulk ob = mk_ob_slots(smem);
-  if (he_thread_idx() == 0) he_mbar_expect_arrive(ob.bar, kMkObBytes);
-  for (int r = he_thread_idx(); r < kMkObRows; r += he_block_dim()) {
-    he_fence_proxy_async();  // the previous layer's reads of the tile (generic proxy) before this copy's writes
-    he_bulk_load(ob.tile + r * kMkObRowBytes, src + (he_i64)r * stride, kMkObRowBytes, ob.bar);
-  }
-}
-// Every thread waits for the tile's phase (bounded: a copy that never lands reports the counter-timeout status).
-HE_INLINE bool mk_ob_wait(const HeWaitCtx& w, he_u64* bar, he_u32 parity) {
-  if (he_mbar_try_wait(bar, parity)) return true;
-  const he_u64 t0 = he_clock_ns();
-  for (int polls = 0;; ++polls) {
-    if (he_mbar_try_wait(bar, parity)) return true;
-    if (he_aborted(w)) return false;
-    if (polls % kPollsPerClock == 0 && he_clock_ns() - t0 > w.timeout_ns) {
-      he_report_error(w, kStatusCounterTimeout);
-      return false;
-    }
-  }
-}
-// he_mvg_fill's 16 vectors per lane, from the tile (tile row = the row less the block's first row); zeros past the end.
-HE_INLINE void mk_ob_fill(const HeMvGroupO& op, HeMvStream<2>& s, const char* tile, int row0) {
-  using G = HeMvgGeom<kMkOCols>;
-  auto at = [&](int i) {
-    const int r = he_mvg_row<kMkOCols>(op, i);
-    if (r >= op.n_rows) return he_vec16{0u, 0u, 0u, 0u};
-    return *(const he_vec16*)(tile + (r - row0) * kMkObRowBytes + (he_lane_id() % G::kLanesPerRow) * 16);
-  };
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int k = 0; k < kMatvecUnroll; ++k) {
-      s.a[r][k] = at(r * kMatvecUnroll + k);
-      s.b[r][k] = at(2 * kMatvecUnroll + r * kMatvecUnroll + k);
-    }
-}
-#endif
-
 // ---- stage profile (-DMK_PROFILE=1 builds only) -----------------------------------------------------------
 // Block 0's thread 0 accumulates, per stage kind, the cycles from the stage's start to its arrival at the
 // next barrier ("work") and to that barrier's exit ("total" = work + wait), over every decode step of the
@@ -807,26 +725,16 @@ struct MkWaitQkv {
 // (v73 handed fine == 3's combine to the blocks without a split item, two heads each, so that split blocks need
 // not wait for he_arrive_last's reply: 3% slower at 1K / 8K on H200 — the combine is on the O-proj's critical
 // path, and serialising two of them lengthened it; docs/perf-log.md.)
-// hook (MK_O_BULK: MkOBulkHook): called once — inside this block's first split, after its first requests, or at
-// once by a block without a split item; later items get its no-op copy (hook.none()), the same instantiation.
-template <bool kEarly, class Wait, class Hook = HeAttnNoHook>
-HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof, const Wait& wait,
-                            const Hook& hook = Hook{}) {
+template <bool kEarly, class Wait>
+HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof, const Wait& wait) {
   const int items = p.nkv * p.nsplit;
   if (kEarly && he_block_idx() >= items) return wait();
-  if constexpr (!Hook::kNone) {
-    if (he_block_idx() >= items) hook();
-  }
   for (int it = he_block_idx(); it < items; it += he_grid_dim()) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
     if (kEarly && it == he_block_idx()) {
       if (!he_attention_split_block<MK_ATTN_G, true>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split,
                                                      p.nsplit, p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem, wait))
         return false;
-    } else if constexpr (!Hook::kNone) {
-      he_attention_split_block<MK_ATTN_G, false, false, HeAttnPdlWait, Hook>(
-          p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit, p.chunk, p.nh, p.nkv, p.hd, p.max_ctx,
-          smem, HeAttnPdlWait{}, it == he_block_idx() ? hook : hook.none());
     } else {
       he_attention_split_block<MK_ATTN_G>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
                                           p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem);
@@ -973,13 +881,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   HeMvStream<2> s;
   he_mv_begin(mk_qkv_op(p, p.layers[0], pos, p.x), s, mk_o_op(p, p.layers[0], 1u));
   MkProf prof(p.prof);
-#if MK_O_BULK
-  if (he_thread_idx() == 0) {  // the tile's mbarrier: one arrival (with the bytes) per copy; parity = copies so far & 1
-    he_mbar_init(mk_ob_slots(he_mk_smem).bar, 1);
-    he_mbar_init_fence();
-  }
-  he_sync_block();
-#endif
 
   // Grid barrier after `stage` (its profile slot), in two halves so that a matvec stage can request the next
   // stage's first weights between this block's arrival (its release) and its wait (kMkDefer). `barrier` is
@@ -1109,16 +1010,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         ++epoch;  // the barrier MkWaitQkv waited for
         if (!ok) return;
       } else {
-#if MK_O_BULK
-        const int ob_per = p.d / kMkObRows, ob_in = p.nh * p.hd;
-        const he_u16* ob_src = he_block_idx() < p.nkv * ob_per
-                                   ? L.wo + (he_i64)(he_block_idx() % ob_per) * kMkObRows * ob_in +
-                                         (he_block_idx() / ob_per) * kMkOCols
-                                   : nullptr;
-        mk_attention<false>(p, L, pos, he_mk_smem, prof, HeAttnPdlWait{}, MkOBulkHook{ob_src, ob_in, he_mk_smem});
-#else
         mk_attention<false>(p, L, pos, he_mk_smem, prof, HeAttnPdlWait{});
-#endif
       }
       if (kAttnMma) he_compiler_fence();
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
@@ -1136,21 +1028,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         const HeMvGroupO oop{L.wo, p.nh * p.hd, p.d, he_block_idx() / per,
                              og ? (he_block_idx() % per) * rows + he_warp_id() * G::kWarpRows : p.d, p.x_fx,
                              he_block_idx() < per ? p.x : nullptr};
-        attn_done += (he_u32)p.nsplit;
-#if MK_O_BULK
-        // the tile's copy (requested when the attention stage began) has landed — this is the (attn_done / nsplit)-th
-        // copy of the launch: its phase parity is that count - 1, & 1 — then into the registers he_mvg_fill fills,
-        // before the heads wait (shared-memory reads: nothing queues that wait's poll)
-        if (og) {
-          const MkOBulk ob = mk_ob_slots(he_mk_smem);
-          if (!mk_ob_wait(w, ob.bar, (attn_done / (he_u32)p.nsplit - 1u) & 1u)) return;
-          mk_ob_fill(oop, s, ob.tile, (he_block_idx() % per) * rows);
-        } else {
-          he_mvg_fill<kMkOCols>(oop, s);  // zeros (no rows): s's previous values die here
-        }
-#else
         he_mvg_fill<kMkOCols>(oop, s);
-#endif
+        attn_done += (he_u32)p.nsplit;
         prof.work(kProfAttn);
         if (og && !he_block_wait_geq(w, p.attn_count + oop.g, attn_done)) return;
         prof.done(kProfAttn);

@@ -137,14 +137,6 @@ struct HeAttnPdlWait {
   }
 };
 
-// A split body's hook, called by the matrix-core body right after the split has requested its first K/V tile and q
-// (before it uses them), and by an empty split before it returns: nothing by default. The monokernel's MK_O_BULK
-// build passes the O-proj tile's bulk copies (monokernel/decode.hip), which then queue behind the split's requests.
-struct HeAttnNoHook {
-  static constexpr bool kNone = true;
-  HE_INLINE void operator()() const {}
-};
-
 // The rows [start, start + n) a split takes of a `seq`-row sequence under the plan (nsplit, chunk); 0 when it
 // has none (it starts past seq): the block then marks the split empty for the combine (m = −inf, l = 0), after
 // the trigger and wait its kernel's place asks for, and the split body returns; 1 when it has rows; −1 when that
@@ -447,11 +439,10 @@ HE_INLINE constexpr int he_attn_mma_smem(int G) { return 2 * G * kAmQld * 2 + kA
 #else
 #define HE_ATTN_MMA_FN HE_INLINE
 #endif
-template <int kG, bool kEarly, bool kTrigger, class Wait = HeAttnPdlWait, class Hook = HeAttnNoHook>
+template <int kG, bool kEarly, bool kTrigger, class Wait = HeAttnPdlWait>
 HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache, const he_kv* v_cache,
                                            float* partial, int seq, int kvh, int split, int nsplit, int chunk,
-                                           int max_ctx, float* smem, const Wait wait = Wait{},
-                                           const Hook hook = Hook{}) {
+                                           int max_ctx, float* smem, const Wait wait = Wait{}) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
   constexpr int G = kG, HD = kAmHd, nt = kAttnThreads, nw = kAttnWarps, kDt = HD / 16;
   constexpr bool kF16 = HE_KV_F16 != 0;
@@ -460,10 +451,7 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   const int t = he_thread_idx(), lane = he_lane_id(), wid = he_warp_id();
   int start, n;
   const int rows = he_attn_split_rows<kG, kEarly, kTrigger>(seq, kvh, split, nsplit, chunk, HD, partial, start, n, wait);
-  if (rows <= 0) {
-    if constexpr (!Hook::kNone) hook();
-    return rows == 0;
-  }
+  if (rows <= 0) return rows == 0;
   he_u16* qh = (he_u16*)smem;  // q · log2(e)/sqrt(hd) as hi / lo 16-bit tiles [G][kAmQld]
   he_u16* ql = qh + G * kAmQld;
   char* wbase = (char*)smem + 2 * G * kAmQld * 2;
@@ -530,39 +518,13 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
     if (wid < ntile) load(wid, kFresh);
   }
   const float qscale = he_rsqrt((float)HD) * kLog2e;
-  if constexpr (Hook::kNone) {
-    for (int i = t; i < G * HD / 2; i += nt) {
-      const int g = i / (HD / 2), d = (i % (HD / 2)) * 2;
-      const float* qp = q + (he_i64)(kvh * G + g) * HD + d;
-      he_u32 hi, lo;
-      he_split2<kF16>(qp[0] * qscale, qp[1] * qscale, hi, lo);
-      *(he_u32*)(qh + g * kAmQld + d) = hi;
-      *(he_u32*)(ql + g * kAmQld + d) = lo;
-    }
-  } else {  // the same staging with every q load requested before the hook (same values, same bits)
-    constexpr int kQItems = G * HD / 2, kQPer = (kQItems + nt - 1) / nt;
-    float qa[kQPer], qb[kQPer];
-#pragma unroll
-    for (int j = 0; j < kQPer; ++j) {
-      const int i = t + j * nt;
-      qa[j] = qb[j] = 0.f;
-      if (i < kQItems) {
-        const float* qp = q + (he_i64)(kvh * G + i / (HD / 2)) * HD + (i % (HD / 2)) * 2;
-        qa[j] = qp[0];
-        qb[j] = qp[1];
-      }
-    }
-    hook();
-#pragma unroll
-    for (int j = 0; j < kQPer; ++j) {
-      const int i = t + j * nt, g = i / (HD / 2), d = (i % (HD / 2)) * 2;
-      if (i < kQItems) {
-        he_u32 hi, lo;
-        he_split2<kF16>(qa[j] * qscale, qb[j] * qscale, hi, lo);
-        *(he_u32*)(qh + g * kAmQld + d) = hi;
-        *(he_u32*)(ql + g * kAmQld + d) = lo;
-      }
-    }
+  for (int i = t; i < G * HD / 2; i += nt) {
+    const int g = i / (HD / 2), d = (i % (HD / 2)) * 2;
+    const float* qp = q + (he_i64)(kvh * G + g) * HD + d;
+    he_u32 hi, lo;
+    he_split2<kF16>(qp[0] * qscale, qp[1] * qscale, hi, lo);
+    *(he_u32*)(qh + g * kAmQld + d) = hi;
+    *(he_u32*)(ql + g * kAmQld + d) = lo;
   }
   he_sync_block();
   HE_ATTN_MARK(0);  // q staged
@@ -652,15 +614,13 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
 // The split body of both paths: on the matrix cores where the module is built for them (HE_ATTN_MMA), else the
 // FMA body above.
 // kEarly: `wait` stands between the first K/V requests (all rows but the newest) and the rest; false when it failed.
-// hook: the matrix-core body's (HeAttnNoHook above); the FMA body has none (a hook is a matrix-core build's).
-template <int kG, bool kEarly = false, bool kTrigger = false, class Wait = HeAttnPdlWait, class Hook = HeAttnNoHook>
+template <int kG, bool kEarly = false, bool kTrigger = false, class Wait = HeAttnPdlWait>
 HE_INLINE bool he_attention_split_block(const float* q, const he_kv* k_cache, const he_kv* v_cache, float* partial,
                                         int seq, int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
-                                        int max_ctx, float* smem, const Wait& wait = Wait{}, const Hook& hook = Hook{}) {
-  static_assert(Hook::kNone || kAttnMma, "a split hook needs the matrix-core body");
+                                        int max_ctx, float* smem, const Wait& wait = Wait{}) {
   if constexpr (kAttnMma)
-    return he_attention_split_mma<kG, kEarly, kTrigger, Wait, Hook>(q, k_cache, v_cache, partial, seq, kvh, split,
-                                                                    nsplit, chunk, max_ctx, smem, wait, hook);
+    return he_attention_split_mma<kG, kEarly, kTrigger, Wait>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit,
+                                                              chunk, max_ctx, smem, wait);
   else
     return he_attention_split_fma<kG, kEarly, kTrigger, Wait>(q, k_cache, v_cache, partial, seq, kvh, split, nsplit,
                                                               chunk, nh, nkv, hd, max_ctx, smem, wait);
