@@ -106,7 +106,7 @@ VARIANTS = [  # name, build env, runtime attrs
      {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_NORM_FX_ONE_PASS=0"}, {}),
     # (session 40's MK_O_BULK=1 — each grouped O-proj block's Wo tile copied into shared memory by the copy engine, at the
     # attention stage's start and then from inside the block's split after its first K/V and q requests: −3.6 / −3.9 /
-    # −2.7% and −1.6 / −3.6 / −2.7% — was variant 31 here, removed.)
+    # −2.6% and −1.6 / −3.6 / −2.7% — was variant 31 here, removed.)
     # (session 40's MK_SPLIT_TAIL_SYNC=0 — no block barrier after a block's last attention split, so warps 1-7 request
     # their O-proj weights during thread 0's release: −0.2 / +0.1 / +0.1%, level — was variant 31 here, removed.)
     # (session 38's MK_OG_XOUT — gate/up's prologue wrote the fixed-point residual back into x, down added x and
