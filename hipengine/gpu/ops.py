@@ -771,8 +771,7 @@ class Ops:
             rows1 = (grid is None and x_fx is None and res_fx is None
                      and matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms))
         if rows1:
-            fn = self.fn("matvec", "matvec_rows1", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL, **self._late(role),
-                                                    **self._whole(inn, MATVEC_ROWS1_UNROLL)})
+            fn = self._rows1_fn("matvec_rows1", role, inn)
             g = grid or self._grid(rows, threads)
         else:
             fn = self.fn("matvec", "matvec", {**self._late(role), **self._whole(inn), **_fx_defines(x_fx, res_fx)})
@@ -868,8 +867,7 @@ class Ops:
         if rows1 is None:
             rows1 = matvec_rows1(rows, inn, self.rt.warp_size, self.rt.num_sms)
         if rows1:
-            fn = self.fn("matvec", "matvec_rows1_fx_res", {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL, **self._late("down"),
-                                                           **self._whole(inn, MATVEC_ROWS1_UNROLL)})
+            fn = self._rows1_fn("matvec_rows1_fx_res", "down", inn)
             grid = self._grid(rows)
         else:
             fn = self.fn("matvec_group", "matvec_fx_res", {**self._late("down"), **self._whole(inn)})
@@ -877,6 +875,12 @@ class Ops:
         self.rt.launch(fn, grid, MATVEC_THREADS,
                        [_p(W), _p(x), _p(res_fx), _p(y), c_int32(rows), c_int32(inn), c_int32(int(f16))],
                        shared=inn * 4, stream=stream, pdl=self._pdl("down"))
+
+    def _rows1_fn(self, name: str, role: str, inn: int):
+        """A kernel of matvec.hip's one-row-unit build (HE_MATVEC_UNROLL = MATVEC_ROWS1_UNROLL): matvec_rows1 or
+        matvec_rows1_fx_res."""
+        return self.fn("matvec", name, {"HE_MATVEC_UNROLL": MATVEC_ROWS1_UNROLL, **self._late(role),
+                                        **self._whole(inn, MATVEC_ROWS1_UNROLL)})
 
     def matvec_qkv(self, W, x, q_out, k_cache, v_cache, cos, sin, pos, *, max_ctx: int, q_dim: int, kv_dim: int,
                    hd: int, inn: int, gamma=None, eps: float = 0.0, bias=None, rope: bool = True, f16=False,

@@ -414,19 +414,9 @@ struct HeMvPlain1 {
 // takes lane 1's half by a shuffle (the warp is converged after the sum's butterfly) and writes y; lanes 0 and 1
 // clear their halves. The sum is HeMvPlain1's, the conversion HeMvPlainFxRes's: the same bits as the monokernel's
 // down-proj.
-struct HeMvPlain1FxRes {
-  const float* x;
-  const float* gamma;
-  float eps;
-  int in;
-  const he_u16* W;
+struct HeMvPlain1FxRes : HeMvPlain1 {  // (residual is not read)
   he_u32* res_w;  // the int64 words as 32-bit halves (word r: res_w[2r] low, res_w[2r + 1] high): every access here
                   // is 32-bit, so no word is read or written through two types
-  float* y;
-  int n_rows;
-  const he_i64* x_fx;  // the prologue's addend: none here (the stage's input is h)
-  HE_INLINE int units() const { return n_rows; }
-  HE_INLINE void rows(int u, const he_u16* (&rp)[1]) const { rp[0] = W + (he_i64)u * in; }
   HE_INLINE void pre(int u, float (&pv)[1]) const { pv[0] = he_u32_as_f32(res_w[2 * u + (he_lane_id() & 1)]); }
   HE_INLINE void epi(int u, const float (&acc)[1], const float (&pv)[1]) const {
     const int l = he_lane_id();
@@ -500,7 +490,7 @@ HE_KERNEL(kMatvecMaxThreads) matvec_rows1_fx_res(const he_u16* __restrict__ W, c
                                                 float* y, int rows, int in, int w_f16) {
   extern __shared__ float he_xs[];  // [in]
   __shared__ float scratch[kMaxWarpsPerBlock];
-  const HeMvPlain1FxRes op{x, nullptr, 0.f, in, W, reinterpret_cast<he_u32*>(res_fx), y, rows, nullptr};
+  const HeMvPlain1FxRes op{{x, nullptr, 0.f, in, W, nullptr, y, rows}, reinterpret_cast<he_u32*>(res_fx)};
   if (w_f16) he_matvec_run<true, 1>(op, he_xs, scratch);
   else he_matvec_run<false, 1>(op, he_xs, scratch);
 }
