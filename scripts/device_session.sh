@@ -373,6 +373,15 @@ case "$MODE" in
     run mkprof 90 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_1k.json"
     left=$((575 - SECONDS)); [ $left -gt 40 ] && run engine_tests $left $PY -m pytest tests/test_gpu_engine.py -q -rs \
       -k "not 1b_preset" ;;
+  qflow)  # session 41 (decode.hip MK_QFLOW: the QKV values as LL words, the splits poll them, no QKV barrier): its
+          # same-bits tests against the per-op path (1K and 8K caches), mk_sweep's variants $ONLY (default 0,31,32,0,31,32:
+          # the default, MK_QFLOW, MK_QFLOW with the 0.5 plan) at $AB_CONTEXTS (1K/8K/32K) in one process, tokens
+          # compared with the first, then the MK_QFLOW build's 1K stage profile. Builds: precompile_mk.py 1b-f3
+          # 1b-f3-qflow 1b-1k-qflow-profile.
+    run qflow_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits"
+    ONLY=${ONLY:-0,31,32,0,31,32} mk_sweep_ab mk_sweep 330
+    left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_qflow $left env HIPENGINE_MK_QFLOW=1 $PY -m hipengine bench \
+      decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow.json" ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
@@ -380,7 +389,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

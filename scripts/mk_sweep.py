@@ -104,6 +104,12 @@ VARIANTS = [  # name, build env, runtime attrs
     # one more round trip)
     ("O-proj by KV-head group, gate/up prologue in two passes",
      {"HIPENGINE_MK_OGROUP": "1", "HIPENGINE_MK_DEFINES": "HE_NORM_FX_ONE_PASS=0"}, {}),
+    # session 41: the attention splits poll the QKV stage's LL words instead of waiting at a grid barrier (decode.hip
+    # MK_QFLOW; the same sums: tokens must equal variant 0's), with the default plan and with the 0.5 plan (64 items at
+    # 1K, all on blocks without a second QKV unit; its sums differ)
+    ("QKV values as LL words, no QKV barrier (MK_QFLOW)", {"HIPENGINE_MK_QFLOW": "1"}, {}),
+    ("MK_QFLOW + attention plan at 0.5 blocks per SM", {"HIPENGINE_MK_QFLOW": "1", "HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5"},
+     {}),
     # (session 40's MK_O_BULK=1 — each grouped O-proj block's Wo tile copied into shared memory by the copy engine, at the
     # attention stage's start and then from inside the block's split after its first K/V and q requests: −3.6 / −3.9 /
     # −2.6% and −1.6 / −3.6 / −2.7% — was variant 31 here, removed.)
@@ -129,7 +135,8 @@ VARIANTS = [  # name, build env, runtime attrs
 BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_LL", "HIPENGINE_MK_DEFINES",
                "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_FINE",
                "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_MK_ONE_ROUND",
-               "HIPENGINE_FUSED_MLP", "HIPENGINE_MK_HEAD_SCREEN", "HIPENGINE_MK_PACKED", "HIPENGINE_MK_OGROUP")
+               "HIPENGINE_FUSED_MLP", "HIPENGINE_MK_HEAD_SCREEN", "HIPENGINE_MK_PACKED", "HIPENGINE_MK_OGROUP",
+               "HIPENGINE_MK_QFLOW")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its

@@ -311,3 +311,35 @@ def test_o_group_same_bits_as_per_op(monkeypatch):
         assert len(mono) == 64 and mono == per_op
     finally:
         be.close()
+
+
+@pytest.mark.parametrize("max_context", [1024, 8192])
+def test_q_flow_same_bits_as_per_op(monkeypatch, max_context):
+    """MK_QFLOW (decode.hip: the QKV values as LL words, the attention splits poll them, no grid barrier between QKV
+    and attention): the same loads and sums as the default build, so the monokernel's logits equal the per-op path's
+    bit for bit — over several launches (the words' epochs restart at every launch) — and 256 greedy tokens are the
+    same. The 1K case's newest row is in its warp's first tile (fetched after the wait, kEarly's kFresh); the 8K case's
+    prompt (2,060 tokens: splits of 160 rows, the newest at row 140-143 of its split) puts it in a later tile."""
+    from hipengine.gpu.executor import GpuBackend
+    from hipengine.gpu.monokernel import MonokernelBackend, grid_info
+    from hipengine.presets import preset_model
+
+    monkeypatch.setenv("HIPENGINE_MK_QFLOW", "1")
+    be = MonokernelBackend(preset_model("llama-3.2-1b", 0), max_context=max_context)
+    try:
+        assert be.q_flow and grid_info(be)["q_flow"]
+        ids = np.random.default_rng(5).integers(0, be.config.vocab_size, 700 if max_context == 1024 else 2060)
+        be.reset()
+        be.prefill(ids)
+        want = [GpuBackend.decode(be, t) for t in (5, 6, 7, 8)]
+        be.reset()
+        be.prefill(ids)
+        got = [be.decode(t) for t in (5, 6, 7, 8)]
+        for a, b in zip(got, want):
+            assert np.all(np.isfinite(a)) and np.array_equal(a, b), np.max(np.abs(a - b))
+        prompt = np.random.default_rng(6).integers(0, be.config.vocab_size, 32)
+        params = SamplingParams(max_tokens=256, ignore_eos=True)
+        mono, per_op = _mono(be, prompt, params), _per_op(be, prompt, params)
+        assert len(mono) == 256 and mono == per_op
+    finally:
+        be.close()

@@ -364,3 +364,35 @@ def test_o_group_shape_rule_and_build(monkeypatch):
                         o_group=True)
     assert kw["defines"]["MK_O_GROUP"] == 1
     assert "MK_O_GROUP" not in M.compile_args("nvidia", False, 4, head_dim=64, max_context=1024)["defines"]
+
+
+def test_q_flow_rule_and_build(monkeypatch):
+    """MK_QFLOW (HIPENGINE_MK_QFLOW, decode.hip: the attention splits poll the QKV stage's LL words): which builds it
+    can serve (the grouped O-proj, tp = 1, no q/k norms, the matrix-core split), the define compile_args adds (only
+    with the grouped O-proj), one clear error when asked for where it cannot serve, off when not asked."""
+    from types import SimpleNamespace
+
+    from hipengine.errors import UnsupportedError
+    from hipengine.gpu import monokernel as M
+
+    cfg = SimpleNamespace(qk_norm=False, head_dim=64)
+    monkeypatch.delenv("HIPENGINE_ATTN_MMA", raising=False)
+    monkeypatch.setenv("HIPENGINE_MK_QFLOW", "1")
+    assert M.q_flow_decide(cfg, "sm_90", o_group=True, tp=False)
+    for why, args in [("tensor parallelism", (cfg, "sm_90", True, True)),
+                      ("plain O-proj", (cfg, "sm_90", False, False)),
+                      ("q/k-norm", (SimpleNamespace(qk_norm=True, head_dim=64), "sm_90", True, False)),
+                      ("FMA attention split", (cfg, None, True, False))]:
+        assert why in M.q_flow_why_not(*args)
+        with pytest.raises(UnsupportedError, match="HIPENGINE_MK_QFLOW=1"):
+            M.q_flow_decide(*args)
+    monkeypatch.setenv("HIPENGINE_MK_QFLOW", "0")
+    assert not M.q_flow_decide(cfg, "sm_90", o_group=True, tp=False)
+    monkeypatch.delenv("HIPENGINE_MK_QFLOW")
+    assert M.q_flow_decide(cfg, "sm_90", o_group=True, tp=False) == M.Q_FLOW_DEFAULT
+    kw = dict(head_dim=64, max_context=1024, arch="sm_90", rows=(2048, 2048, 8192))
+    assert M.compile_args("nvidia", False, 4, o_group=True, q_flow=True, **kw)["defines"]["MK_QFLOW"] == 1
+    assert "MK_QFLOW" not in M.compile_args("nvidia", False, 4, o_group=True, **kw)["defines"]
+    assert "MK_QFLOW" not in M.compile_args("nvidia", False, 4, o_group=False, q_flow=True, **kw)["defines"]
+    fewer = M.barriers_per_token(SimpleNamespace(num_layers=16, qk_norm=False), q_flow=True)
+    assert fewer == M.barriers_per_token(SimpleNamespace(num_layers=16, qk_norm=False)) - 16

@@ -147,6 +147,7 @@ PARAM_FIELDS = [
     ("screen_lo", "float*"),        # [grid] each block's max lower bound, published by the LM head's barrier
     ("head_c2", "float"),           # the screen's bound on the dequantised rows' norms
     ("screen", "he_i32"),           # 1: greedy steps of a generation take the screened head (MK_HEAD_SCREEN builds)
+    ("flow_ll", "he_u64*"),         # [q_dim + 2 kv_dim] the QKV rows as LL words (MK_QFLOW builds: decode.hip), or null
 ]
 
 STATE_FIELDS = [
@@ -266,7 +267,8 @@ def write_layout(path=None) -> None:
 def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_dim: int = 64,
                  tp: bool = False, q_regs: bool = False, max_context: int = 4096, arch: str | None = None,
                  rows: tuple[int, ...] = (), qk_norm: bool = False, fine: int = 3, fused_mlp: bool = False,
-                 head_screen: bool = False, mlp_packed: bool = False, o_group: bool = False) -> dict:
+                 head_screen: bool = False, mlp_packed: bool = False, o_group: bool = False,
+                 q_flow: bool = False) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row and
     head_dim itself, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
     parallelism — ``tp`` or HIPENGINE_MK_LL=1 — the long-context build ``q_regs``: q_regs_build — the
@@ -310,6 +312,8 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["MK_MLP_PACKED"] = 1
     if o_group:
         defines["MK_O_GROUP"] = 1
+        if q_flow:
+            defines["MK_QFLOW"] = 1
     defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
 
@@ -402,6 +406,49 @@ def mlp_packed_on() -> bool:
 # 1K, +1.7% at 8K, +2.1% at 32K; the two paths' greedy tokens identical with it at every context and the monokernel's
 # logits equal to the per-op path's bit for bit (docs/perf-log.md session 39).
 O_GROUP_DEFAULT = True
+
+
+# MK_QFLOW's default (decode.hip: the QKV values as LL words, no grid barrier between QKV and attention). Off until
+# measured (docs/perf-log.md session 41).
+Q_FLOW_DEFAULT = False
+
+
+def q_flow_on() -> bool | None:
+    """HIPENGINE_MK_QFLOW: 1 asks for the monokernel build whose attention splits poll the QKV stage's LL words
+    instead of waiting at a grid barrier (decode.hip MK_QFLOW), 0 keeps the barrier, unset: Q_FLOW_DEFAULT."""
+    return O._env_switch("HIPENGINE_MK_QFLOW")
+
+
+def q_flow_asked() -> bool:
+    """Whether MK_QFLOW is wanted where it applies: HIPENGINE_MK_QFLOW, else Q_FLOW_DEFAULT."""
+    setting = q_flow_on()
+    return Q_FLOW_DEFAULT if setting is None else setting
+
+
+def q_flow_why_not(cfg, arch: str | None, o_group: bool, tp: bool) -> str | None:
+    """Why MK_QFLOW cannot serve this build (None: it can): it needs the grouped O-proj, tp = 1 without the LL
+    exchange, no q/k norms and the matrix-core attention split."""
+    if tp:
+        return "tensor parallelism / the LL exchange"
+    if not o_group:
+        return "the plain O-proj (the grouped O-proj is off here)"
+    if cfg.qk_norm:
+        return "q/k-norm models"
+    if not O.attn_mma(arch, cfg.head_dim):
+        return "the FMA attention split (no matrix cores or HIPENGINE_ATTN_MMA=0)"
+    return None
+
+
+def q_flow_decide(cfg, arch: str | None, o_group: bool, tp: bool) -> bool:
+    """MK_QFLOW where it applies, if asked (HIPENGINE_MK_QFLOW, else Q_FLOW_DEFAULT); asked for with 1 where it does
+    not apply, the reason is one clear error."""
+    if not q_flow_asked():
+        return False
+    setting = q_flow_on()
+    why = q_flow_why_not(cfg, arch, o_group, tp)
+    if why and setting:
+        raise UnsupportedError(f"HIPENGINE_MK_QFLOW=1: the LL-fed attention does not apply here ({why})")
+    return why is None
 
 
 def o_group_on() -> bool | None:
@@ -539,7 +586,8 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
                                    and all(n % packed.batch_cols(32) == 0 for n in (rows[0], rows[-1])),
                                    o_group=o_group_asked() and fine == 3 and bool(rows) and not O.fused_mlp()
                                    and not mlp_packed_on() and not ll_local()
-                                   and O.o_group_misfit(g, head_dim, rows[0], 1, 1 << 30, 32) is None))
+                                   and O.o_group_misfit(g, head_dim, rows[0], 1, 1 << 30, 32) is None,
+                                   q_flow=q_flow_asked() and not qn and O.attn_mma(arch, head_dim)))
              for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm for fine in fines]
     # the decode-step modules' HE_PDL_LATE builds (Ops._late: the default trigger places or the env's)
     levels = O.pdl_trigger_levels()
@@ -769,13 +817,15 @@ class MonokernelBackend(GpuBackend):
         rt, cfg = self.rt, self.config
         self.q_regs, self.warp_max, self.fine = self._build_class()
         self.o_group = self._o_group_wanted()
+        self.q_flow = q_flow_decide(cfg, rt.arch, self.o_group, self.mk_tp or bool(self.ll_local))
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
                                                         max_context=self.max_context, arch=rt.arch,
                                                         rows=(cfg.hidden_size, cfg.q_dim, cfg.intermediate_size),
                                                         qk_norm=cfg.qk_norm, fine=self.fine,
                                                         fused_mlp=self.fused_mlp, head_screen=self.head_screen,
-                                                        mlp_packed=self.mlp_packed, o_group=self.o_group))
+                                                        mlp_packed=self.mlp_packed, o_group=self.o_group,
+                                                        q_flow=self.q_flow))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 
@@ -808,6 +858,8 @@ class MonokernelBackend(GpuBackend):
         self.state_buf = self._buf(ctypes.sizeof(MkState))
         self.bar_buf = self._buf(16)
         self.attn_count = self._buf(4 * (cfg.num_kv_heads + 2))
+        self.flow_words = cfg.q_dim + 2 * cfg.num_kv_heads * cfg.head_dim  # MK_QFLOW's LL words (any build: 24 KB)
+        self.flow_ll = self._buf(8 * self.flow_words)
         self.cand = self._buf(8 * rt.num_sms * max(self.occupancy, 1))
         self.screen_lo = self._buf(4 * self.grid) if self.head_screen else None
         self.eos_buf = self._buf(4 * MAX_EOS)
@@ -845,7 +897,7 @@ class MonokernelBackend(GpuBackend):
             head_q=self.head_q.ptr if self.head_q is not None else 0,
             head_meta=self.head_meta.ptr if self.head_meta is not None else 0,
             screen_lo=self.screen_lo.ptr if self.screen_lo is not None else 0, head_c2=float(self.head_c2),
-            screen=int(self.head_screen))
+            screen=int(self.head_screen), flow_ll=self.flow_ll.ptr if self.q_flow else 0)
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)
@@ -886,6 +938,8 @@ class MonokernelBackend(GpuBackend):
         if self._ll_on():  # every launch starts the exchange at epoch 0 (at tp > 1: before any rank starts)
             rt.memset(self.ll_buf, 0, self.ll_bytes, stream=s)
         rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 2), stream=s)
+        if self.q_flow:  # the LL words' epochs count from 1 in every launch
+            rt.memset(self.flow_ll, 0, 8 * self.flow_words, stream=s)
         if self.o_group:  # the O-proj's fixed-point shares start from zero (the kernel clears them after each use)
             rt.memset(self.x_fx, 0, 8 * self.config.hidden_size, stream=s)
         s.synchronize()  # the host words below are read by the kernel: reset them with nothing in flight
@@ -1016,7 +1070,9 @@ def grid_info(backend: MonokernelBackend) -> dict:
             "unroll": matvec_unroll(), "fine": backend.fine, "poll_sleep_ns": backend.poll_sleep_ns,
             "threads": THREADS, "shared_bytes": backend.smem, "sms": backend.rt.num_sms,
             "barriers_per_token": None if not hasattr(backend, "config") else
-            barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1),
+            barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1,
+                               getattr(backend, "q_flow", False)),
+            "q_flow": bool(getattr(backend, "q_flow", False)),
             "ll_exchange": backend._ll_on(), "q_regs": getattr(backend, "q_regs", False),
             "attn_warp_max": getattr(backend, "warp_max", None),
             "head_screen": bool(getattr(backend, "head_screen", False)),
@@ -1029,11 +1085,11 @@ def ll_words(world: int, d: int) -> int:
     return 2 * world * d + 2 * world
 
 
-def barriers_per_token(cfg, fine: int = 3, tp: int = 1) -> int:
+def barriers_per_token(cfg, fine: int = 3, tp: int = 1, q_flow: bool = False) -> int:
     """Grid barriers one decode step crosses (the monokernel's main fixed cost; see docs/perf-log.md)."""
     # qkv | (fine 2: attention) | (combine -> O-proj: a counter wait) | O | gate-up | down; at tp > 1 the
-    # stages after O and down gather the ranks' LL words instead (monokernel/tp_exchange.h)
-    per_layer = (4 if tp == 1 else 2) + (1 if fine == 2 else 0) + (1 if cfg.qk_norm else 0)
+    # stages after O and down gather the ranks' LL words instead (monokernel/tp_exchange.h); MK_QFLOW: no qkv one
+    per_layer = (4 if tp == 1 else 2) + (1 if fine == 2 else 0) + (1 if cfg.qk_norm else 0) - (1 if q_flow else 0)
     return cfg.num_layers * per_layer + 2  # + LM head + sample/embed
 
 

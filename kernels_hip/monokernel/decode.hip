@@ -243,8 +243,9 @@ struct MkParams {
   float* screen_lo;
   float head_c2;
   he_i32 screen;
+  he_u64* flow_ll;
 };
-static_assert(sizeof(MkParams) == 384, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 392, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -309,6 +310,7 @@ MK_OFFSET_CHECK(MkParams, head_meta, 360)
 MK_OFFSET_CHECK(MkParams, screen_lo, 368)
 MK_OFFSET_CHECK(MkParams, head_c2, 376)
 MK_OFFSET_CHECK(MkParams, screen, 380)
+MK_OFFSET_CHECK(MkParams, flow_ll, 384)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -417,6 +419,7 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[96] = (he_u64)((const char*)&vMkParams.screen_lo - (const char*)&vMkParams);
   out[97] = (he_u64)((const char*)&vMkParams.head_c2 - (const char*)&vMkParams);
   out[98] = (he_u64)((const char*)&vMkParams.screen - (const char*)&vMkParams);
+  out[99] = (he_u64)((const char*)&vMkParams.flow_ll - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -526,6 +529,105 @@ static_assert(!(MK_O_GROUP && (MK_TP || MK_FUSED_MLP || MK_MLP_PACKED || MK_FINE
 #if MK_O_GROUP
 static_assert(HE_ATTN_HD > 0, "MK_O_GROUP: the build's head_dim (HE_ATTN_HD, ops.attention_defines) sizes Wo's groups");
 constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of columns of Wo
+#endif
+
+// MK_QFLOW=1 (tp = 1, the grouped O-proj, no q/k norms, the matrix-core split; hipengine/gpu/monokernel.py
+// q_flow_decide): no grid barrier between QKV and attention. The QKV epilogue also writes each q / k / v value it
+// computes as an LL word {payload, epoch} into p.flow_ll (row r of the stacked matrix at word r: q as f32 bits, k and
+// v as the cache's 16 bits; monokernel/tp_exchange.h's one-store protocol: an aligned 8-byte store is single-copy
+// atomic, so a reader that sees the epoch holds the value), and the attention splits poll the words they need —
+// their group's q, and the split that holds the newest position its K/V row — instead of waiting for the whole QKV
+// stage: a split's rows of earlier steps and its q are ready after the first round of QKV units, the newest K/V row
+// after the second (1,536 units on 1,056 warps at d = 2,048), and the barrier's exit came after both. The split items
+// go to the grid's last blocks (blocks 0 .. a few dozen stream the second round). The same loads and sums as the
+// default build, so the same bits. Epochs: one per layer of the launch from 1 (flow_ep); the host zeroes the words
+// before each launch. Reuse: layer l + 1's QKV writes the words only after the down(l) barrier, which follows every
+// split of layer l (each split's block arrives at the O barrier after it).
+#ifndef MK_QFLOW
+#define MK_QFLOW 0
+#endif
+static_assert(!MK_QFLOW || (MK_O_GROUP && !MK_QK_NORM && !MK_ATTN_EARLY && kAttnMma),
+              "MK_QFLOW: the grouped O-proj, no q/k norms, the matrix-core split");
+#if MK_QFLOW
+// The block's poll failed (timeout or another block's error): the kernel ends after the split (mk_attention).
+__shared__ int mk_flow_fail;
+HE_INLINE he_u32 mk_ll_epoch(he_u64 v) { return (he_u32)(v >> 32); }
+
+// QKV with the LL copy of every value (above). Same arithmetic as HeMvQkv (rope = 1).
+struct MkQkvFlow : HeMvQkv {
+  he_u64* ll;
+  he_u32 epoch;
+  HE_INLINE void epi(int u, const float (&acc)[2], const float (&)[2]) const {
+    if (he_lane_id() != 0) return;
+    int ra, rb, i;
+    float a, b;
+    biased(u, acc, ra, rb, i, a, b);
+    const int pos = *pos_p;
+    rotate(ra, i, pos, a, b);
+    he_u32 wa = he_f32_as_u32(a), wb = he_f32_as_u32(b);
+    if (ra >= q_dim) {
+      he_kv ka, kb;
+      append(ra, i, pos, a, b, ka, kb);
+      wa = ka;
+      wb = kb;
+    }
+    volatile he_u64* w = ll;
+    w[ra] = ((he_u64)epoch << 32) | wa;
+    w[rb] = ((he_u64)epoch << 32) | wb;
+  }
+};
+
+// The split body's source of q and of the newest K/V row (ops/attention_decode.hip HeAttnPlainQ): the LL words.
+// Polls re-load only the words not yet there, all at once (one round trip per pass); a poll that outlives the
+// timeout reports kStatusCounterTimeout, and one that sees another block's error stops: both set mk_flow_fail.
+struct MkFlowWait {
+  static constexpr bool kFlow = true;
+  HeWaitCtx w;
+  const he_u64* ll;
+  he_u32 epoch;
+  int q_dim, kv_dim;
+  HE_INLINE bool operator()() const { return true; }  // nothing to wait for as a block: the words are polled
+  template <int N>
+  HE_INLINE void poll(const he_u64* p, he_u64 (&v)[N]) const {
+    const volatile he_u64* src = p;
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = src[j];
+    he_u64 t0 = 0;
+    for (int polls = 0;; ++polls) {
+      bool all = true;
+#pragma unroll
+      for (int j = 0; j < N; ++j) all = all && mk_ll_epoch(v[j]) == epoch;
+      if (all) return;
+      if (polls % kPollsPerClock == 0) {
+        if (polls == 0) {
+          t0 = he_clock_ns();
+        } else if (he_aborted(w)) {
+          mk_flow_fail = 1;
+          return;
+        } else if (he_clock_ns() - t0 > w.timeout_ns) {
+          he_report_error(w, kStatusCounterTimeout);
+          mk_flow_fail = 1;
+          return;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+        if (mk_ll_epoch(v[j]) != epoch) v[j] = src[j];
+    }
+  }
+  HE_INLINE void q2(const float*, he_i64 i, float& a, float& b) const {
+    he_u64 v[2];
+    poll(ll + i, v);
+    a = he_u32_as_f32((he_u32)v[0]);
+    b = he_u32_as_f32((he_u32)v[1]);
+  }
+  HE_INLINE he_vec16 kv8(int kvh, bool is_v, int c) const {
+    he_u64 v[8];
+    poll(ll + q_dim + (is_v ? kv_dim : 0) + (he_i64)kvh * HE_ATTN_HD + c, v);
+    auto two = [&](int j) { return ((he_u32)v[j] & 0xffffu) | ((he_u32)v[j + 1] << 16); };
+    return he_vec16{two(0), two(2), two(4), two(6)};
+  }
+};
 #endif
 
 // ---- stage profile (-DMK_PROFILE=1 builds only) -----------------------------------------------------------
@@ -638,6 +740,12 @@ HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const 
                  p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
                  p.qk_norm ? 0 : 1, mk_fx(p)};
 }
+#if MK_QFLOW
+// The QKV stage itself in MK_QFLOW builds (the other sites only stream its rows): the LL copy of layer epoch `ep`.
+HE_INLINE MkQkvFlow mk_qkv_flow_op(const MkParams& p, const MkLayer& L, int pos, const float* x, he_u32 ep) {
+  return MkQkvFlow{mk_qkv_op(p, L, pos, x), p.flow_ll, ep};
+}
+#endif
 #if MK_TP
 HE_INLINE MkMvOut mk_o_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
   return MkMvOut{{p.att, nullptr, 0.f, p.nh * p.hd, L.wo, p.tp_rank ? nullptr : p.x, p.x, p.d},
@@ -704,7 +812,7 @@ HE_INLINE void mk_combine(const MkParams& p, int h0, int n, int seq) {
 
 // The QKV barrier's wait as the split body's kEarly wait (MK_ATTN_EARLY): he_grid_wait on a copy of the block's
 // barrier count (the caller advances its own after mk_attention returns), then the QKV stage's profile mark.
-struct MkWaitQkv {
+struct MkWaitQkv : HeAttnPlainQ {
   HeWaitCtx w;
   he_u32 epoch;
   int nb;
@@ -752,6 +860,28 @@ HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
   }
   return true;
 }
+
+#if MK_QFLOW
+// mk_attention of the MK_QFLOW build: every item polls its words (the split body's kEarly path, with a wait that
+// returns at once), and the items of one round go to the grid's last blocks (the first ones stream the QKV stage's
+// second units). The grouped O-proj's split counters as above. False when a poll failed (the kernel must end).
+HE_INLINE bool mk_attention_flow(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof,
+                                 const MkFlowWait& wait) {
+  const int items = p.nkv * p.nsplit, nb = he_grid_dim();
+  const int first = items <= nb ? he_block_idx() - (nb - items) : he_block_idx();
+  for (int it = first < 0 ? items : first; it < items; it += nb) {
+    const int kvh = it / p.nsplit, split = it % p.nsplit;
+    he_attention_split_block<MK_ATTN_G, true>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
+                                              p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem, wait);
+    if (it == first) prof.work(kProfAttnSplit);
+    he_sync_block();
+    if (he_thread_idx() == 0) he_arrive_add(p.attn_count + kvh, 1u);
+    he_sync_block();  // shared memory is reused by the next item
+    if (mk_flow_fail) return false;
+  }
+  return true;
+}
+#endif
 
 // MK_GU_L2's prefetch (above): rows 2j (gate) and 2j + 1 (up) of unit S + j, j < units, in 32-row groups (one row
 // per lane), group g by idle warp g mod (idle warps); MK_GU_L2_GAP > 0: group g not before g x GAP cycles after entry.
@@ -861,6 +991,10 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   const int nb = he_grid_dim();
   const bool lead = he_block_idx() == 0;
   he_u32 epoch = 0, attn_done = 0;
+#if MK_QFLOW
+  he_u32 flow_ep = 0;  // the LL words' epoch: one per layer of the launch
+  if (he_thread_idx() == 0) mk_flow_fail = 0;
+#endif
   // LL exchange (monokernel/tp_exchange.h; always at tp > 1, HIPENGINE_MK_LL at tp = 1): epochs of its
   // regions, advanced identically on every rank
   const bool tp = kMkTp && p.tp_ll != nullptr;
@@ -990,9 +1124,18 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         qx = he_mk_smem;
       }
       // QKV's stream stops at its end; the O-proj's first weights are requested after the attention splits.
+#if MK_QFLOW
+      ++flow_ep;  // no barrier: the splits poll the LL words of this epoch (above)
+      he_mv_finish<kMkF16, kMkDefer>(mk_qkv_flow_op(p, L, pos, qx, flow_ep), s, he_mk_smem, scratch,
+                                     mk_o_op(p, L, ep_o + 1));
+      prof.work(kProfQkv);
+      he_sync_block();  // the split reuses the shared memory the QKV prologue staged x in
+      prof.done(kProfQkv);
+#else
       he_mv_finish<kMkF16, kMkDefer>(mk_qkv_op(p, L, pos, qx), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
       if (kMkAttnEarly) arrive(kProfQkv);  // its wait is in mk_attention, after the splits' first K/V requests
       else if (!barrier(kProfQkv)) return;
+#endif
       if (MK_QK_NORM && p.qk_norm) {  // raw q|k|v published: per-head norm + RoPE + append, then one more barrier
         if (kMkAttnEarly && !wait(kProfQkv)) return;
         for (int head = he_block_idx(); head < p.nh + 2 * p.nkv; head += nb)
@@ -1005,13 +1148,18 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // The matrix-core split is a call (ops/attention_decode.hip HE_ATTN_MMA_FN): compiler fences around the
       // stage, so the kernel reloads its parameters after it instead of keeping them live (spilled) across it.
       if (kAttnMma) he_compiler_fence();
+#if MK_QFLOW
+      if (!mk_attention_flow(p, L, pos, he_mk_smem, prof, MkFlowWait{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd}))
+        return;
+#else
       if constexpr (kMkAttnEarly) {
-        const bool ok = mk_attention<true>(p, L, pos, he_mk_smem, prof, MkWaitQkv{w, epoch, nb, &prof});
+        const bool ok = mk_attention<true>(p, L, pos, he_mk_smem, prof, MkWaitQkv{{}, w, epoch, nb, &prof});
         ++epoch;  // the barrier MkWaitQkv waited for
         if (!ok) return;
       } else {
         mk_attention<false>(p, L, pos, he_mk_smem, prof, HeAttnPdlWait{});
       }
+#endif
       if (kAttnMma) he_compiler_fence();
       // The O-proj's first weights, requested after this block's splits rather than at the QKV barrier: the
       // splits' K/V loads then do not queue behind 8 MB of them, and they stream during the combine chain

@@ -130,7 +130,20 @@ struct HeAttnTrigger {
 // default the per-op kernel's he_pdl_wait (port.h; it cannot fail). The monokernel passes its QKV barrier's wait
 // (decode.hip MkWaitQkv, MK_ATTN_EARLY), which returns false when the kernel must end; the bodies then return
 // false at once, in every thread of the block (the wait's result is the block's).
-struct HeAttnPdlWait {
+// Every wait type also says where the split reads the step's q and its newest K/V row: HeAttnPlainQ's plain loads
+// of q and the cache (both paths' default). kFlow (the monokernel's MK_QFLOW build, decode.hip MkFlowWait): q and
+// the newest row come as LL words polled one by one (q2, kv8), so no block barrier stands before the split.
+struct HeAttnPlainQ {
+  static constexpr bool kFlow = false;
+  // q[i], q[i + 1]
+  HE_INLINE void q2(const float* q, he_i64 i, float& a, float& b) const {
+    a = q[i];
+    b = q[i + 1];
+  }
+  // (kFlow only) dims [c, c + 8) of KV head kvh's newest K (v = false) or V row, as the cache holds them
+  HE_INLINE he_vec16 kv8(int, bool, int) const { return he_vec16{0u, 0u, 0u, 0u}; }
+};
+struct HeAttnPdlWait : HeAttnPlainQ {
   HE_INLINE bool operator()() const {
     he_pdl_wait();
     return true;
@@ -212,6 +225,7 @@ HE_INLINE bool he_attention_split_fma(const float* q, const he_kv* k_cache,
                                         int kvh, int split, int nsplit, int chunk, int nh, int nkv, int hd,
                                         int max_ctx, float* smem, const Wait& wait = Wait{}) {
   static_assert(kG >= 1 && kG <= kAttnMaxGroup, "group size out of range");
+  static_assert(!Wait::kFlow, "the LL-fed split (decode.hip MK_QFLOW) is the matrix-core body's");
   constexpr int G = kG, kL = kAttnLpr, kR = kWarpSize / kAttnLpr;  // lanes per row, rows per warp at once
   constexpr int U = kAttnUnroll;
   constexpr bool kTriggerBefore = HeAttnTrigger<kEarly, kTrigger>::before;
@@ -469,6 +483,12 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   // call left.
   enum { kAll, kButFresh, kFresh };
   he_vec16 kr[kAmKPer], va[kAmVPer], vb[kAmVPer];
+  // One 16-byte vector of row `key` (dims [c, c + 8)): from the cache, or (Wait::kFlow) the newest row's LL words.
+  auto row8 = [&](const he_kv* base, bool v, int key, int c) {
+    if constexpr (Wait::kFlow)
+      if (key == fresh) return wait.kv8(kvh, v, c);
+    return he_load16_stream_rw(base + (he_i64)key * HD + c);
+  };
   auto load = [&](int tile, int part) {
     const int k0 = tile * kAmKeys;
     auto want = [&](int key) { return part == kAll || (part == kButFresh) == (key != fresh); };
@@ -476,14 +496,14 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
     for (int r = 0; r < kAmKPer; ++r) {
       const int i = lane + r * kWarpSize, key = k0 + i / (HD / 8), c = (i % (HD / 8)) * 8;
       const bool ok = (kAmKVec % kWarpSize == 0 || i < kAmKVec) && key < n;
-      if (want(key)) kr[r] = ok ? he_load16_stream_rw(kbase + (he_i64)key * HD + c) : zero;
+      if (want(key)) kr[r] = ok ? row8(kbase, false, key, c) : zero;
     }
 #pragma unroll
     for (int r = 0; r < kAmVPer; ++r) {
       const int i = lane + r * kWarpSize, kp = i % (kAmKeys / 2), c = (i / (kAmKeys / 2)) * 8, key = k0 + 2 * kp;
       const bool in = kAmVItems % kWarpSize == 0 || i < kAmVItems;
-      if (want(key)) va[r] = in && key < n ? he_load16_stream_rw(vbase + (he_i64)key * HD + c) : zero;
-      if (want(key + 1)) vb[r] = in && key + 1 < n ? he_load16_stream_rw(vbase + (he_i64)(key + 1) * HD + c) : zero;
+      if (want(key)) va[r] = in && key < n ? row8(vbase, true, key, c) : zero;
+      if (want(key + 1)) vb[r] = in && key + 1 < n ? row8(vbase, true, key + 1, c) : zero;
     }
   };
   // Registers -> the warp's tiles. Vᵀ as attention_prefill.hip stages it: 32-bit words of a key pair per dim.
@@ -520,9 +540,10 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   const float qscale = he_rsqrt((float)HD) * kLog2e;
   for (int i = t; i < G * HD / 2; i += nt) {
     const int g = i / (HD / 2), d = (i % (HD / 2)) * 2;
-    const float* qp = q + (he_i64)(kvh * G + g) * HD + d;
+    float q0, q1;
+    wait.q2(q, (he_i64)(kvh * G + g) * HD + d, q0, q1);
     he_u32 hi, lo;
-    he_split2<kF16>(qp[0] * qscale, qp[1] * qscale, hi, lo);
+    he_split2<kF16>(q0 * qscale, q1 * qscale, hi, lo);
     *(he_u32*)(qh + g * kAmQld + d) = hi;
     *(he_u32*)(ql + g * kAmQld + d) = lo;
   }

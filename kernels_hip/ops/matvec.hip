@@ -571,24 +571,46 @@ struct HeMvQkvT {
     pv[0] = pv[1] = 0.f;
     if (kEarlyPos && rope && he_lane_id() == 0) pv[0] = he_u32_as_f32((he_u32)he_ld_step(pos_p));  // its bits
   }
-  HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
-    if (he_lane_id() != 0) return;
-    const int half = hd / 2, i = u % half;
-    const int ra = (u / half) * hd + i, rb = ra + half;  // rows in the stacked matrix
-    float a = acc[0] + (bias ? bias[ra] : 0.f), b = acc[1] + (bias ? bias[rb] : 0.f);
-    if (!rope) { q_out[ra] = a; q_out[rb] = b; return; }
-    const int pos = kEarlyPos ? (int)he_f32_as_u32(pv[0]) : *pos_p;
+  // Unit u's rows in the stacked matrix (ra, rb = ra + hd/2: a RoPE pair), its index i in the head's first half, and
+  // its two values with the bias added.
+  HE_INLINE void biased(int u, const float (&acc)[2], int& ra, int& rb, int& i, float& a, float& b) const {
+    const int half = hd / 2;
+    i = u % half;
+    ra = (u / half) * hd + i;
+    rb = ra + half;
+    a = acc[0] + (bias ? bias[ra] : 0.f);
+    b = acc[1] + (bias ? bias[rb] : 0.f);
+  }
+  // RoPE at `pos` for q and k rows (v rows pass through).
+  HE_INLINE void rotate(int ra, int i, int pos, float& a, float& b) const {
     if (ra < q_dim + kv_dim) {  // q or k: rotate
+      const int half = hd / 2;
       const float c = cos_t[(he_i64)pos * half + i], s = sin_t[(he_i64)pos * half + i];
       const float ra_v = a * c - b * s, rb_v = b * c + a * s;
       a = ra_v; b = rb_v;
     }
-    if (ra < q_dim) { q_out[ra] = a; q_out[rb] = b; return; }
+  }
+  // A k or v pair into the cache at `pos`; returns the two values as the cache holds them.
+  HE_INLINE void append(int ra, int i, int pos, float a, float b, he_kv& ka, he_kv& kb) const {
     const bool is_k = ra < q_dim + kv_dim;
     const int kvh = (ra - q_dim - (is_k ? 0 : kv_dim)) / hd;
     he_kv* dst = (is_k ? k_cache : v_cache) + ((he_i64)kvh * max_ctx + pos) * hd;
-    dst[i] = he_f32_to_kv(a);
-    dst[i + half] = he_f32_to_kv(b);
+    ka = he_f32_to_kv(a);
+    kb = he_f32_to_kv(b);
+    dst[i] = ka;
+    dst[i + hd / 2] = kb;
+  }
+  HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
+    if (he_lane_id() != 0) return;
+    int ra, rb, i;
+    float a, b;
+    biased(u, acc, ra, rb, i, a, b);
+    if (!rope) { q_out[ra] = a; q_out[rb] = b; return; }
+    const int pos = kEarlyPos ? (int)he_f32_as_u32(pv[0]) : *pos_p;
+    rotate(ra, i, pos, a, b);
+    if (ra < q_dim) { q_out[ra] = a; q_out[rb] = b; return; }
+    he_kv ka, kb;
+    append(ra, i, pos, a, b, ka, kb);
   }
 };
 
