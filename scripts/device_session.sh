@@ -382,6 +382,17 @@ case "$MODE" in
     ONLY=${ONLY:-0,31,32,0,31,32} mk_sweep_ab mk_sweep 330
     left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_qflow $left env HIPENGINE_MK_QFLOW=1 $PY -m hipengine bench \
       decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow.json" ;;
+  qflow2)  # session 41, after qflow: mk_sweep's variants $ONLY (default 0,31,32,17,0,31,32,17: the default, MK_QFLOW, MK_QFLOW
+           # with the 0.5 plan — 64 split items at 1K, all on blocks without a second QKV unit — and the 0.5 plan alone) at
+           # $AB_CONTEXTS (default 1K / 8K: the 0.5 plan takes two rounds at 32K, where the grouped O-proj does not apply) in
+           # one process, then the 1K stage profiles of the default build and of MK_QFLOW with the 0.5 plan. Builds:
+           # precompile_mk.py 1b-f3 1b-f3-qflow 1b-1k-qflow-profile 1b-1k-profile.
+    ONLY=${ONLY:-0,31,32,17,0,31,32,17} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 330
+    run mkprof_default 70 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
+      --json "$OUT/mkprof_default.json"
+    left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_qflow_half $left env HIPENGINE_MK_QFLOW=1 \
+      HIPENGINE_ATTN_BLOCKS_PER_SM=0.5 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
+      --json "$OUT/mkprof_qflow_half.json" ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
@@ -389,7 +400,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
