@@ -393,6 +393,15 @@ case "$MODE" in
     left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_qflow_half $left env HIPENGINE_MK_QFLOW=1 \
       HIPENGINE_ATTN_BLOCKS_PER_SM=0.5 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
       --json "$OUT/mkprof_qflow_half.json" ;;
+  qflow3)  # session 41, after qflow2 (the newest row's words polled where its tile is staged): the same-bits tests, mk_sweep's
+           # variants $ONLY (default 0,31,32,17,0,31,32,17) at $AB_CONTEXTS (default 1K / 8K) in one process, then the 1K
+           # stage profiles of MK_QFLOW with the 0.5 plan and with the default plan. Builds: as qflow2.
+    run qflow_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits"
+    ONLY=${ONLY:-0,31,32,17,0,31,32,17} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 300
+    run mkprof_qflow_half 60 env HIPENGINE_MK_QFLOW=1 HIPENGINE_ATTN_BLOCKS_PER_SM=0.5 $PY -m hipengine bench decode \
+      --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow_half.json"
+    left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_qflow $left env HIPENGINE_MK_QFLOW=1 $PY -m hipengine bench \
+      decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow.json" ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
@@ -400,7 +409,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

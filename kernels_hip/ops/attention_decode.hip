@@ -535,7 +535,9 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   if (kEarly) {
     if (!wait()) return false;  // the QKV kernel (per-op) or stage (monokernel) is done; its writes are visible
     if (kTriggerAfter) he_pdl_trigger();
-    if (wid < ntile) load(wid, kFresh);
+    // (Wait::kFlow: the newest row's words are polled only where its tile is staged, below — the rest of the block
+    // stages q and scores its tiles meanwhile; the same values in the same places, so the same sums.)
+    if (!Wait::kFlow && wid < ntile) load(wid, kFresh);
   }
   const float qscale = he_rsqrt((float)HD) * kLog2e;
   for (int i = t; i < G * HD / 2; i += nt) {
@@ -556,6 +558,8 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
 #pragma unroll
   for (int j = 0; j < kAttQ; ++j) m[j] = he_neg_inf(), l[j] = 0.f;
   for (int tile = wid; tile < ntile; tile += nw) {
+    if constexpr (Wait::kFlow && kEarly)
+      if (tile == wid) load(wid, kFresh);
     stage();
     he_sync_warp();
     if (tile + nw < ntile) load(tile + nw, kAll);  // the next tile's rows fly under this one's products
