@@ -402,6 +402,16 @@ case "$MODE" in
       --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow_half.json"
     left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_qflow $left env HIPENGINE_MK_QFLOW=1 $PY -m hipengine bench \
       decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow.json" ;;
+  qflowrec)  # session 41: MK_QFLOW the default — the same-bits and 1B-preset monokernel tests, the engine tests, mk_sweep's
+             # variants $ONLY (default 0,33,0,33: the default and the QKV barrier) at 1K/8K/32K in one process, then the
+             # decode bench of record in the time left (the call stays under ${QFLOWREC_S:-500} s). Builds: precompile_mk.py
+             # 1b-f3 1b-f3-noflow.
+    run mk_same_bits 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset"
+    run engine_tests 110 $PY -m pytest tests/test_gpu_engine.py -q -rs -k "not 1b_preset"
+    ONLY=${ONLY:-0,33,0,33} mk_sweep_ab mk_sweep 220
+    left=$((${QFLOWREC_S:-500} - SECONDS)); [ $left -gt 60 ] && run bench $left $PY -m hipengine bench decode \
+      --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --json "$OUT/bench_decode.json" \
+      --plot "$OUT/bench_decode.png" ;;
   packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
            # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
            # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
@@ -409,7 +419,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

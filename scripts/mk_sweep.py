@@ -110,6 +110,8 @@ VARIANTS = [  # name, build env, runtime attrs
     ("QKV values as LL words, no QKV barrier (MK_QFLOW)", {"HIPENGINE_MK_QFLOW": "1"}, {}),
     ("MK_QFLOW + attention plan at 0.5 blocks per SM", {"HIPENGINE_MK_QFLOW": "1", "HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5"},
      {}),
+    # ... and (the default since session 41) without it: the grid barrier between QKV and attention, for the A/B
+    ("QKV barrier (HIPENGINE_MK_QFLOW=0)", {"HIPENGINE_MK_QFLOW": "0"}, {}),
     # (session 40's MK_O_BULK=1 — each grouped O-proj block's Wo tile copied into shared memory by the copy engine, at the
     # attention stage's start and then from inside the block's split after its first K/V and q requests: −3.6 / −3.9 /
     # −2.6% and −1.6 / −3.6 / −2.7% — was variant 31 here, removed.)

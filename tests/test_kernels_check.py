@@ -280,3 +280,14 @@ def test_o_group_build_compiles(tmp_path, monkeypatch):
                                       '#include "monokernel/decode.hip"\n',
         "decode_o_group_2pass.hip": "#define MK_O_GROUP 1\n#define HE_ATTN_HD 64\n#define HE_NORM_FX_ONE_PASS 0\n"
                                     '#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n#include "monokernel/decode.hip"\n'})
+
+
+def test_q_flow_build_compiles(tmp_path, monkeypatch):
+    """The LL-fed attention's monokernel build (MK_QFLOW=1, the default where it applies since session 41: the QKV
+    epilogue's LL words, the splits' polls on the matrix-core body, no QKV barrier), lean and as a profile build,
+    compiles warnings-as-errors for gfx942 (wave64, its MFMA attention tiles) and sm_90."""
+    base = "#define MK_O_GROUP 1\n#define MK_QFLOW 1\n#define HE_ATTN_HD 64\n#define HE_ATTN_MMA 1\n"
+    _check_units(tmp_path, monkeypatch, {
+        "decode_q_flow.hip": base + "#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
+                             '#include "monokernel/decode.hip"\n',
+        "decode_q_flow_profile.hip": base + '#define MK_PROFILE 1\n#include "monokernel/decode.hip"\n'})

@@ -408,9 +408,11 @@ def mlp_packed_on() -> bool:
 O_GROUP_DEFAULT = True
 
 
-# MK_QFLOW's default (decode.hip: the QKV values as LL words, no grid barrier between QKV and attention). Off until
-# measured (docs/perf-log.md session 41).
-Q_FLOW_DEFAULT = False
+# MK_QFLOW's default where it applies (q_flow_decide; decode.hip: the QKV values as LL words, no grid barrier between
+# QKV and attention). Measured in session 41 on an H100 against the barrier, alternated twice in one process, tokens
+# equal (monokernel_qflow_fresh_ab_h100_s41.json): +2.0% at 1K, +0.2% at 8K; the logits equal the per-op path's bit for
+# bit (docs/perf-log.md session 41).
+Q_FLOW_DEFAULT = True
 
 
 def q_flow_on() -> bool | None:
