@@ -281,12 +281,33 @@ def test_stage_profile_build(tmp_path, monkeypatch):
         be.close()
 
 
+def _decode_same_bits(be, ids, greedy: int, seed: int, check=lambda: True):
+    """After a prefill of `ids`, four one-step monokernel launches give the per-op path's logits bit for bit (each a
+    launch of its own); `check()` holds after both paths' steps; then `greedy` tokens of a random 32-token prompt
+    (`seed`) are the same on both paths."""
+    from hipengine.gpu.executor import GpuBackend
+
+    be.reset()
+    be.prefill(ids)
+    want = [GpuBackend.decode(be, t) for t in (5, 6, 7, 8)]
+    assert check()
+    be.reset()
+    be.prefill(ids)
+    got = [be.decode(t) for t in (5, 6, 7, 8)]
+    for a, b in zip(got, want):
+        assert np.all(np.isfinite(a)) and np.array_equal(a, b), np.max(np.abs(a - b))
+    assert check()
+    prompt = np.random.default_rng(seed).integers(0, be.config.vocab_size, 32)
+    params = SamplingParams(max_tokens=greedy, ignore_eos=True)
+    mono, per_op = _mono(be, prompt, params), _per_op(be, prompt, params)
+    assert len(mono) == greedy and mono == per_op
+
+
 def test_o_group_same_bits_as_per_op(monkeypatch):
     """The grouped O-proj (decode.hip MK_O_GROUP; the per-op path's ops.matvec_group_o and its readers; one rule for
     both paths, monokernel.o_group_decide): both add the same eight fixed-point shares per row, so the monokernel's
     logits equal the per-op path's bit for bit, the fixed-point buffer is clear after every step, and the greedy
     tokens are the same."""
-    from hipengine.gpu.executor import GpuBackend
     from hipengine.gpu.monokernel import MonokernelBackend
     from hipengine.presets import preset_model
 
@@ -294,21 +315,8 @@ def test_o_group_same_bits_as_per_op(monkeypatch):
     be = MonokernelBackend(preset_model("llama-3.2-1b", 0), max_context=1024)
     try:
         assert be.o_group
-        ids = np.random.default_rng(3).integers(0, be.config.vocab_size, 40)
-        be.reset()
-        be.prefill(ids)
-        want = [GpuBackend.decode(be, t) for t in (5, 6, 7, 8)]
-        assert not be.rt.download(be.x_fx, (be.config.hidden_size,), np.int64).any()
-        be.reset()
-        be.prefill(ids)
-        got = [be.decode(t) for t in (5, 6, 7, 8)]
-        for a, b in zip(got, want):
-            assert np.all(np.isfinite(a)) and np.array_equal(a, b), np.max(np.abs(a - b))
-        assert not be.rt.download(be.x_fx, (be.config.hidden_size,), np.int64).any()
-        prompt = np.random.default_rng(4).integers(0, be.config.vocab_size, 32)
-        params = SamplingParams(max_tokens=64, ignore_eos=True)
-        mono, per_op = _mono(be, prompt, params), _per_op(be, prompt, params)
-        assert len(mono) == 64 and mono == per_op
+        x_fx_clear = lambda: not be.rt.download(be.x_fx, (be.config.hidden_size,), np.int64).any()  # noqa: E731
+        _decode_same_bits(be, np.random.default_rng(3).integers(0, be.config.vocab_size, 40), 64, 4, x_fx_clear)
     finally:
         be.close()
 
@@ -318,9 +326,8 @@ def test_q_flow_same_bits_as_per_op(monkeypatch, max_context):
     """MK_QFLOW (decode.hip: the QKV values as LL words, the attention splits poll them, no grid barrier between QKV
     and attention): the same loads and sums as the default build, so the monokernel's logits equal the per-op path's
     bit for bit — over several launches (the words' epochs restart at every launch) — and 256 greedy tokens are the
-    same. The 1K case's newest row is in its warp's first tile (fetched after the wait, kEarly's kFresh); the 8K case's
+    same. The 1K case's newest row is in its warp's first tile, the 8K case's
     prompt (2,060 tokens: splits of 160 rows, the newest at row 140-143 of its split) puts it in a later tile."""
-    from hipengine.gpu.executor import GpuBackend
     from hipengine.gpu.monokernel import MonokernelBackend, grid_info
     from hipengine.presets import preset_model
 
@@ -328,18 +335,7 @@ def test_q_flow_same_bits_as_per_op(monkeypatch, max_context):
     be = MonokernelBackend(preset_model("llama-3.2-1b", 0), max_context=max_context)
     try:
         assert be.q_flow and grid_info(be)["q_flow"]
-        ids = np.random.default_rng(5).integers(0, be.config.vocab_size, 700 if max_context == 1024 else 2060)
-        be.reset()
-        be.prefill(ids)
-        want = [GpuBackend.decode(be, t) for t in (5, 6, 7, 8)]
-        be.reset()
-        be.prefill(ids)
-        got = [be.decode(t) for t in (5, 6, 7, 8)]
-        for a, b in zip(got, want):
-            assert np.all(np.isfinite(a)) and np.array_equal(a, b), np.max(np.abs(a - b))
-        prompt = np.random.default_rng(6).integers(0, be.config.vocab_size, 32)
-        params = SamplingParams(max_tokens=256, ignore_eos=True)
-        mono, per_op = _mono(be, prompt, params), _per_op(be, prompt, params)
-        assert len(mono) == 256 and mono == per_op
+        n = 700 if max_context == 1024 else 2060
+        _decode_same_bits(be, np.random.default_rng(5).integers(0, be.config.vocab_size, n), 256, 6)
     finally:
         be.close()

@@ -22,7 +22,8 @@ one-round attention split plan, mk_plan; 0: the per-op path's), HIPENGINE_MK_HEA
 LM head's int8 copy and recompute exactly only the rows that can hold the arg-max, head_screen_on; 0: the bf16 head),
 HIPENGINE_MK_PACKED (0: the MLP's weights as bf16 rows; 1: their lossless 13-bit copies, mlp_packed_on),
 HIPENGINE_MK_OGROUP (1: the O-proj by KV-head group, o_group_decide — both decode paths; 0: the plain O-proj;
-unset: O_GROUP_DEFAULT where it applies).
+unset: O_GROUP_DEFAULT where it applies), HIPENGINE_MK_QFLOW (1: the attention splits poll the QKV stage's LL words,
+no grid barrier between them, q_flow_decide; 0: the barrier; unset: Q_FLOW_DEFAULT where it applies).
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@
 //   ── grid barrier ──
 //   per layer:  QKV (RMSNorm prologue, bias, RoPE, KV append)   HeMvQkv
 //               (Qwen3: raw q|k|v ── barrier ── per-head norm + RoPE + append: he_qk_norm_rope_head)
-//               ── barrier ──
+//               ── barrier ── (MK_QFLOW, the default where it applies: none — the splits poll the QKV values'
+//                              LL words, below)
 //               attention splits (he_attention_split_block)
 //               fine == 3: the last split block of each KV head (arrival counter) combines its G heads
 //               fine == 2: ── barrier ── one head per block
