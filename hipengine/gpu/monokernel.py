@@ -861,8 +861,11 @@ class MonokernelBackend(GpuBackend):
         self.state_buf = self._buf(ctypes.sizeof(MkState))
         self.bar_buf = self._buf(16)
         self.attn_count = self._buf(4 * (cfg.num_kv_heads + 2))
-        self.flow_words = cfg.q_dim + 2 * cfg.num_kv_heads * cfg.head_dim  # MK_QFLOW's LL words (any build: 24 KB)
-        self.flow_ll = self._buf(8 * self.flow_words)
+        # MK_QFLOW's LL words (any build: 24 KB at d = 2,048). Fine-grained: on an MI300X the polling CU and the writing
+        # one may sit in different XCDs, whose L2s do not see each other's lines of coarse-grained memory within a kernel.
+        self.flow_words = cfg.q_dim + 2 * cfg.num_kv_heads * cfg.head_dim
+        self.flow_ll = rt.malloc_fine_grained(8 * self.flow_words)
+        self._bufs.append(self.flow_ll)
         self.cand = self._buf(8 * rt.num_sms * max(self.occupancy, 1))
         self.screen_lo = self._buf(4 * self.grid) if self.head_screen else None
         self.eos_buf = self._buf(4 * MAX_EOS)

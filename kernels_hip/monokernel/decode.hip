@@ -542,7 +542,8 @@ constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of colu
 // after the second (1,536 units on 1,056 warps at d = 2,048), and the barrier's exit came after both. The split items
 // go to the grid's last blocks (blocks 0 .. a few dozen stream the second round). The same loads and sums as the
 // default build, so the same bits. Epochs: one per layer of the launch from 1 (flow_ep); the host zeroes the words
-// before each launch. Reuse: layer l + 1's QKV writes the words only after the down(l) barrier, which follows every
+// before each launch (fine-grained memory on AMD: an MI300X's XCDs do not share L2 lines of coarse-grained
+// memory). Reuse: layer l + 1's QKV writes the words only after the down(l) barrier, which follows every
 // split of layer l (each split's block arrives at the O barrier after it).
 #ifndef MK_QFLOW
 #define MK_QFLOW 0

@@ -132,7 +132,7 @@ struct HeAttnTrigger {
 // false at once, in every thread of the block (the wait's result is the block's).
 // Every wait type also says where the split reads the step's q and its newest K/V row: HeAttnPlainQ's plain loads
 // of q and the cache (both paths' default). kFlow (the monokernel's MK_QFLOW build, decode.hip MkFlowWait): q and
-// the newest row come as LL words polled one by one (q2, kv8), so no block barrier stands before the split.
+// the newest row come as LL words the split polls itself (q2, kv8), so no block barrier stands before the split.
 struct HeAttnPlainQ {
   static constexpr bool kFlow = false;
   // q[i], q[i + 1]
