@@ -33,12 +33,12 @@ from hipengine.errors import DeviceError, RequestError, UnsupportedError, run_sc
 # decode.hip statements (regex on the call site's source line) -> stage names
 STAGES = [
     (r"he_mv_finish<[^(]*\(gu,|he_mlp_", "mlp"),  # the fused MLP's stage (MK_FUSED_MLP builds, ops/mlp.hip)
-    (r"he_mv_finish<.*\(mk_qkv_op", "qkv"), (r"he_mv_finish<.*\(mk_o_op", "o_proj"),
+    (r"he_mv_finish<.*\(mk_qkv_(flow_)?op", "qkv"), (r"he_mv_finish<.*\(mk_o_op", "o_proj"),
     (r"he_mv_finish<.*\(mk_gate_up_op", "gate_up"), (r"he_mv_finish<.*\(mk_down_op", "down"),
     (r"he_mv_finish<.*\(mk_head_op", "lm_head"), (r"he_mv_begin\(", "stream_begin"),
     (r"he_mv_fill_next\(mk_qkv_op", "fill_qkv"), (r"he_mv_fill_next\(mk_o_op", "fill_o"),
     (r"he_mv_fill_next\(mk_gate_up_op", "fill_gate_up"), (r"he_mv_fill_next\(mk_down_op", "fill_down"),
-    (r"he_mv_fill_next\(mk_head_op", "fill_lm_head"), (r"mk_attention(<\w+>)?\(", "attention"),
+    (r"he_mv_fill_next\(mk_head_op", "fill_lm_head"), (r"mk_attention(_flow)?(<\w+>)?\(", "attention"),
     (r"mk_combine\(", "combine"), (r"he_block_wait_geq\(", "wait_attention_count"),
     (r"(barrier|wait)\(kProfQkv\)", "wait_qkv"), (r"(barrier|wait)\(kProfO\)", "wait_o"),
     (r"(barrier|wait)\(kProfGateUp\)", "wait_gate_up"), (r"(barrier|wait)\(kProfDown\)", "wait_down"),
