@@ -551,7 +551,7 @@ constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of colu
 static_assert(!MK_QFLOW || (MK_O_GROUP && !MK_QK_NORM && !MK_ATTN_EARLY && kAttnMma),
               "MK_QFLOW: the grouped O-proj, no q/k norms, the matrix-core split");
 #if MK_QFLOW
-// The block's poll failed (timeout or another block's error): the kernel ends after the split (mk_attention).
+// The block's poll failed (timeout or another block's error): the kernel ends after the split (mk_attention_flow).
 __shared__ int mk_flow_fail;
 HE_INLINE he_u32 mk_ll_epoch(he_u64 v) { return (he_u32)(v >> 32); }
 
