@@ -867,6 +867,8 @@ HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
 // mk_attention of the MK_QFLOW build: every item polls its words (the split body's kEarly path, with a wait that
 // returns at once), and the items of one round go to the grid's last blocks (the first ones stream the QKV stage's
 // second units). The grouped O-proj's split counters as above. False when a poll failed (the kernel must end).
+// (A function of its own rather than a branch of mk_attention: with the branch there, ptxas allocated the barrier
+// build differently — 16 / 44 B of stack / spill loads against 24 / 48; apart, its SASS stays as measured.)
 HE_INLINE bool mk_attention_flow(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof,
                                  const MkFlowWait& wait) {
   const int items = p.nkv * p.nsplit, nb = he_grid_dim();

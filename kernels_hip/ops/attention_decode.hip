@@ -140,8 +140,8 @@ struct HeAttnPlainQ {
     a = q[i];
     b = q[i + 1];
   }
-  // (kFlow only) dims [c, c + 8) of KV head kvh's newest K (v = false) or V row, as the cache holds them
-  HE_INLINE he_vec16 kv8(int, bool, int) const { return he_vec16{0u, 0u, 0u, 0u}; }
+  // (a kFlow wait also has kv8(kvh, is_v, c): dims [c, c + 8) of KV head kvh's newest K or V row, as the cache
+  // holds them)
 };
 struct HeAttnPdlWait : HeAttnPlainQ {
   HE_INLINE bool operator()() const {
