@@ -402,6 +402,21 @@ case "$MODE" in
       --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow_half.json"
     left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_qflow $left env HIPENGINE_MK_QFLOW=1 $PY -m hipengine bench \
       decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow.json" ;;
+  plan)  # session 42: the attention plan at short contexts with MK_QFLOW (the default) — mk_sweep's variants $ONLY (default
+        # 0,17,34,0,17,34: the default plan, 0.5 blocks per SM, 0.24) at $AB_CONTEXTS (default 1K / 2K) in one process,
+        # the 1K stage profiles of the default and the 0.5 plan, then the decode bench of both paths at 1K on each plan
+        # (the per-op path's cost of the plan; tokens compared between the paths). Builds: precompile_mk.py 1b-f3
+        # 1b-1k-profile.
+    ONLY=${ONLY:-0,17,34,0,17,34} AB_CONTEXTS=${AB_CONTEXTS:-1024 2048} mk_sweep_ab mk_sweep 280
+    run mkprof_default 60 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
+      --json "$OUT/mkprof_default.json"
+    run mkprof_half 60 env HIPENGINE_ATTN_BLOCKS_PER_SM=0.5 $PY -m hipengine bench decode --shape llama-3.2-1b \
+      --context 1024 --profile --json "$OUT/mkprof_half.json"
+    for e in half default; do
+      left=$((575 - SECONDS)); [ $left -gt 40 ] || break
+      run "bench_1k_$e" $((left < 75 ? left : 75)) env HIPENGINE_ATTN_BLOCKS_PER_SM=$([ $e = half ] && echo 0.5) $PY -m \
+        hipengine bench decode --shape llama-3.2-1b --context 1024 --json "$OUT/bench_1k_$e.json"
+    done ;;
   qflowrec)  # session 41: MK_QFLOW the default — the same-bits and 1B-preset monokernel tests, the engine tests, mk_sweep's
              # variants $ONLY (default 0,33,0,33: the default and the QKV barrier) at 1K/8K/32K in one process, then the
              # decode bench of record in the time left (the call stays under ${QFLOWREC_S:-500} s). Builds: precompile_mk.py
@@ -419,7 +434,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

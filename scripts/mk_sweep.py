@@ -112,6 +112,9 @@ VARIANTS = [  # name, build env, runtime attrs
      {}),
     # ... and (the default since session 41) without it: the grid barrier between QKV and attention, for the A/B
     ("QKV barrier (HIPENGINE_MK_QFLOW=0)", {"HIPENGINE_MK_QFLOW": "0"}, {}),
+    # session 42: a quarter of the default plan's items (4 splits of 256 at 1K: 32 items on the grid's last blocks, so
+    # 100 blocks hold no split); variant 17 is the 0.5 plan (with MK_QFLOW, the default since session 41). Sums differ.
+    ("attention plan at 0.24 blocks per SM", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.24"}, {}),
     # (session 40's MK_O_BULK=1 — each grouped O-proj block's Wo tile copied into shared memory by the copy engine, at the
     # attention stage's start and then from inside the block's split after its first K/V and q requests: −3.6 / −3.9 /
     # −2.6% and −1.6 / −3.6 / −2.7% — was variant 31 here, removed.)
