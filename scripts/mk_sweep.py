@@ -115,6 +115,10 @@ VARIANTS = [  # name, build env, runtime attrs
     # session 42: a quarter of the default plan's items (4 splits of 256 at 1K: 32 items on the grid's last blocks, so
     # 100 blocks hold no split); variant 17 is the 0.5 plan (with MK_QFLOW, the default since session 41). Sums differ.
     ("attention plan at 0.24 blocks per SM", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.24"}, {}),
+    # session 42: the 0.5 plan with the O-proj's tiles two to a block on the blocks without a split item (decode.hip
+    # MK_O_SPARE; the same sums as variant 17, so its tokens)
+    ("0.5 plan + O-proj tiles on the blocks without a split (MK_O_SPARE)",
+     {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_OSPARE": "1"}, {}),
     # (session 40's MK_O_BULK=1 — each grouped O-proj block's Wo tile copied into shared memory by the copy engine, at the
     # attention stage's start and then from inside the block's split after its first K/V and q requests: −3.6 / −3.9 /
     # −2.6% and −1.6 / −3.6 / −2.7% — was variant 31 here, removed.)
@@ -141,7 +145,7 @@ BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_L
                "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_FINE",
                "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_MK_ONE_ROUND",
                "HIPENGINE_FUSED_MLP", "HIPENGINE_MK_HEAD_SCREEN", "HIPENGINE_MK_PACKED", "HIPENGINE_MK_OGROUP",
-               "HIPENGINE_MK_QFLOW")
+               "HIPENGINE_MK_QFLOW", "HIPENGINE_MK_OSPARE")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its
