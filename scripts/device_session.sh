@@ -417,18 +417,7 @@ case "$MODE" in
       run "bench_1k_$e" $((left < 75 ? left : 75)) env HIPENGINE_ATTN_BLOCKS_PER_SM=$([ $e = half ] && echo 0.5) $PY -m \
         hipengine bench decode --shape llama-3.2-1b --context 1024 --json "$OUT/bench_1k_$e.json"
     done ;;
-  ospare)  # session 42 (decode.hip MK_O_SPARE: with the 0.5 plan the O-proj's tiles two to a block on the 64 blocks without a
-          # split item): the same-bits tests (MK_O_SPARE and MK_QFLOW against the per-op path), mk_sweep's variants $ONLY
-          # (default 0,17,35,0,17,35: the default plan, the 0.5 plan, the 0.5 plan with MK_O_SPARE) at $AB_CONTEXTS (default
-          # 1K / 2K) in one process, then the 1K stage profiles of MK_O_SPARE and of the 0.5 plan (every split block's
-          # attention sub-stage marks). Builds: precompile_mk.py 1b-f3 1b-f3-ospare 1b-1k-ospare-profile 1b-1k-profile.
-    run ospare_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "o_spare or (q_flow and 1024)"
-    ONLY=${ONLY:-0,17,35,0,17,35} AB_CONTEXTS=${AB_CONTEXTS:-1024 2048} mk_sweep_ab mk_sweep 250
-    run mkprof_ospare 60 env HIPENGINE_ATTN_BLOCKS_PER_SM=0.5 HIPENGINE_MK_OSPARE=1 $PY -m hipengine bench decode \
-      --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_ospare.json"
-    left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_half $((left < 60 ? left : 60)) env \
-      HIPENGINE_ATTN_BLOCKS_PER_SM=0.5 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
-      --json "$OUT/mkprof_half.json" ;;
+  # (ospare — session 42's MK_O_SPARE A/B: same-bits tests, mk_sweep 0/17/35 at 1K/2K, two profiles — removed with it.)
   qflowrec)  # session 41: MK_QFLOW the default — the same-bits and 1B-preset monokernel tests, the engine tests, mk_sweep's
              # variants $ONLY (default 0,33,0,33: the default and the QKV barrier) at 1K/8K/32K in one process, then the
              # decode bench of record in the time left (the call stays under ${QFLOWREC_S:-500} s). Builds: precompile_mk.py
@@ -446,7 +435,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (ospare|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

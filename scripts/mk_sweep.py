@@ -114,11 +114,10 @@ VARIANTS = [  # name, build env, runtime attrs
     ("QKV barrier (HIPENGINE_MK_QFLOW=0)", {"HIPENGINE_MK_QFLOW": "0"}, {}),
     # session 42: a quarter of the default plan's items (4 splits of 256 at 1K: 32 items on the grid's last blocks, so
     # 100 blocks hold no split); variant 17 is the 0.5 plan (with MK_QFLOW, the default since session 41). Sums differ.
+    # Measured on an H100 (0bb64a1): −2.7% at 1K, −6.3% at 2K against the default plan (the 0.5 plan: +1.3 / −0.8%).
     ("attention plan at 0.24 blocks per SM", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.24"}, {}),
-    # session 42: the 0.5 plan with the O-proj's tiles two to a block on the blocks without a split item (decode.hip
-    # MK_O_SPARE; the same sums as variant 17, so its tokens)
-    ("0.5 plan + O-proj tiles on the blocks without a split (MK_O_SPARE)",
-     {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5", "HIPENGINE_MK_OSPARE": "1"}, {}),
+    # (session 42's MK_O_SPARE — with the 0.5 plan the O-proj's tiles two to a block on the 64 blocks without a split item,
+    # the second by cp.async into shared memory: −2.8% at 1K, −3.7% at 2K against the 0.5 plan — was variant 35, removed.)
     # (session 40's MK_O_BULK=1 — each grouped O-proj block's Wo tile copied into shared memory by the copy engine, at the
     # attention stage's start and then from inside the block's split after its first K/V and q requests: −3.6 / −3.9 /
     # −2.6% and −1.6 / −3.6 / −2.7% — was variant 31 here, removed.)
@@ -145,7 +144,7 @@ BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_L
                "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_FINE",
                "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_MK_ONE_ROUND",
                "HIPENGINE_FUSED_MLP", "HIPENGINE_MK_HEAD_SCREEN", "HIPENGINE_MK_PACKED", "HIPENGINE_MK_OGROUP",
-               "HIPENGINE_MK_QFLOW", "HIPENGINE_MK_OSPARE")
+               "HIPENGINE_MK_QFLOW")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its

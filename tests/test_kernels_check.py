@@ -291,13 +291,3 @@ def test_q_flow_build_compiles(tmp_path, monkeypatch):
         "decode_q_flow.hip": base + "#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
                              '#include "monokernel/decode.hip"\n',
         "decode_q_flow_profile.hip": base + '#define MK_PROFILE 1\n#include "monokernel/decode.hip"\n'})
-
-
-def test_o_spare_build_compiles(tmp_path, monkeypatch):
-    """The MK_QFLOW build with MK_O_SPARE (the O-proj's second tiles copied into shared memory: cp.async on NVIDIA, a
-    load and a store on AMD), lean and as a profile build, compiles warnings-as-errors for gfx942 and sm_90."""
-    base = "#define MK_O_GROUP 1\n#define MK_QFLOW 1\n#define MK_O_SPARE 1\n#define HE_ATTN_HD 64\n#define HE_ATTN_MMA 1\n"
-    _check_units(tmp_path, monkeypatch, {
-        "decode_o_spare.hip": base + "#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
-                             '#include "monokernel/decode.hip"\n',
-        "decode_o_spare_profile.hip": base + '#define MK_PROFILE 1\n#include "monokernel/decode.hip"\n'})

@@ -339,24 +339,3 @@ def test_q_flow_same_bits_as_per_op(monkeypatch, max_context):
         _decode_same_bits(be, np.random.default_rng(5).integers(0, be.config.vocab_size, n), 256, 6)
     finally:
         be.close()
-
-
-def test_o_spare_same_bits_as_per_op(monkeypatch):
-    """MK_O_SPARE with the 0.5 plan on both paths (HIPENGINE_ATTN_BLOCKS_PER_SM=0.5: 8 x 8 split items on the grid's
-    last blocks): the O-proj's tiles two to a block on the first 64 blocks, the second from shared memory — the same
-    fixed-point shares as the per-op path's one-tile kernel, so the logits are bit-equal over several launches, the
-    fixed-point buffer is clear after every step, and 256 greedy tokens are the same."""
-    from hipengine.gpu.monokernel import MonokernelBackend, grid_info
-    from hipengine.presets import preset_model
-
-    monkeypatch.setenv("HIPENGINE_MK_OSPARE", "1")
-    monkeypatch.setenv("HIPENGINE_ATTN_BLOCKS_PER_SM", "0.5")
-    be = MonokernelBackend(preset_model("llama-3.2-1b", 0), max_context=1024)
-    try:
-        if be.rt.num_sms < 128:
-            pytest.skip(f"{be.rt.num_sms} SMs: the 0.5 plan leaves too few blocks for the two-tile layout")
-        assert grid_info(be)["o_spare"] and (be.mk_nsplit, be.mk_chunk) == (be.nsplit, be.chunk)
-        x_fx_clear = lambda: not be.rt.download(be.x_fx, (be.config.hidden_size,), np.int64).any()  # noqa: E731
-        _decode_same_bits(be, np.random.default_rng(7).integers(0, be.config.vocab_size, 700), 256, 8, x_fx_clear)
-    finally:
-        be.close()

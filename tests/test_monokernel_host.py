@@ -396,26 +396,3 @@ def test_q_flow_rule_and_build(monkeypatch):
     assert "MK_QFLOW" not in M.compile_args("nvidia", False, 4, o_group=False, q_flow=True, **kw)["defines"]
     fewer = M.barriers_per_token(SimpleNamespace(num_layers=16, qk_norm=False), q_flow=True)
     assert fewer == M.barriers_per_token(SimpleNamespace(num_layers=16, qk_norm=False)) - 16
-
-
-def test_o_spare_rule(monkeypatch):
-    """MK_O_SPARE (HIPENGINE_MK_OSPARE, decode.hip: the O-proj's tiles two to a block on the blocks without a split
-    item): the define only in MK_QFLOW builds, and the two-tile layout only where the plan's items and the O-proj's
-    blocks fit the grid side by side (llama-3.2-1b on 132 SMs: the 0.5 plan at 1K, 8 x 8 items beside 8 x 8 blocks —
-    not the default plan's 8 x 16) and the tiles per group are even."""
-    from hipengine.gpu import monokernel as M
-
-    kw = dict(head_dim=64, max_context=1024, arch="sm_90", rows=(2048, 2048, 8192))
-    d = M.compile_args("nvidia", False, 4, o_group=True, q_flow=True, o_spare=True, **kw)["defines"]
-    assert d["MK_O_SPARE"] == 1 and d["MK_QFLOW"] == 1
-    assert "MK_O_SPARE" not in M.compile_args("nvidia", False, 4, o_group=True, o_spare=True, **kw)["defines"]
-    assert M.o_spare_layout(8, 8, 2048, 256, 32, 132)       # 64 items + 64 blocks of two tiles
-    assert not M.o_spare_layout(8, 16, 2048, 256, 32, 132)  # the default plan: 128 items
-    assert not M.o_spare_layout(8, 8, 1920, 256, 32, 132)   # 15 tiles per group
-    assert M.o_spare_layout(8, 8, 2048, 256, 64, 132)       # wave64: 128-row tiles too
-    monkeypatch.setenv("HIPENGINE_MK_OSPARE", "1")
-    assert M.o_spare_asked()
-    monkeypatch.setenv("HIPENGINE_MK_OSPARE", "0")
-    assert not M.o_spare_asked()
-    monkeypatch.delenv("HIPENGINE_MK_OSPARE")
-    assert M.o_spare_asked() == M.O_SPARE_DEFAULT

@@ -23,9 +23,7 @@ LM head's int8 copy and recompute exactly only the rows that can hold the arg-ma
 HIPENGINE_MK_PACKED (0: the MLP's weights as bf16 rows; 1: their lossless 13-bit copies, mlp_packed_on),
 HIPENGINE_MK_OGROUP (1: the O-proj by KV-head group, o_group_decide — both decode paths; 0: the plain O-proj;
 unset: O_GROUP_DEFAULT where it applies), HIPENGINE_MK_QFLOW (1: the attention splits poll the QKV stage's LL words,
-no grid barrier between them, q_flow_decide; 0: the barrier; unset: Q_FLOW_DEFAULT where it applies),
-HIPENGINE_MK_OSPARE (1: with MK_QFLOW, the O-proj's tiles two to a block on the blocks without a split item where the
-plan leaves enough of them, o_spare_asked; 0: one tile per block; unset: O_SPARE_DEFAULT).
+no grid barrier between them, q_flow_decide; 0: the barrier; unset: Q_FLOW_DEFAULT where it applies).
 """
 from __future__ import annotations
 
@@ -151,8 +149,6 @@ PARAM_FIELDS = [
     ("head_c2", "float"),           # the screen's bound on the dequantised rows' norms
     ("screen", "he_i32"),           # 1: greedy steps of a generation take the screened head (MK_HEAD_SCREEN builds)
     ("flow_ll", "he_u64*"),         # [q_dim + 2 kv_dim] the QKV rows as LL words (MK_QFLOW builds: decode.hip), or null
-    ("o_spare_off", "he_i32"),      # MK_O_SPARE builds: byte offset of the O-proj's second tiles in the dynamic shared
-                                    # memory when the two-tile layout runs (o_spare_layout), else 0
 ]
 
 STATE_FIELDS = [
@@ -273,7 +269,7 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
                  tp: bool = False, q_regs: bool = False, max_context: int = 4096, arch: str | None = None,
                  rows: tuple[int, ...] = (), qk_norm: bool = False, fine: int = 3, fused_mlp: bool = False,
                  head_screen: bool = False, mlp_packed: bool = False, o_group: bool = False,
-                 q_flow: bool = False, o_spare: bool = False) -> dict:
+                 q_flow: bool = False) -> dict:
     """rt.compile() keyword arguments for decode.hip (weight dtype, group size, attention lanes per row and
     head_dim itself, blocks per SM, unroll, profile build, fp16 KV cache, the LL exchange build for tensor
     parallelism — ``tp`` or HIPENGINE_MK_LL=1 — the long-context build ``q_regs``: q_regs_build — the
@@ -319,8 +315,6 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["MK_O_GROUP"] = 1
         if q_flow:
             defines["MK_QFLOW"] = 1
-            if o_spare:
-                defines["MK_O_SPARE"] = 1
     defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
 
@@ -460,28 +454,6 @@ def q_flow_decide(cfg, arch: str | None, o_group: bool, tp: bool) -> bool:
     return why is None
 
 
-# MK_O_SPARE's default (decode.hip: the O-proj's tiles two to a block on the blocks the plan's split items leave free,
-# so no split block holds one). Off until measured.
-O_SPARE_DEFAULT = False
-
-
-def o_spare_asked() -> bool:
-    """HIPENGINE_MK_OSPARE: 1 asks for the MK_QFLOW build whose O-proj tiles go two to a block on the blocks without a
-    split item whenever the plan leaves enough of them (decode.hip MK_O_SPARE; the kernel checks the plan at every
-    launch and keeps the one-tile layout otherwise), 0 for the one-tile layout, unset: O_SPARE_DEFAULT. Only MK_QFLOW
-    builds have it (their split items sit on the grid's last blocks)."""
-    setting = O._env_switch("HIPENGINE_MK_OSPARE")
-    return O_SPARE_DEFAULT if setting is None else setting
-
-
-def o_spare_layout(nkv: int, nsplit: int, hidden: int, cols: int, warp: int, grid: int) -> bool:
-    """Whether an MK_O_SPARE build runs the two-tile layout for this plan and grid (decode.hip's own test): the O-proj's
-    tiles per group (ops.o_group_tile_rows) even, and the nkv x nsplit split items plus nkv x tiles / 2 O-proj blocks
-    within the grid."""
-    per = hidden // O.o_group_tile_rows(cols, warp, THREADS)
-    return per % 2 == 0 and nkv * (nsplit + per // 2) <= grid
-
-
 def o_group_on() -> bool | None:
     """HIPENGINE_MK_OGROUP: 1 asks for the O-proj by KV-head group (decode.hip MK_O_GROUP, ops/matvec_group.hip: the
     blocks of each group combine its heads themselves and add their shares in fixed point, one publication fewer on
@@ -618,8 +590,7 @@ def precompile(arch: str = "sm_90", f16_variants=(False,), groups=(2, 4), head_d
                                    o_group=o_group_asked() and fine == 3 and bool(rows) and not O.fused_mlp()
                                    and not mlp_packed_on() and not ll_local()
                                    and O.o_group_misfit(g, head_dim, rows[0], 1, 1 << 30, 32) is None,
-                                   q_flow=q_flow_asked() and not qn and O.attn_mma(arch, head_dim),
-                                   o_spare=o_spare_asked()))
+                                   q_flow=q_flow_asked() and not qn and O.attn_mma(arch, head_dim)))
              for f16 in f16_variants for g in groups for n in sizes for qn in qk_norm for fine in fines]
     # the decode-step modules' HE_PDL_LATE builds (Ops._late: the default trigger places or the env's)
     levels = O.pdl_trigger_levels()
@@ -825,21 +796,11 @@ class MonokernelBackend(GpuBackend):
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
-        want = int(os.environ.get("HIPENGINE_MK_BLOCKS_PER_SM", "0")) or min_blocks()
-        # MK_O_SPARE: the O-proj's second tiles after the build's own shared memory, where the plan and grid allow
-        self.o_spare_off = 0
-        if getattr(self, "o_spare", False):
-            cols = cfg.head_dim * G
-            off = (self.smem + 15) // 16 * 16
-            tile = 2 * cols * O.o_group_tile_rows(cols, rt.warp_size, THREADS)
-            if (o_spare_layout(cfg.num_kv_heads, self.mk_nsplit, cfg.hidden_size, cols, rt.warp_size,
-                               rt.num_sms * want) and off + tile <= rt.max_shared_per_block
-                    and rt.max_active_blocks(self.fn, THREADS, off + tile) >= want):
-                self.o_spare_off, self.smem = off, off + tile
         occ = rt.max_active_blocks(self.fn, THREADS, self.smem)
         if occ < 1:
             raise UnsupportedError(f"monokernel cannot be resident with {THREADS} threads and {self.smem} B "
                                    "shared memory")
+        want = int(os.environ.get("HIPENGINE_MK_BLOCKS_PER_SM", "0")) or min_blocks()
         self.blocks_per_sm = min(occ, want)
         self.grid = rt.num_sms * self.blocks_per_sm
         self.occupancy = occ
@@ -860,7 +821,6 @@ class MonokernelBackend(GpuBackend):
         self.q_regs, self.warp_max, self.fine = self._build_class()
         self.o_group = self._o_group_wanted()
         self.q_flow = q_flow_decide(cfg, rt.arch, self.o_group, self.mk_tp or bool(self.ll_local))
-        self.o_spare = self.q_flow and o_spare_asked()
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
                                                         max_context=self.max_context, arch=rt.arch,
@@ -868,7 +828,7 @@ class MonokernelBackend(GpuBackend):
                                                         qk_norm=cfg.qk_norm, fine=self.fine,
                                                         fused_mlp=self.fused_mlp, head_screen=self.head_screen,
                                                         mlp_packed=self.mlp_packed, o_group=self.o_group,
-                                                        q_flow=self.q_flow, o_spare=self.o_spare))
+                                                        q_flow=self.q_flow))
         self.fn = self.module.function(KERNEL)
         self._check_layout()
 
@@ -943,8 +903,7 @@ class MonokernelBackend(GpuBackend):
             head_q=self.head_q.ptr if self.head_q is not None else 0,
             head_meta=self.head_meta.ptr if self.head_meta is not None else 0,
             screen_lo=self.screen_lo.ptr if self.screen_lo is not None else 0, head_c2=float(self.head_c2),
-            screen=int(self.head_screen), flow_ll=self.flow_ll.ptr if self.q_flow else 0,
-            o_spare_off=self.o_spare_off)
+            screen=int(self.head_screen), flow_ll=self.flow_ll.ptr if self.q_flow else 0)
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)
@@ -1120,7 +1079,6 @@ def grid_info(backend: MonokernelBackend) -> dict:
             barriers_per_token(backend.config, backend.fine, 2 if backend._ll_on() else 1,
                                getattr(backend, "q_flow", False)),
             "q_flow": bool(getattr(backend, "q_flow", False)),
-            "o_spare": bool(getattr(backend, "o_spare_off", 0)),
             "ll_exchange": backend._ll_on(), "q_regs": getattr(backend, "q_regs", False),
             "attn_warp_max": getattr(backend, "warp_max", None),
             "head_screen": bool(getattr(backend, "head_screen", False)),

@@ -245,9 +245,8 @@ struct MkParams {
   float head_c2;
   he_i32 screen;
   he_u64* flow_ll;
-  he_i32 o_spare_off;
 };
-static_assert(sizeof(MkParams) == 400, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 392, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -313,7 +312,6 @@ MK_OFFSET_CHECK(MkParams, screen_lo, 368)
 MK_OFFSET_CHECK(MkParams, head_c2, 376)
 MK_OFFSET_CHECK(MkParams, screen, 380)
 MK_OFFSET_CHECK(MkParams, flow_ll, 384)
-MK_OFFSET_CHECK(MkParams, o_spare_off, 392)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -423,7 +421,6 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[97] = (he_u64)((const char*)&vMkParams.head_c2 - (const char*)&vMkParams);
   out[98] = (he_u64)((const char*)&vMkParams.screen - (const char*)&vMkParams);
   out[99] = (he_u64)((const char*)&vMkParams.flow_ll - (const char*)&vMkParams);
-  out[100] = (he_u64)((const char*)&vMkParams.o_spare_off - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -553,20 +550,6 @@ constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of colu
 #endif
 static_assert(!MK_QFLOW || (MK_O_GROUP && !MK_QK_NORM && !MK_ATTN_EARLY && kAttnMma),
               "MK_QFLOW: the grouped O-proj, no q/k norms, the matrix-core split");
-
-// MK_O_SPARE=1 (with MK_QFLOW; hipengine/gpu/monokernel.py o_spare_asked / o_spare_layout): when the plan's split items
-// leave the first nkv x per / 2 blocks free (MK_QFLOW puts the items on the grid's last blocks; per = the O-proj's tiles
-// per group), each of those blocks holds two tiles of Wo of one group — tiles j and j + per / 2, the first in the
-// stream's registers, the second copied into shared memory past the build's own (p.o_spare_off; he_mvg_copy) — and no
-// block that runs a split holds one. The O-proj's weights are then requested as the attention stage starts, on SMs
-// whose splits cannot queue behind them (an SM's loads return in order, docs/perf-log.md v25), instead of after each
-// split block's split. Each tile's shares are the one-tile layout's, added in fixed point: the same bits. The host
-// passes o_spare_off = 0 (the one-tile layout) where the plan has more items (long contexts) or the shared memory
-// cannot hold the tiles (an MI300X's 64 KiB LDS).
-#ifndef MK_O_SPARE
-#define MK_O_SPARE 0
-#endif
-static_assert(!MK_O_SPARE || MK_QFLOW, "MK_O_SPARE: the split items on the grid's last blocks (MK_QFLOW)");
 #if MK_QFLOW
 // The block's poll failed (timeout or another block's error): the kernel ends after the split (mk_attention_flow).
 __shared__ int mk_flow_fail;
@@ -1196,27 +1179,13 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       {  // the O-proj by KV-head group (above): this block's share requested, its group's splits awaited
         using G = HeMvgGeom<kMkOCols>;
         const int rows = G::block_rows(he_block_dim()), per = p.d / rows;
-#if MK_O_SPARE
-        // p.o_spare_off > 0 (the host's o_spare_layout): two tiles of one group per block (tiles j and j + per / 2) on
-        // the first nkv * per / 2 blocks, which the plan's split items (on the grid's last blocks) leave free
-        const int span = p.o_spare_off > 0 ? per / 2 : per;
-#else
-        const int span = per;
-#endif
-        const bool og = he_block_idx() < p.nkv * span;
+        const bool og = he_block_idx() < p.nkv * per;
         // (a block without a tile fills zeros — rows past the end — so that s's previous values die here, not
         // at its last use: conditionally filled, they stayed live through attention and ptxas spilled 366 B)
-        const HeMvGroupO oop{L.wo, p.nh * p.hd, p.d, he_block_idx() / span,
-                             og ? (he_block_idx() % span) * rows + he_warp_id() * G::kWarpRows : p.d, p.x_fx,
-                             he_block_idx() < span ? p.x : nullptr};
+        const HeMvGroupO oop{L.wo, p.nh * p.hd, p.d, he_block_idx() / per,
+                             og ? (he_block_idx() % per) * rows + he_warp_id() * G::kWarpRows : p.d, p.x_fx,
+                             he_block_idx() < per ? p.x : nullptr};
         he_mvg_fill<kMkOCols>(oop, s);
-#if MK_O_SPARE
-        // the second tile into shared memory past the build's own (copies: no registers held through the wait)
-        HeMvGroupO oop2 = oop;
-        oop2.row0 += span * rows;
-        char* const o2 = (char*)he_mk_smem + p.o_spare_off + he_warp_id() * kMvgLoads * kWarpSize * (int)sizeof(he_vec16);
-        if (og && span < per) he_mvg_copy<kMkOCols>(oop2, o2);
-#endif
         attn_done += (he_u32)p.nsplit;
         prof.work(kProfAttn);
         if (og && !he_block_wait_geq(w, p.attn_count + oop.g, attn_done)) return;
@@ -1226,12 +1195,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
                                pos + 1, p.hd, he_mk_smem);
           he_sync_block();
           he_mvg_finish<kMkF16, kMkOCols>(oop, s, he_mk_smem);
-#if MK_O_SPARE
-          if (span < per) {
-            he_mvg_take<kMkOCols>(o2, s);
-            he_mvg_finish<kMkF16, kMkOCols>(oop2, s, he_mk_smem);
-          }
-#endif
         }
         s.p = HeMvPos{he_mv_first(), 0, false};  // the stream goes on with gate/up's first pair
         arrive(kProfO);

@@ -77,37 +77,6 @@ HE_INLINE void he_mvg_fill(const HeMvGroupO& op, HeMvStream<2>& s) {
     }
 }
 
-// The warp's weights copied into shared memory instead (port.h he_cp_async16: cp.async on NVIDIA, no registers held
-// while they are in flight; elsewhere a load and a store): slot i of lane l at dst + (i * kWarpSize + l) * 16 bytes,
-// kMvgLoads * kWarpSize * 16 bytes per warp. One commit group; he_mvg_take waits for it (this thread's own copies, so
-// no block barrier is needed) and loads the slots into a stream's registers as he_mvg_fill would have.
-template <int kCols>
-HE_INLINE void he_mvg_copy(const HeMvGroupO& op, char* dst) {
-  using G = HeMvgGeom<kCols>;
-  const HeSmem b = he_smem(dst);
-#pragma unroll
-  for (int i = 0; i < kMvgLoads; ++i) {
-    const int r = he_mvg_row<kCols>(op, i);
-    const bool valid = r < op.n_rows;
-    const he_u16* src = op.W + (he_i64)(valid ? r : 0) * op.in + op.g * kCols + (he_lane_id() % G::kLanesPerRow) * 8;
-    he_cp_async16_at(b, (i * kWarpSize + he_lane_id()) * (int)sizeof(he_vec16), src, valid);
-  }
-  he_cp_async_commit();
-}
-
-template <int kCols>
-HE_INLINE void he_mvg_take(const char* src, HeMvStream<2>& s) {
-  he_cp_async_wait<0>();
-  const he_vec16* v = (const he_vec16*)src + he_lane_id();
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int k = 0; k < kMatvecUnroll; ++k) {
-      s.a[r][k] = v[(r * kMatvecUnroll + k) * kWarpSize];
-      s.b[r][k] = v[(2 * kMatvecUnroll + r * kMatvecUnroll + k) * kWarpSize];
-    }
-}
-
 // Halve the live sums over lane bit kOff: the lanes with the bit clear keep sums [0, kN/2) (adding their partner's
 // copies), the others keep [kN/2, kN) renumbered from 0 — kN/2 shuffles.
 template <int kN, int kOff>
