@@ -402,6 +402,13 @@ case "$MODE" in
       --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow_half.json"
     left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_qflow $left env HIPENGINE_MK_QFLOW=1 $PY -m hipengine bench \
       decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow.json" ;;
+  final42)  # session 42's last call: mk_sweep's variants $ONLY (default 0,17,0,17: the default plan and the 0.5 plan) at 1K in
+            # one process, the decode bench of record (1K/8K/32K, both paths, JSON + PNG), then the same-bits and 1B-preset
+            # monokernel tests in the time left (the call stays under 560 s). Builds: precompile_mk.py 1b-f3.
+    ONLY=${ONLY:-0,17,0,17} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 120
+    bench
+    left=$((560 - SECONDS)); [ $left -gt 60 ] && run mk_same_bits $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs \
+      -k "q_flow or o_group_same_bits or 1b_preset" ;;
   plan)  # session 42: the attention plan at short contexts with MK_QFLOW (the default) — mk_sweep's variants $ONLY (default
         # 0,17,34,0,17,34: the default plan, 0.5 blocks per SM, 0.24) at $AB_CONTEXTS (default 1K / 2K) in one process,
         # the 1K stage profiles of the default and the 0.5 plan, then the decode bench of both paths at 1K on each plan
@@ -435,7 +442,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
