@@ -404,10 +404,10 @@ case "$MODE" in
       decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow.json" ;;
   final42)  # session 42's last call: mk_sweep's variants $ONLY (default 0,17,0,17: the default plan and the 0.5 plan) at 1K in
             # one process, the decode bench of record (1K/8K/32K, both paths, JSON + PNG), then the same-bits and 1B-preset
-            # monokernel tests in the time left (the call stays under 560 s). Builds: precompile_mk.py 1b-f3.
+            # monokernel tests in the time left (the call stays under ${FINAL42_S:-560} s). Builds: precompile_mk.py 1b-f3.
     ONLY=${ONLY:-0,17,0,17} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 120
     bench
-    left=$((560 - SECONDS)); [ $left -gt 60 ] && run mk_same_bits $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs \
+    left=$((${FINAL42_S:-560} - SECONDS)); [ $left -gt 60 ] && run mk_same_bits $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs \
       -k "q_flow or o_group_same_bits or 1b_preset" ;;
   plan)  # session 42: the attention plan at short contexts with MK_QFLOW (the default) — mk_sweep's variants $ONLY (default
         # 0,17,34,0,17,34: the default plan, 0.5 blocks per SM, 0.24) at $AB_CONTEXTS (default 1K / 2K) in one process,
