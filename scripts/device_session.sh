@@ -124,6 +124,14 @@ bench_ops_decode() { run bench_ops 170 $PY scripts/bench_ops.py --json "$OUT/ben
 bench() { run bench 260 $PY -m hipengine bench decode --shape llama-3.2-1b \
             $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) \
             --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"; }
+# prof1k NAME SECONDS [VAR=VALUE ...]: the monokernel's 1K stage profile (its profile build) in that environment, logged as
+# NAME, written to $OUT/NAME.json
+prof1k() {
+  local name=$1 limit=$2
+  shift 2
+  run "$name" "$limit" env "$@" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
+    --json "$OUT/$name.json"
+}
 case "$MODE" in
   iter) profile; sweep; mk_tests; ops_tests; bench_ops ;;
   tune) sweep_best; profile; mk_tests; ops_tests; preset1b ;;  # the sweep's fastest knobs, then profile + tests
@@ -334,10 +342,8 @@ case "$MODE" in
   paced)  # session 35: mk_sweep's variants $ONLY at $AB_CONTEXTS (default 1K) in one process (tokens compared with the first),
           # then the 1K stage profiles of the default build and of $EXP_DEFINES (HIPENGINE_MK_DEFINES syntax)
     AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 330
-    run mkprof_default 70 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
-      --json "$OUT/mkprof_default.json"
-    run mkprof_exp 70 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" $PY -m hipengine bench decode --shape llama-3.2-1b \
-      --context 1024 --profile --json "$OUT/mkprof_exp.json" ;;
+    prof1k mkprof_default 70
+    prof1k mkprof_exp 70 HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ;;
   ogroup)  # session 36 (decode.hip MK_O_GROUP, ops/matvec_group.hip; since session 39 the default, and mk_sweep 29 the
            # plain O-proj): the grouped O-proj's GPU test (its logits against
            # the per-op path's), its per-op kernels' op tests, mk_sweep's variants $ONLY (default 0,29,30,0,29,30) at $AB_CONTEXTS (default 1K and 8K
@@ -345,10 +351,8 @@ case "$MODE" in
     run ogroup_tests 100 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k o_group
     run ogroup_op_tests 60 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k group_o  # the per-op kernels (session 37)
     ONLY=${ONLY:-0,29,30,0,29,30} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 360
-    run mkprof_default 55 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
-      --json "$OUT/mkprof_default.json"
-    run mkprof_ogroup 55 env HIPENGINE_MK_OGROUP=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
-      --context 1024 --profile --json "$OUT/mkprof_ogroup.json" ;;
+    prof1k mkprof_default 55
+    prof1k mkprof_ogroup 55 HIPENGINE_MK_OGROUP=1 ;;
   ogrecord)  # session 39: the grouped O-proj the default (its down keeps the fixed-point words' raw bits until the
              # epilogue): the bench of record (both paths, tokens compared), mk_sweep's variants $ONLY (default
              # 0,29,0,29: the default / the plain O-proj) at $AB_CONTEXTS (1K/8K/32K) in one process, then the grouped
@@ -380,28 +384,23 @@ case "$MODE" in
           # 1b-f3-qflow 1b-1k-qflow-profile.
     run qflow_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits"
     ONLY=${ONLY:-0,31,32,0,31,32} mk_sweep_ab mk_sweep 330
-    left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_qflow $left env HIPENGINE_MK_QFLOW=1 $PY -m hipengine bench \
-      decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow.json" ;;
+    left=$((575 - SECONDS)); [ $left -gt 40 ] && prof1k mkprof_qflow $left HIPENGINE_MK_QFLOW=1 ;;
   qflow2)  # session 41, after qflow: mk_sweep's variants $ONLY (default 0,31,32,17,0,31,32,17: the default, MK_QFLOW, MK_QFLOW
            # with the 0.5 plan — 64 split items at 1K, all on blocks without a second QKV unit — and the 0.5 plan alone) at
            # $AB_CONTEXTS (default 1K / 8K: the 0.5 plan takes two rounds at 32K, where the grouped O-proj does not apply) in
            # one process, then the 1K stage profiles of the default build and of MK_QFLOW with the 0.5 plan. Builds:
            # precompile_mk.py 1b-f3 1b-f3-qflow 1b-1k-qflow-profile 1b-1k-profile.
     ONLY=${ONLY:-0,31,32,17,0,31,32,17} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 330
-    run mkprof_default 70 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
-      --json "$OUT/mkprof_default.json"
-    left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_qflow_half $left env HIPENGINE_MK_QFLOW=1 \
-      HIPENGINE_ATTN_BLOCKS_PER_SM=0.5 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
-      --json "$OUT/mkprof_qflow_half.json" ;;
+    prof1k mkprof_default 70
+    left=$((575 - SECONDS)); [ $left -gt 40 ] && prof1k mkprof_qflow_half $left HIPENGINE_MK_QFLOW=1 \
+      HIPENGINE_ATTN_BLOCKS_PER_SM=0.5 ;;
   qflow3)  # session 41, after qflow2 (the newest row's words polled where its tile is staged): the same-bits tests, mk_sweep's
            # variants $ONLY (default 0,31,32,17,0,31,32,17) at $AB_CONTEXTS (default 1K / 8K) in one process, then the 1K
            # stage profiles of MK_QFLOW with the 0.5 plan and with the default plan. Builds: as qflow2.
     run qflow_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits"
     ONLY=${ONLY:-0,31,32,17,0,31,32,17} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 300
-    run mkprof_qflow_half 60 env HIPENGINE_MK_QFLOW=1 HIPENGINE_ATTN_BLOCKS_PER_SM=0.5 $PY -m hipengine bench decode \
-      --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow_half.json"
-    left=$((575 - SECONDS)); [ $left -gt 40 ] && run mkprof_qflow $left env HIPENGINE_MK_QFLOW=1 $PY -m hipengine bench \
-      decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_qflow.json" ;;
+    prof1k mkprof_qflow_half 60 HIPENGINE_MK_QFLOW=1 HIPENGINE_ATTN_BLOCKS_PER_SM=0.5
+    left=$((575 - SECONDS)); [ $left -gt 40 ] && prof1k mkprof_qflow $left HIPENGINE_MK_QFLOW=1 ;;
   final42)  # session 42's last call: mk_sweep's variants $ONLY (default 0,17,0,17: the default plan and the 0.5 plan) at 1K in
             # one process, the decode bench of record (1K/8K/32K, both paths, JSON + PNG), then the same-bits and 1B-preset
             # monokernel tests in the time left (the call stays under ${FINAL42_S:-560} s). Builds: precompile_mk.py 1b-f3.
@@ -415,10 +414,8 @@ case "$MODE" in
         # (the per-op path's cost of the plan; tokens compared between the paths). Builds: precompile_mk.py 1b-f3
         # 1b-1k-profile.
     ONLY=${ONLY:-0,17,34,0,17,34} AB_CONTEXTS=${AB_CONTEXTS:-1024 2048} mk_sweep_ab mk_sweep 280
-    run mkprof_default 60 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
-      --json "$OUT/mkprof_default.json"
-    run mkprof_half 60 env HIPENGINE_ATTN_BLOCKS_PER_SM=0.5 $PY -m hipengine bench decode --shape llama-3.2-1b \
-      --context 1024 --profile --json "$OUT/mkprof_half.json"
+    prof1k mkprof_default 60
+    prof1k mkprof_half 60 HIPENGINE_ATTN_BLOCKS_PER_SM=0.5
     for e in half default; do
       left=$((575 - SECONDS)); [ $left -gt 40 ] || break
       run "bench_1k_$e" $((left < 75 ? left : 75)) env HIPENGINE_ATTN_BLOCKS_PER_SM=$([ $e = half ] && echo 0.5) $PY -m \
