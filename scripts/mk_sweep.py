@@ -118,6 +118,13 @@ VARIANTS = [  # name, build env, runtime attrs
     ("attention plan at 0.24 blocks per SM", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.24"}, {}),
     # (session 42's MK_O_SPARE — with the 0.5 plan the O-proj's tiles two to a block on the 64 blocks without a split item,
     # the second by cp.async into shared memory: −2.8% at 1K, −3.7% at 2K against the 0.5 plan — was variant 35, removed.)
+    # session 43: the RMSNorm prologues' gamma loads (ops/rmsnorm.hip HE_NORM_GAMMA_EARLY; the default 2: gamma requested
+    # with the input, QKV's and the LM head's plain x in one pass too — one L2 round trip per prologue). The same values:
+    # tokens must equal variant 0's. 35: session 42's prologues (gamma after the sum: gate/up 3 round trips, QKV and
+    # the LM head 2); 36: the early gamma in gate/up's fixed-point prologue only.
+    ("RMSNorm prologues as session 42's (HE_NORM_GAMMA_EARLY=0)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=0"}, {}),
+    ("gamma early in gate/up's prologue only (HE_NORM_GAMMA_EARLY=1)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=1"},
+     {}),
     # (session 40's MK_O_BULK=1 — each grouped O-proj block's Wo tile copied into shared memory by the copy engine, at the
     # attention stage's start and then from inside the block's split after its first K/V and q requests: −3.6 / −3.9 /
     # −2.6% and −1.6 / −3.6 / −2.7% — was variant 31 here, removed.)

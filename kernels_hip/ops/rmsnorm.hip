@@ -135,6 +135,56 @@ HE_INLINE float he_norm_ss(const float* x, const he_i64* fx, int n4) {
   return ss;
 }
 
+// The stage for a vector that is one batch per thread (n / 4 <= kNormBatch / 4 · blockDim float4: 2 per thread at
+// a hidden size of 2,048): the thread keeps its values between the sum and the scaling, so the input is read once
+// (the two-pass form reads it twice: one more round trip). Same values, same order, same bits as the passes. (It
+// runs beside the weight stream's 64 registers: the two-pass form at the x + fx batches spilled 190 B in the
+// monokernel, this 18 B; session 36.)
+// HE_NORM_GAMMA_EARLY: where gamma's loads go out. 2 (the default): with the input's, so the stage is one L2 round
+// trip — and plain x (no fixed-point addend) takes this one-pass form too; 1: so for the fixed-point input only
+// (the grouped O-proj's gate/up), plain x in two passes; 0: after the sum, as in session 36's form, where gamma's
+// generic loads could not pass the first store of the scaled values into shared memory, so the fixed-point stage
+// took three round trips and the two-pass one two (SASS).
+#ifndef HE_NORM_GAMMA_EARLY
+#define HE_NORM_GAMMA_EARLY 2
+#endif
+template <bool kPost, bool kFxOnly>
+HE_INLINE void he_rmsnorm_one_pass(const float* x, const float* __restrict__ gamma, float eps, int n, float* dst,
+                                   float* scratch, const he_i64* fx, float post) {
+  constexpr int kB = kNormBatch / 4;
+  constexpr bool kEarly = HE_NORM_GAMMA_EARLY >= (kFxOnly ? 1 : 2);
+  const int t = he_thread_idx(), nt = he_block_dim(), n4 = n / 4;
+  float v[kB][4], g[kEarly ? kB : 1][4];
+#pragma unroll
+  for (int b = 0; b < kB; ++b) {
+    const int i = t + b * nt;
+    if (i < n4) {
+      he_load_x4<kFxOnly>(x, fx, i, v[b]);
+      if constexpr (kEarly) he_load4f(gamma + 4 * i, g[kEarly ? b : 0]);
+    } else {
+      v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
+    }
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int b = 0; b < kB; ++b)
+    ss += v[b][0] * v[b][0] + v[b][1] * v[b][1] + v[b][2] * v[b][2] + v[b][3] * v[b][3];
+  const float scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
+#pragma unroll
+  for (int b = 0; b < kB; ++b) {
+    const int i = t + b * nt;
+    if (i < n4) {
+      if constexpr (!kEarly) he_load4f(gamma + 4 * i, g[0]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float y = v[b][j] * scale * g[kEarly ? b : 0][j];
+        dst[4 * i + j] = kPost ? y * post : y;
+      }
+    }
+  }
+  he_sync_block();
+}
+
 // kVec4: the caller promises n % 4 == 0 (a matvec build of whole-pair rows), so the scalar path is not compiled.
 // fx (optional): the residual stream's pending fixed-point addend (ops/mlp.hip); the stage normalises x + fx.
 // kPost: every stored value times `post` (he_norm_store; the scalar path multiplies by it unconditionally:
@@ -157,40 +207,12 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
     he_sync_block();
     return;
   }
-  if constexpr (kFxOnly && HE_NORM_FX_ONE_PASS) {
-    // A vector that is one batch per thread (2 float4 per thread at a hidden size of 2,048) keeps its values
-    // between the passes: one round trip for the input, then gamma's after the sum, instead of the input twice.
-    // Same values, same order, same bits. (It runs beside the weight stream's 64 registers: the two-pass form at
-    // the x + fx batches spilled 190 B in the monokernel, this 18 B; session 36.)
-    constexpr int kB = kNormBatch / 4;
-    if (n4 <= kB * he_block_dim()) {
-      const int t = he_thread_idx(), nt = he_block_dim();
-      float v[kB][4];
-#pragma unroll
-      for (int b = 0; b < kB; ++b) {
-        const int i = t + b * nt;
-        if (i < n4) he_load_x4<true>(x, fx, i, v[b]);
-        else v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
-      }
-      float ss = 0.f;
-#pragma unroll
-      for (int b = 0; b < kB; ++b)
-        ss += v[b][0] * v[b][0] + v[b][1] * v[b][1] + v[b][2] * v[b][2] + v[b][3] * v[b][3];
-      const float scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
-#pragma unroll
-      for (int b = 0; b < kB; ++b) {
-        const int i = t + b * nt;
-        if (i < n4) {
-          float g[4];
-          he_load4f(gamma + 4 * i, g);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float y = v[b][j] * scale * g[j];
-            dst[4 * i + j] = kPost ? y * post : y;
-          }
-        }
-      }
-      he_sync_block();
+  // A vector of at most kNormBatch / 4 float4 per thread (a hidden size of 2,048 at 256 threads) in one pass: the
+  // fixed-point input (kFxOnly, HE_NORM_FX_ONE_PASS) or plain x (HE_NORM_GAMMA_EARLY), never x + fx.
+  if constexpr ((kFxOnly && HE_NORM_FX_ONE_PASS) || (!kFxOnly && HE_NORM_GAMMA_EARLY >= 2)) {
+    const bool one = (kFxOnly || fx == nullptr) && n4 <= kNormBatch / 4 * he_block_dim();
+    if (!HE_UNLIKELY(!one)) {  // (the passes below: cold code, after the hot path's)
+      he_rmsnorm_one_pass<kPost, kFxOnly>(x, gamma, eps, n, dst, scratch, fx, post);
       return;
     }
   }
