@@ -401,16 +401,21 @@ case "$MODE" in
     ONLY=${ONLY:-0,31,32,17,0,31,32,17} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 300
     prof1k mkprof_qflow_half 60 HIPENGINE_MK_QFLOW=1 HIPENGINE_ATTN_BLOCKS_PER_SM=0.5
     left=$((575 - SECONDS)); [ $left -gt 40 ] && prof1k mkprof_qflow $left HIPENGINE_MK_QFLOW=1 ;;
-  s43)  # session 43: the RMSNorm prologues' gamma loads (ops/rmsnorm.hip HE_NORM_GAMMA_EARLY, default 2) — the same-bits and
-        # 1B-preset monokernel tests, the per-op norm / matvec op tests, mk_sweep's variants $ONLY at $AB_CONTEXTS (default
-        # 0,35,36 twice at 1K: the new prologues, session 42's, gate/up's only; on an H200 also 17, the 0.5 plan) in one
-        # process, the decode bench of record, then the default's 1K stage profile while the call (${S43_S:-570} s) has
-        # time. Builds: precompile_mk.py 1b-f3 1b-1k-ge0 1b-1k-ge1 1b-1k-profile.
-    run same_bits 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset"
-    run op_tests 100 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "rmsnorm or matvec"
-    case "$GPU_NAME" in *H200*) ONLY=${ONLY:-0,35,36,17,0,35,36,17} ;; *) ONLY=${ONLY:-0,35,36,0,35,36} ;; esac
-    AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 240
-    bench
+  s43)  # session 43: the RMSNorm prologues' gamma loads (ops/rmsnorm.hip HE_NORM_GAMMA_EARLY, default 2) and the first
+        # refill by cp.async during the prologue (ops/matvec.hip HE_MV_EARLY_A) — mk_sweep's variants $ONLY at $AB_CONTEXTS
+        # (default 0,35,36,37 twice at 1K: the new prologues, session 42's, gate/up's only, the early refill; on an H200
+        # also 17, the 0.5 plan) in one process, the same-bits and 1B-preset monokernel tests, the per-op norm / matvec
+        # op tests, the decode bench of record (1K only when little time is left), then the default's 1K stage profile
+        # while the call (${S43_S:-570} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-ge0 1b-1k-ge1 1b-1k-early-a
+        # 1b-1k-profile.
+    case "$GPU_NAME" in *H200*) ONLY=${ONLY:-0,35,36,37,17,0,35,36,37,17} ;; *) ONLY=${ONLY:-0,35,36,37,0,35,36,37} ;; esac
+    AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 300
+    run same_bits 120 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset"
+    run op_tests 80 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "rmsnorm or matvec_gate_up or matvec_qkv or test_matvec"
+    left=$((${S43_S:-570} - SECONDS)); [ $left -lt 200 ] && BENCH_CONTEXTS=${BENCH_CONTEXTS:-1024}
+    [ $left -gt 60 ] && run bench $((left - 10)) $PY -m hipengine bench decode --shape llama-3.2-1b \
+      $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) --json "$OUT/bench_decode.json" \
+      --plot "$OUT/bench_decode.png"
     left=$((${S43_S:-570} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default $((left < 75 ? left : 75)) ;;
   final42)  # session 42's last call: mk_sweep's variants $ONLY (default 0,17,0,17: the default plan and the 0.5 plan) at 1K in
             # one process, the decode bench of record (1K/8K/32K, both paths, JSON + PNG), then the same-bits and 1B-preset

@@ -125,6 +125,9 @@ VARIANTS = [  # name, build env, runtime attrs
     ("RMSNorm prologues as session 42's (HE_NORM_GAMMA_EARLY=0)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=0"}, {}),
     ("gamma early in gate/up's prologue only (HE_NORM_GAMMA_EARLY=1)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=1"},
      {}),
+    # session 43: each matvec stage's first refill requested by cp.async during its prologue (ops/matvec.hip
+    # HE_MV_EARLY_A, HIPENGINE_MK_EARLY_A): the same batch in the same registers — tokens must equal variant 0's
+    ("first refill by cp.async during the prologue (HIPENGINE_MK_EARLY_A=1)", {"HIPENGINE_MK_EARLY_A": "1"}, {}),
     # (session 40's MK_O_BULK=1 — each grouped O-proj block's Wo tile copied into shared memory by the copy engine, at the
     # attention stage's start and then from inside the block's split after its first K/V and q requests: −3.6 / −3.9 /
     # −2.6% and −1.6 / −3.6 / −2.7% — was variant 31 here, removed.)

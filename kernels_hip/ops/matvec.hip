@@ -222,6 +222,53 @@ HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) 
   he_mv_fill_b(op, nxt, s.p, s);
 }
 
+// HE_MV_EARLY_A=1 (NVIDIA cp.async targets, whole-pair rows; the monokernel's experiment, HIPENGINE_MK_EARLY_A): a
+// stage's first refill — batch a of the warp's second pair of the op — is requested by asynchronous copies into the
+// warp's slot of shared memory while the stage's prologue stages its input (its loads already issued: they return
+// first, the SM's queue is in order), instead of by loads after the first batch is consumed; the first iteration takes
+// it from the slot into the same registers. HBM then has the warp's next bytes in flight during the prologue, where it
+// otherwise idles between a barrier's exit and the first refill. Same batch, same registers, same order: the same sums.
+// The slots (kWarpSize · kRows · kMatvecUnroll · 16 bytes per warp) are the last bytes of the dynamic shared memory
+// (the host adds them: hipengine/gpu/monokernel.py); nothing else uses them while a copy is in flight.
+#ifndef HE_MV_EARLY_A
+#define HE_MV_EARLY_A 0
+#endif
+constexpr bool kMvEarlyA = HE_MV_EARLY_A != 0 && kHasCpAsync && kMvWholePairs;
+template <int kRows>
+HE_INLINE HeSmem he_mv_early_slot(float* xs) {
+#if HE_NVIDIA && defined(__CUDA_ARCH__)
+  he_u32 dyn;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+#else
+  const he_u32 dyn = 0;  // (never used: kMvEarlyA is false without cp.async)
+#endif
+  constexpr int kSlot = kWarpSize * kRows * kMatvecUnroll * 16;
+  return he_smem((char*)xs + dyn - (he_block_dim() / kWarpSize - he_warp_id()) * kSlot);
+}
+template <class Op, int kRows>
+HE_INLINE void he_mv_copy_a(const Op& op, const HeMvPos& p, const HeSmem& slot) {
+  const he_u16* rp[kRows];
+  op.rows(p.u, rp);
+  const int lane = he_lane_id();
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int k = 0; k < kMatvecUnroll; ++k)
+      he_cp_async16_at(slot, ((r * kMatvecUnroll + k) * kWarpSize + lane) * 16, rp[r] + p.c0 + k * kMatvecSweep + lane * 8,
+                       true);
+  he_cp_async_commit();
+}
+template <int kRows>
+HE_INLINE void he_mv_take_a(const HeSmem& slot, he_vec16 (&w)[kRows][kMatvecUnroll]) {
+  he_cp_async_wait<0>();  // this lane's own copies: it reads back only the bytes it copied
+  const int lane = he_lane_id();
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int k = 0; k < kMatvecUnroll; ++k)
+      w[r][k] = *(const he_vec16*)(slot.p + ((r * kMatvecUnroll + k) * kWarpSize + lane) * 16);
+}
+
 // acc[r][k % 2] += this lane's part of batch w (columns c0 + k·sweep + lane·8) of the unit's rows: two FMA
 // chains per row (even and odd sweeps), summed when the unit ends.
 template <bool kF16, int kRows>
@@ -273,11 +320,27 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   }
   // whole-pair rows have n % 4 == 0: the norm's scalar path is dropped with the cold-branch hints (the measured
   // v68 build; the per-op modules, built without the hints, keep it). Packed ops stage x · 2^D (their offset).
+  // HE_MV_EARLY_A: the warp's second pair of op, if it has one; its batch a requested during the prologue
+  [[maybe_unused]] bool early = false;
+  if constexpr (kMvEarlyA && !kPacked) {
+    HeMvPos e = s.p;
+    he_mv_advance(e, op, nxt);
+    early = !s.p.nx && !e.nx;
+  }
+  const auto hook = [&] {
+    if constexpr (kMvEarlyA && !kPacked) {
+      if (early) {
+        HeMvPos e = s.p;
+        he_mv_advance(e, op, nxt);
+        he_mv_copy_a<Op, kRows>(op, e, he_mv_early_slot<kRows>(xs));
+      }
+    }
+  };
   if constexpr (kPacked)
     he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, true>(op.x, op.gamma, op.eps, op.in, xs, scratch, op.x_fx, op.pk.post);
   else
     he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, false, HeMvFxOnly<Op>::value>(op.x, op.gamma, op.eps, op.in, xs,
-                                                                                  scratch, op.x_fx);
+                                                                                  scratch, op.x_fx, 1.f, hook);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
   float acc[kRows][2];
 #pragma unroll
@@ -287,7 +350,16 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
     he_mv_advance(n, op, nxt);
     if constexpr (kPacked) op.pconsume(s.a, s.p.c0, xs, acc);
     else he_mv_consume<kF16>(s.a, s.p.c0, op.in, xs, acc);
-    if (!kDefer || !n.nx) he_mv_fill_a(op, nxt, n, s);
+    if constexpr (kMvEarlyA && !kPacked) {
+      if (early) {  // (the first iteration: n is the pair whose batch a the prologue requested)
+        he_mv_take_a(he_mv_early_slot<kRows>(xs), s.a);
+        early = false;
+      } else if (!kDefer || !n.nx) {
+        he_mv_fill_a(op, nxt, n, s);
+      }
+    } else if (!kDefer || !n.nx) {
+      he_mv_fill_a(op, nxt, n, s);
+    }
     if constexpr (kPacked) op.pconsume(s.b, s.p.c0 + kMatvecBatch, xs, acc);
     else he_mv_consume<kF16>(s.b, s.p.c0 + kMatvecBatch, op.in, xs, acc);
     if (!kDefer || !n.nx) he_mv_fill_b(op, nxt, n, s);
