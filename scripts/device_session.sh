@@ -401,6 +401,20 @@ case "$MODE" in
     ONLY=${ONLY:-0,31,32,17,0,31,32,17} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 300
     prof1k mkprof_qflow_half 60 HIPENGINE_MK_QFLOW=1 HIPENGINE_ATTN_BLOCKS_PER_SM=0.5
     left=$((575 - SECONDS)); [ $left -gt 40 ] && prof1k mkprof_qflow $left HIPENGINE_MK_QFLOW=1 ;;
+  s43b)  # session 43's second call: HE_MV_EARLY_A with its take moved to the second iteration — mk_sweep's variants $ONLY
+         # at 1K (default 0,37 three times); on an H200 also 35 (session 42's prologues) and 17 (the 0.5 plan), then the
+         # decode bench of record and the same-bits tests while the call (${S43_S:-570} s) has time. Builds:
+         # precompile_mk.py 1b-f3 1b-1k-ge0 1b-1k-early-a.
+    case "$GPU_NAME" in
+      *H200*) ONLY=${ONLY:-0,37,35,17,0,37,35,17}
+              AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 260
+              left=$((${S43_S:-570} - SECONDS)); [ $left -gt 60 ] && run bench $((left - 10)) $PY -m hipengine bench decode \
+                --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --json "$OUT/bench_decode.json" \
+                --plot "$OUT/bench_decode.png"
+              left=$((${S43_S:-570} - SECONDS)); [ $left -gt 70 ] && run same_bits $((left - 5)) $PY -m pytest \
+                tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset" ;;
+      *) ONLY=${ONLY:-0,37,0,37,0,37} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 240 ;;
+    esac ;;
   s43)  # session 43: the RMSNorm prologues' gamma loads (ops/rmsnorm.hip HE_NORM_GAMMA_EARLY, default 2) and the first
         # refill by cp.async during the prologue (ops/matvec.hip HE_MV_EARLY_A) — mk_sweep's variants $ONLY at $AB_CONTEXTS
         # (default 0,35,36,37 twice at 1K: the new prologues, session 42's, gate/up's only, the early refill; on an H200
@@ -455,7 +469,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s43b|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

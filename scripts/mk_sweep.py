@@ -154,7 +154,7 @@ BUILD_KNOBS = ("HIPENGINE_MK_UNROLL", "HIPENGINE_MK_MIN_BLOCKS", "HIPENGINE_MK_L
                "HIPENGINE_MK_QREGS", "HIPENGINE_ATTN_MAX_CHUNK", "HIPENGINE_ATTN_MMA", "HIPENGINE_MK_FINE",
                "HIPENGINE_MV_WHOLE_PAIRS", "HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_MK_ONE_ROUND",
                "HIPENGINE_FUSED_MLP", "HIPENGINE_MK_HEAD_SCREEN", "HIPENGINE_MK_PACKED", "HIPENGINE_MK_OGROUP",
-               "HIPENGINE_MK_QFLOW")
+               "HIPENGINE_MK_QFLOW", "HIPENGINE_MK_EARLY_A")
 
 
 # Run in a subprocess with PYTHONPATH = an older tree (its package and kernels): the same measurement of its
@@ -209,7 +209,7 @@ def sweep(picks, model, contexts, args, rows: list, ref: dict) -> None:
                     if be is not None:
                         be.close()
                         be = None
-                    for k in BUILD_KNOBS:
+                    for k in set(BUILD_KNOBS) | {k for _, e, _ in VARIANTS for k in e}:  # nothing leaks between variants
                         os.environ.pop(k, None)
                     os.environ.update(env)
                     t0 = time.perf_counter()
