@@ -324,7 +324,8 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
 def early_a_on() -> bool:
     """HIPENGINE_MK_EARLY_A=1 (an experiment, session 43; NVIDIA): each matvec stage's first refill requested by
     asynchronous copies during the stage's prologue (ops/matvec.hip HE_MV_EARLY_A), into slots at the end of the
-    dynamic shared memory (a lane's batch of the stream — 2 rows x matvec_unroll() x 16 B — for every thread)."""
+    dynamic shared memory (a lane's pair of the stream — 2 batches of 2 rows x matvec_unroll() x 16 B — for every
+    thread)."""
     return os.environ.get("HIPENGINE_MK_EARLY_A", "0") == "1"
 
 
@@ -804,7 +805,7 @@ class MonokernelBackend(GpuBackend):
             self.smem = max(self.smem, smem_bytes(cfg.hidden_size, cfg.vocab_size, rt.num_sms, THREADS // rt.warp_size))
         if early_a_on() and rt.vendor == "nvidia":  # the early batches' slots, past the x staging (ops/matvec.hip)
             self.smem = max(self.smem, 4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim)
-                            + THREADS * 2 * matvec_unroll() * 16)
+                            + 2 * THREADS * 2 * matvec_unroll() * 16)
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")

@@ -223,15 +223,16 @@ HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) 
 }
 
 // HE_MV_EARLY_A=1 (NVIDIA cp.async targets, whole-pair rows; the monokernel's experiment, HIPENGINE_MK_EARLY_A): a
-// stage's first refill — batch a of the warp's second pair of the op — is requested by asynchronous copies into the
+// stage's first refill — the warp's second pair of the op, both batches — is requested by asynchronous copies into the
 // warp's slot of shared memory while the stage's prologue stages its input (its loads already issued: they return
-// first, the SM's queue is in order), instead of by loads after the first batch is consumed. HBM then has the warp's
+// first, the SM's queue is in order), instead of by loads as the first pair is consumed. HBM then has the warp's
 // next bytes in flight during the prologue, where it otherwise idles between a barrier's exit and the first refill.
-// The second iteration takes the batch into the same registers just before it consumes it (the first version took it
-// in the first iteration, where the wait held back batch b's refill: −1.5% on an H100). Same batch, same registers,
-// same order: the same sums. The slots (kWarpSize · kRows · kMatvecUnroll · 16 bytes per warp) are the last bytes of
-// the dynamic shared memory (the host adds them: hipengine/gpu/monokernel.py); nothing else uses them while a copy is
-// in flight.
+// The first iteration leaves a and b empty; the second takes each batch into its registers just before consuming it.
+// (The first version copied batch a alone and took it in the first iteration, where the wait held back b's refill:
+// −1.5% on an H100; with a alone early, b's chain still bounds the stream.) Same batches, same registers, same order:
+// the same sums. The slots (2 · kWarpSize · kRows · kMatvecUnroll · 16 bytes per warp) are the last bytes of the
+// dynamic shared memory (the host adds them: hipengine/gpu/monokernel.py); nothing else uses them while a copy is in
+// flight.
 #ifndef HE_MV_EARLY_A
 #define HE_MV_EARLY_A 0
 #endif
@@ -244,31 +245,35 @@ HE_INLINE HeSmem he_mv_early_slot(float* xs) {
 #else
   const he_u32 dyn = 0;  // (never used: kMvEarlyA is false without cp.async)
 #endif
-  constexpr int kSlot = kWarpSize * kRows * kMatvecUnroll * 16;
+  constexpr int kSlot = 2 * kWarpSize * kRows * kMatvecUnroll * 16;  // a pair
   return he_smem((char*)xs + dyn - (he_block_dim() / kWarpSize - he_warp_id()) * kSlot);
 }
 template <class Op, int kRows>
-HE_INLINE void he_mv_copy_a(const Op& op, const HeMvPos& p, const HeSmem& slot) {
+HE_INLINE void he_mv_copy_pair(const Op& op, const HeMvPos& p, const HeSmem& slot) {
   const he_u16* rp[kRows];
   op.rows(p.u, rp);
   const int lane = he_lane_id();
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
+  for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int k = 0; k < kMatvecUnroll; ++k)
-      he_cp_async16_at(slot, ((r * kMatvecUnroll + k) * kWarpSize + lane) * 16, rp[r] + p.c0 + k * kMatvecSweep + lane * 8,
-                       true);
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int k = 0; k < kMatvecUnroll; ++k)
+        he_cp_async16_at(slot, (((h * kRows + r) * kMatvecUnroll + k) * kWarpSize + lane) * 16,
+                         rp[r] + p.c0 + h * kMatvecBatch + k * kMatvecSweep + lane * 8, true);
   he_cp_async_commit();
 }
+// Batch h (0: a, 1: b) of the slot's pair into w. h = 0 first waits for this lane's copies: it reads back only the
+// bytes it copied.
 template <int kRows>
-HE_INLINE void he_mv_take_a(const HeSmem& slot, he_vec16 (&w)[kRows][kMatvecUnroll]) {
-  he_cp_async_wait<0>();  // this lane's own copies: it reads back only the bytes it copied
+HE_INLINE void he_mv_take(const HeSmem& slot, int h, he_vec16 (&w)[kRows][kMatvecUnroll]) {
+  if (h == 0) he_cp_async_wait<0>();
   const int lane = he_lane_id();
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int k = 0; k < kMatvecUnroll; ++k)
-      w[r][k] = *(const he_vec16*)(slot.p + ((r * kMatvecUnroll + k) * kWarpSize + lane) * 16);
+      w[r][k] = *(const he_vec16*)(slot.p + (((h * kRows + r) * kMatvecUnroll + k) * kWarpSize + lane) * 16);
 }
 
 // acc[r][k % 2] += this lane's part of batch w (columns c0 + k·sweep + lane·8) of the unit's rows: two FMA
@@ -322,7 +327,7 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   }
   // whole-pair rows have n % 4 == 0: the norm's scalar path is dropped with the cold-branch hints (the measured
   // v68 build; the per-op modules, built without the hints, keep it). Packed ops stage x · 2^D (their offset).
-  // HE_MV_EARLY_A: the warp's second pair of op, if it has one; its batch a requested during the prologue
+  // HE_MV_EARLY_A: the warp's second pair of op, if it has one, requested during the prologue
   [[maybe_unused]] bool early = false;
   if constexpr (kMvEarlyA && !kPacked) {
     HeMvPos e = s.p;
@@ -334,7 +339,7 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
       if (early) {
         HeMvPos e = s.p;
         he_mv_advance(e, op, nxt);
-        he_mv_copy_a<Op, kRows>(op, e, he_mv_early_slot<kRows>(xs));
+        he_mv_copy_pair<Op, kRows>(op, e, he_mv_early_slot<kRows>(xs));
       }
     }
   };
@@ -347,31 +352,34 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   float acc[kRows][2];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
-  [[maybe_unused]] bool take = false;  // HE_MV_EARLY_A: batch a is in the slot (the second iteration takes it)
+  [[maybe_unused]] bool take = false;  // HE_MV_EARLY_A: the slot holds this iteration's pair (the second iteration)
   while (!s.p.nx) {
     HeMvPos n = s.p;
     he_mv_advance(n, op, nxt);
     if constexpr (kMvEarlyA && !kPacked) {
-      if (take) {  // here, not where the first iteration would have refilled a: its wait would hold back b's refill
-        he_mv_take_a(he_mv_early_slot<kRows>(xs), s.a);
-        take = false;
-      }
+      if (take) he_mv_take(he_mv_early_slot<kRows>(xs), 0, s.a);
     }
     if constexpr (kPacked) op.pconsume(s.a, s.p.c0, xs, acc);
     else he_mv_consume<kF16>(s.a, s.p.c0, op.in, xs, acc);
+    if (!(kMvEarlyA && !kPacked && early) && (!kDefer || !n.nx)) he_mv_fill_a(op, nxt, n, s);
     if constexpr (kMvEarlyA && !kPacked) {
-      if (early) {  // (the first iteration: n is the pair whose batch a the prologue requested; a stays empty)
-        early = false;
-        take = true;
-      } else if (!kDefer || !n.nx) {
-        he_mv_fill_a(op, nxt, n, s);
+      if (take) {
+        he_mv_take(he_mv_early_slot<kRows>(xs), 1, s.b);
+        take = false;
       }
-    } else if (!kDefer || !n.nx) {
-      he_mv_fill_a(op, nxt, n, s);
     }
     if constexpr (kPacked) op.pconsume(s.b, s.p.c0 + kMatvecBatch, xs, acc);
     else he_mv_consume<kF16>(s.b, s.p.c0 + kMatvecBatch, op.in, xs, acc);
-    if (!kDefer || !n.nx) he_mv_fill_b(op, nxt, n, s);
+    if constexpr (kMvEarlyA && !kPacked) {
+      if (early) {  // (the first iteration: n is the pair the prologue requested; a and b stay empty until the next)
+        early = false;
+        take = true;
+      } else if (!kDefer || !n.nx) {
+        he_mv_fill_b(op, nxt, n, s);
+      }
+    } else if (!kDefer || !n.nx) {
+      he_mv_fill_b(op, nxt, n, s);
+    }
     if (n.nx || n.u != s.p.u) {  // the unit's last pair: reduce over the warp, store, restart
       float sum[kRows];
 #pragma unroll
