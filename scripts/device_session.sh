@@ -401,28 +401,13 @@ case "$MODE" in
     ONLY=${ONLY:-0,31,32,17,0,31,32,17} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 300
     prof1k mkprof_qflow_half 60 HIPENGINE_MK_QFLOW=1 HIPENGINE_ATTN_BLOCKS_PER_SM=0.5
     left=$((575 - SECONDS)); [ $left -gt 40 ] && prof1k mkprof_qflow $left HIPENGINE_MK_QFLOW=1 ;;
-  s43b)  # session 43's second call: HE_MV_EARLY_A with its take moved to the second iteration — mk_sweep's variants $ONLY
-         # at 1K (default 0,37 three times); on an H200 also 35 (session 42's prologues) and 17 (the 0.5 plan), then the
-         # decode bench of record and the same-bits tests while the call (${S43_S:-570} s) has time. Builds:
-         # precompile_mk.py 1b-f3 1b-1k-ge0 1b-1k-early-a.
-    case "$GPU_NAME" in
-      *H200*) ONLY=${ONLY:-0,37,35,17,0,37,35,17}
-              AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 260
-              left=$((${S43_S:-570} - SECONDS)); [ $left -gt 60 ] && run bench $((left - 10)) $PY -m hipengine bench decode \
-                --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --json "$OUT/bench_decode.json" \
-                --plot "$OUT/bench_decode.png"
-              left=$((${S43_S:-570} - SECONDS)); [ $left -gt 70 ] && run same_bits $((left - 5)) $PY -m pytest \
-                tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset" ;;
-      *) ONLY=${ONLY:-0,37,0,37,0,37} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 240 ;;
-    esac ;;
-  s43)  # session 43: the RMSNorm prologues' gamma loads (ops/rmsnorm.hip HE_NORM_GAMMA_EARLY, default 2) and the first
-        # refill by cp.async during the prologue (ops/matvec.hip HE_MV_EARLY_A) — mk_sweep's variants $ONLY at $AB_CONTEXTS
-        # (default 0,35,36,37 twice at 1K: the new prologues, session 42's, gate/up's only, the early refill; on an H200
-        # also 17, the 0.5 plan) in one process, the same-bits and 1B-preset monokernel tests, the per-op norm / matvec
-        # op tests, the decode bench of record (1K only when little time is left), then the default's 1K stage profile
-        # while the call (${S43_S:-570} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-ge0 1b-1k-ge1 1b-1k-early-a
-        # 1b-1k-profile.
-    case "$GPU_NAME" in *H200*) ONLY=${ONLY:-0,35,36,37,17,0,35,36,37,17} ;; *) ONLY=${ONLY:-0,35,36,37,0,35,36,37} ;; esac
+  s43)  # session 43: the RMSNorm prologues' gamma loads (ops/rmsnorm.hip HE_NORM_GAMMA_EARLY, default 2) — mk_sweep's
+        # variants $ONLY at $AB_CONTEXTS (default 0,35,36 twice at 1K: the new prologues, session 42's, gate/up's only; on
+        # an H200 also 17, the 0.5 plan) in one process, the same-bits and 1B-preset monokernel tests, the per-op norm /
+        # matvec op tests, the decode bench of record (1K only when little time is left), then the default's 1K stage
+        # profile while the call (${S43_S:-570} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-ge0 1b-1k-ge1
+        # 1b-1k-profile. (Its second call, s43b, measured HE_MV_EARLY_A — mk_sweep 37 then — and went with it.)
+    case "$GPU_NAME" in *H200*) ONLY=${ONLY:-0,35,36,17,0,35,36,17} ;; *) ONLY=${ONLY:-0,35,36,0,35,36} ;; esac
     AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 300
     run same_bits 120 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset"
     run op_tests 80 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "rmsnorm or matvec_gate_up or matvec_qkv or test_matvec"
@@ -431,6 +416,16 @@ case "$MODE" in
       $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) --json "$OUT/bench_decode.json" \
       --plot "$OUT/bench_decode.png"
     left=$((${S43_S:-570} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default $((left < 75 ? left : 75)) ;;
+  h200rec)  # session 43's last call: on an H200 only — mk_sweep 0,17,0,17 (the default plan and the 0.5 plan) at 1K in one
+            # process, then the decode bench of record (1K/8K/32K, both paths) while the call (${H200REC_S:-500} s) has
+            # time; any other GPU: the 1K bench alone (the call ends in ≈ 1 minute). Builds: precompile_mk.py 1b-f3.
+    case "$GPU_NAME" in
+      *H200*) ONLY=${ONLY:-0,17,0,17} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 150
+              left=$((${H200REC_S:-500} - SECONDS)); [ $left -gt 60 ] && run bench $((left - 10)) $PY -m hipengine bench \
+                decode --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --json "$OUT/bench_decode.json" \
+                --plot "$OUT/bench_decode.png" ;;
+      *) run bench 90 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --json "$OUT/bench_decode.json" ;;
+    esac ;;
   final42)  # session 42's last call: mk_sweep's variants $ONLY (default 0,17,0,17: the default plan and the 0.5 plan) at 1K in
             # one process, the decode bench of record (1K/8K/32K, both paths, JSON + PNG), then the same-bits and 1B-preset
             # monokernel tests in the time left (the call stays under ${FINAL42_S:-560} s). Builds: precompile_mk.py 1b-f3.
@@ -469,7 +464,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s43b|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

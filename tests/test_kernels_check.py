@@ -284,17 +284,14 @@ def test_o_group_build_compiles(tmp_path, monkeypatch):
 
 def test_norm_gamma_early_builds_compile(tmp_path, monkeypatch):
     """The RMSNorm prologues' other forms (ops/rmsnorm.hip HE_NORM_GAMMA_EARLY: 0, session 42's — gamma after the sum;
-    1, the early gamma in the fixed-point form only; the default 2 is every other build here) and the early first
-    refill (ops/matvec.hip HE_MV_EARLY_A) compile warnings-as-errors for gfx942 and sm_90, in the monokernel
-    (mk_sweep 35 / 36 / 37) and in the per-op matvec module."""
+    1, the early gamma in the fixed-point form only; the default 2 is every other build here) compile
+    warnings-as-errors for gfx942 and sm_90, in the monokernel (mk_sweep 35 / 36) and in the per-op matvec module."""
     base = "#define MK_O_GROUP 1\n#define MK_QFLOW 1\n#define HE_ATTN_HD 64\n#define HE_ATTN_MMA 1\n#define MK_HEAD_SCREEN 1\n" \
            "#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
     _check_units(tmp_path, monkeypatch, {
         **{f"decode_norm_ge{v}.hip": base + f"#define HE_NORM_GAMMA_EARLY {v}\n" + '#include "monokernel/decode.hip"\n'
            for v in (0, 1)},
-        "matvec_norm_ge0.hip": '#define HE_NORM_GAMMA_EARLY 0\n#include "ops/matvec.hip"\n',
-        # session 43's early first refill (ops/matvec.hip HE_MV_EARLY_A: cp.async on sm_90, the plain stream on gfx942)
-        "decode_early_a.hip": base + '#define HE_MV_EARLY_A 1\n#include "monokernel/decode.hip"\n'})
+        "matvec_norm_ge0.hip": '#define HE_NORM_GAMMA_EARLY 0\n#include "ops/matvec.hip"\n'})
 
 
 def test_q_flow_build_compiles(tmp_path, monkeypatch):

@@ -311,22 +311,12 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["MK_HEAD_SCREEN"] = 1
     if mlp_packed and not (tp or ll_local() or defines["MK_FUSED_MLP"]):
         defines["MK_MLP_PACKED"] = 1
-    if early_a_on() and vendor == "nvidia":
-        defines["HE_MV_EARLY_A"] = 1
     if o_group:
         defines["MK_O_GROUP"] = 1
         if q_flow:
             defines["MK_QFLOW"] = 1
     defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
-
-
-def early_a_on() -> bool:
-    """HIPENGINE_MK_EARLY_A=1 (an experiment, session 43; NVIDIA): each matvec stage's first refill requested by
-    asynchronous copies during the stage's prologue (ops/matvec.hip HE_MV_EARLY_A), into slots at the end of the
-    dynamic shared memory (a lane's pair of the stream — 2 batches of 2 rows x matvec_unroll() x 16 B — for every
-    thread)."""
-    return os.environ.get("HIPENGINE_MK_EARLY_A", "0") == "1"
 
 
 def extra_defines() -> dict:
@@ -803,9 +793,6 @@ class MonokernelBackend(GpuBackend):
             from .head_screen import smem_bytes
 
             self.smem = max(self.smem, smem_bytes(cfg.hidden_size, cfg.vocab_size, rt.num_sms, THREADS // rt.warp_size))
-        if early_a_on() and rt.vendor == "nvidia":  # the early batches' slots, past the x staging (ops/matvec.hip)
-            self.smem = max(self.smem, 4 * max(cfg.hidden_size, cfg.intermediate_size, cfg.q_dim)
-                            + 2 * THREADS * 2 * matvec_unroll() * 16)
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")

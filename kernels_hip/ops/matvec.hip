@@ -222,60 +222,6 @@ HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) 
   he_mv_fill_b(op, nxt, s.p, s);
 }
 
-// HE_MV_EARLY_A=1 (NVIDIA cp.async targets, whole-pair rows; the monokernel's experiment, HIPENGINE_MK_EARLY_A): a
-// stage's first refill — the warp's second pair of the op, both batches — is requested by asynchronous copies into the
-// warp's slot of shared memory while the stage's prologue stages its input (its loads already issued: they return
-// first, the SM's queue is in order), instead of by loads as the first pair is consumed. HBM then has the warp's
-// next bytes in flight during the prologue, where it otherwise idles between a barrier's exit and the first refill.
-// The first iteration leaves a and b empty; the second takes each batch into its registers just before consuming it.
-// (The first version copied batch a alone and took it in the first iteration, where the wait held back b's refill:
-// −1.5% on an H100; with a alone early, b's chain still bounds the stream.) Same batches, same registers, same order:
-// the same sums. The slots (2 · kWarpSize · kRows · kMatvecUnroll · 16 bytes per warp) are the last bytes of the
-// dynamic shared memory (the host adds them: hipengine/gpu/monokernel.py); nothing else uses them while a copy is in
-// flight.
-#ifndef HE_MV_EARLY_A
-#define HE_MV_EARLY_A 0
-#endif
-constexpr bool kMvEarlyA = HE_MV_EARLY_A != 0 && kHasCpAsync && kMvWholePairs;
-template <int kRows>
-HE_INLINE HeSmem he_mv_early_slot(float* xs) {
-#if HE_NVIDIA && defined(__CUDA_ARCH__)
-  he_u32 dyn;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-#else
-  const he_u32 dyn = 0;  // (never used: kMvEarlyA is false without cp.async)
-#endif
-  constexpr int kSlot = 2 * kWarpSize * kRows * kMatvecUnroll * 16;  // a pair
-  return he_smem((char*)xs + dyn - (he_block_dim() / kWarpSize - he_warp_id()) * kSlot);
-}
-template <class Op, int kRows>
-HE_INLINE void he_mv_copy_pair(const Op& op, const HeMvPos& p, const HeSmem& slot) {
-  const he_u16* rp[kRows];
-  op.rows(p.u, rp);
-  const int lane = he_lane_id();
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int k = 0; k < kMatvecUnroll; ++k)
-        he_cp_async16_at(slot, (((h * kRows + r) * kMatvecUnroll + k) * kWarpSize + lane) * 16,
-                         rp[r] + p.c0 + h * kMatvecBatch + k * kMatvecSweep + lane * 8, true);
-  he_cp_async_commit();
-}
-// Batch h (0: a, 1: b) of the slot's pair into w. h = 0 first waits for this lane's copies: it reads back only the
-// bytes it copied.
-template <int kRows>
-HE_INLINE void he_mv_take(const HeSmem& slot, int h, he_vec16 (&w)[kRows][kMatvecUnroll]) {
-  if (h == 0) he_cp_async_wait<0>();
-  const int lane = he_lane_id();
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int k = 0; k < kMatvecUnroll; ++k)
-      w[r][k] = *(const he_vec16*)(slot.p + (((h * kRows + r) * kMatvecUnroll + k) * kWarpSize + lane) * 16);
-}
-
 // acc[r][k % 2] += this lane's part of batch w (columns c0 + k·sweep + lane·8) of the unit's rows: two FMA
 // chains per row (even and odd sweeps), summed when the unit ends.
 template <bool kF16, int kRows>
@@ -327,59 +273,24 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
   }
   // whole-pair rows have n % 4 == 0: the norm's scalar path is dropped with the cold-branch hints (the measured
   // v68 build; the per-op modules, built without the hints, keep it). Packed ops stage x · 2^D (their offset).
-  // HE_MV_EARLY_A: the warp's second pair of op, if it has one, requested during the prologue
-  [[maybe_unused]] bool early = false;
-  if constexpr (kMvEarlyA && !kPacked) {
-    HeMvPos e = s.p;
-    he_mv_advance(e, op, nxt);
-    early = !s.p.nx && !e.nx;
-  }
-  const auto hook = [&] {
-    if constexpr (kMvEarlyA && !kPacked) {
-      if (early) {
-        HeMvPos e = s.p;
-        he_mv_advance(e, op, nxt);
-        he_mv_copy_pair<Op, kRows>(op, e, he_mv_early_slot<kRows>(xs));
-      }
-    }
-  };
   if constexpr (kPacked)
     he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, true>(op.x, op.gamma, op.eps, op.in, xs, scratch, op.x_fx, op.pk.post);
   else
     he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, false, HeMvFxOnly<Op>::value>(op.x, op.gamma, op.eps, op.in, xs,
-                                                                                  scratch, op.x_fx, 1.f, hook);
+                                                                                  scratch, op.x_fx);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
   float acc[kRows][2];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
-  [[maybe_unused]] bool take = false;  // HE_MV_EARLY_A: the slot holds this iteration's pair (the second iteration)
   while (!s.p.nx) {
     HeMvPos n = s.p;
     he_mv_advance(n, op, nxt);
-    if constexpr (kMvEarlyA && !kPacked) {
-      if (take) he_mv_take(he_mv_early_slot<kRows>(xs), 0, s.a);
-    }
     if constexpr (kPacked) op.pconsume(s.a, s.p.c0, xs, acc);
     else he_mv_consume<kF16>(s.a, s.p.c0, op.in, xs, acc);
-    if (!(kMvEarlyA && !kPacked && early) && (!kDefer || !n.nx)) he_mv_fill_a(op, nxt, n, s);
-    if constexpr (kMvEarlyA && !kPacked) {
-      if (take) {
-        he_mv_take(he_mv_early_slot<kRows>(xs), 1, s.b);
-        take = false;
-      }
-    }
+    if (!kDefer || !n.nx) he_mv_fill_a(op, nxt, n, s);
     if constexpr (kPacked) op.pconsume(s.b, s.p.c0 + kMatvecBatch, xs, acc);
     else he_mv_consume<kF16>(s.b, s.p.c0 + kMatvecBatch, op.in, xs, acc);
-    if constexpr (kMvEarlyA && !kPacked) {
-      if (early) {  // (the first iteration: n is the pair the prologue requested; a and b stay empty until the next)
-        early = false;
-        take = true;
-      } else if (!kDefer || !n.nx) {
-        he_mv_fill_b(op, nxt, n, s);
-      }
-    } else if (!kDefer || !n.nx) {
-      he_mv_fill_b(op, nxt, n, s);
-    }
+    if (!kDefer || !n.nx) he_mv_fill_b(op, nxt, n, s);
     if (n.nx || n.u != s.p.u) {  // the unit's last pair: reduce over the warp, store, restart
       float sum[kRows];
 #pragma unroll

@@ -22,12 +22,6 @@
 // Batches are 8 loads per thread (32 registers: the monokernel's weight stream is live during the
 // prologue, so more would spill), 4 in the scaling pass, which also loads gamma.
 constexpr int kNormBatch = 8;
-// A stage's hook: called once per he_rmsnorm_stage, right after the input's loads are issued where the form allows
-// (the one-pass form, the plain copy's first batch), else at the stage's end — the matvec stream requests its next
-// batch there (ops/matvec.hip HE_MV_EARLY_A), behind the stage's loads in the SM's queue rather than in front of them.
-struct HeNoHook {
-  HE_INLINE void operator()() const {}
-};
 // The fixed-point-only stage's form (kFxOnly below): 1, one pass that keeps a one-batch vector's values; 0, two
 // passes at small batches (a build choice while both are measured: HIPENGINE_MK_DEFINES=HE_NORM_FX_ONE_PASS=0).
 #ifndef HE_NORM_FX_ONE_PASS
@@ -71,11 +65,10 @@ HE_INLINE void he_load_x4(const float* x, const he_i64* fx, int i, float (&v)[4]
 // the whole value, the grouped O-proj's residual, ops/matvec_group.hip). kPost: each value then times `post`, a
 // power of two (the packed weights' exponent offset, ops/matvec_packed.hip: exact, so the stored value is the
 // unscaled one's bits shifted in exponent).
-template <int kB, bool kGamma, bool kPost = false, bool kFxOnly = false, class Hook = HeNoHook>
+template <int kB, bool kGamma, bool kPost = false, bool kFxOnly = false>
 HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, int n4, float* dst,
-                             const he_i64* fx = nullptr, float post = 1.f, const Hook& hook = Hook{}) {
+                             const he_i64* fx = nullptr, float post = 1.f) {
   const int t = he_thread_idx(), nt = he_block_dim();
-  if (t >= n4) hook();
   for (int i0 = t; i0 < n4; i0 += kB * nt) {
     float v[kB][4], g[kGamma ? kB : 1][4];
 #pragma unroll
@@ -86,7 +79,6 @@ HE_INLINE void he_norm_store(const float* x, const float* gamma, float scale, in
         if (kGamma) he_load4f(gamma + 4 * i, g[kGamma ? b : 0]);
       }
     }
-    if (i0 == t) hook();
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
       const int i = i0 + b * nt;
@@ -156,9 +148,9 @@ HE_INLINE float he_norm_ss(const float* x, const he_i64* fx, int n4) {
 #ifndef HE_NORM_GAMMA_EARLY
 #define HE_NORM_GAMMA_EARLY 2
 #endif
-template <bool kPost, bool kFxOnly, class Hook>
+template <bool kPost, bool kFxOnly>
 HE_INLINE void he_rmsnorm_one_pass(const float* x, const float* __restrict__ gamma, float eps, int n, float* dst,
-                                   float* scratch, const he_i64* fx, float post, const Hook& hook) {
+                                   float* scratch, const he_i64* fx, float post) {
   constexpr int kB = kNormBatch / 4;
   constexpr bool kEarly = HE_NORM_GAMMA_EARLY >= (kFxOnly ? 1 : 2);
   const int t = he_thread_idx(), nt = he_block_dim(), n4 = n / 4;
@@ -173,7 +165,6 @@ HE_INLINE void he_rmsnorm_one_pass(const float* x, const float* __restrict__ gam
       v[b][0] = v[b][1] = v[b][2] = v[b][3] = 0.f;
     }
   }
-  hook();
   float ss = 0.f;
 #pragma unroll
   for (int b = 0; b < kB; ++b)
@@ -198,14 +189,12 @@ HE_INLINE void he_rmsnorm_one_pass(const float* x, const float* __restrict__ gam
 // fx (optional): the residual stream's pending fixed-point addend (ops/mlp.hip); the stage normalises x + fx.
 // kPost: every stored value times `post` (he_norm_store; the scalar path multiplies by it unconditionally:
 // post is 1 there unless kPost, and x · 1 is x). kFxOnly: the input is fx alone (he_load_x4; x is not read).
-template <bool kVec4 = false, bool kPost = false, bool kFxOnly = false, class Hook = HeNoHook>
+template <bool kVec4 = false, bool kPost = false, bool kFxOnly = false>
 HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma, float eps, int n,
-                                float* dst, float* scratch, const he_i64* fx = nullptr, float post = 1.f,
-                                const Hook& hook = Hook{}) {
+                                float* dst, float* scratch, const he_i64* fx = nullptr, float post = 1.f) {
   if constexpr (!kVec4) {
     if (HE_UNLIKELY(n % 4)) {
       he_rmsnorm_scalar<kFxOnly>(x, gamma, eps, n, dst, scratch, fx, kPost ? post : 1.f);
-      hook();
       return;
     }
   }
@@ -213,8 +202,8 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
   // With the addend the batches are halved: its two loads per float4 keep the registers of a batch (32) as
   // without it (the monokernel's weight stream is live here). Sums in the same element order either way.
   if (HE_UNLIKELY(!gamma)) {  // (a literal nullptr folds: the O-proj / down-proj take only this path)
-    if (fx != nullptr) he_norm_store<kNormBatch / 2, false, kPost, kFxOnly>(x, nullptr, 1.f, n4, dst, fx, post, hook);
-    else he_norm_store<kNormBatch, false, kPost>(x, nullptr, 1.f, n4, dst, nullptr, post, hook);
+    if (fx != nullptr) he_norm_store<kNormBatch / 2, false, kPost, kFxOnly>(x, nullptr, 1.f, n4, dst, fx, post);
+    else he_norm_store<kNormBatch, false, kPost>(x, nullptr, 1.f, n4, dst, nullptr, post);
     he_sync_block();
     return;
   }
@@ -223,7 +212,7 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
   if constexpr ((kFxOnly && HE_NORM_FX_ONE_PASS) || (!kFxOnly && HE_NORM_GAMMA_EARLY >= 2)) {
     const bool one = (kFxOnly || fx == nullptr) && n4 <= kNormBatch / 4 * he_block_dim();
     if (!HE_UNLIKELY(!one)) {  // (the passes below: cold code, after the hot path's)
-      he_rmsnorm_one_pass<kPost, kFxOnly>(x, gamma, eps, n, dst, scratch, fx, post, hook);
+      he_rmsnorm_one_pass<kPost, kFxOnly>(x, gamma, eps, n, dst, scratch, fx, post);
       return;
     }
   }
@@ -236,7 +225,6 @@ HE_INLINE void he_rmsnorm_stage(const float* x, const float* __restrict__ gamma,
   const float scale = he_rsqrt(he_block_sum(ss, scratch) / (float)n + eps);
   if (fx != nullptr) he_norm_store<kFxSt, true, kPost, kFxOnly>(x, gamma, scale, n4, dst, fx, post);
   else he_norm_store<kNormBatch / 2, true, kPost>(x, gamma, scale, n4, dst, nullptr, post);
-  hook();
   he_sync_block();
 }
 
