@@ -139,12 +139,14 @@ HE_INLINE float he_norm_ss(const float* x, const he_i64* fx, int n4) {
 // a hidden size of 2,048): the thread keeps its values between the sum and the scaling, so the input is read once
 // (the two-pass form reads it twice: one more round trip). Same values, same order, same bits as the passes. (It
 // runs beside the weight stream's 64 registers: the two-pass form at the x + fx batches spilled 190 B in the
-// monokernel, this 18 B; session 36.)
+// monokernel, this 18 B; session 36. With gamma held across the block sum the monokernel spills 106 / 200 B, every
+// added site in the prologues, an L1 hit each: session 43.)
 // HE_NORM_GAMMA_EARLY: where gamma's loads go out. 2 (the default): with the input's, so the stage is one L2 round
-// trip — and plain x (no fixed-point addend) takes this one-pass form too; 1: so for the fixed-point input only
-// (the grouped O-proj's gate/up), plain x in two passes; 0: after the sum, as in session 36's form, where gamma's
-// generic loads could not pass the first store of the scaled values into shared memory, so the fixed-point stage
-// took three round trips and the two-pass one two (SASS).
+// trip, and plain x (no fixed-point addend) takes this one-pass form too — +1.2 to +1.8% for the monokernel at 1K on
+// an H100 (docs/perf-log.md session 43); 1: early for the fixed-point input only (the grouped O-proj's gate/up), plain
+// x in two passes; 0: after the sum, as in session 36's form, where gamma's generic loads could not pass the first
+// store of the scaled values into shared memory, so the fixed-point stage took three round trips and the two-pass
+// one two (SASS).
 #ifndef HE_NORM_GAMMA_EARLY
 #define HE_NORM_GAMMA_EARLY 2
 #endif
