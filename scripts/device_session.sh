@@ -416,12 +416,7 @@ case "$MODE" in
       $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) --json "$OUT/bench_decode.json" \
       --plot "$OUT/bench_decode.png"
     left=$((${S43_S:-570} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default $((left < 75 ? left : 75)) ;;
-  s43q)  # session 43's last experiment: MK_QFLOW's QKV epilogue without its round trips (decode.hip MK_QKV_POS) — mk_sweep
-         # 0,37,38 twice at 1K in one process, then the same-bits test on the MK_QKV_POS=2 build. Builds: precompile_mk.py
-         # 1b-1k 1b-1k-qpos1 1b-1k-qpos2.
-    ONLY=${ONLY:-0,37,38,0,37,38} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 200
-    run same_bits_qpos2 100 env HIPENGINE_MK_DEFINES=MK_QKV_POS=2 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs \
-      -k "q_flow_same_bits and 1024" ;;
+  # (s43q — session 43's MK_QKV_POS A/B, mk_sweep 0/38 and its same-bits test — removed with it.)
   h200rec)  # session 43's last call: on an H200 only — mk_sweep 0,17,0,17 (the default plan and the 0.5 plan) at 1K in one
             # process, then the decode bench of record (1K/8K/32K, both paths) while the call (${H200REC_S:-500} s) has
             # time; any other GPU: the 1K bench alone (the call ends in ≈ 1 minute). Builds: precompile_mk.py 1b-f3.
@@ -470,7 +465,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s43q|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

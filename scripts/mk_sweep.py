@@ -125,12 +125,9 @@ VARIANTS = [  # name, build env, runtime attrs
     ("RMSNorm prologues as session 42's (HE_NORM_GAMMA_EARLY=0)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=0"}, {}),
     ("gamma early in gate/up's prologue only (HE_NORM_GAMMA_EARLY=1)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=1"},
      {}),
-    # session 43: MK_QFLOW's QKV epilogue without its round trips (decode.hip MK_QKV_POS: 1, the position by value; 2, and
-    # cos / sin requested by the unit's pre()). The same values: tokens must equal variant 0's. (Slot 37 was session 43's
-    # HE_MV_EARLY_A — each matvec stage's first refill by cp.async during its prologue: −1.5% for batch a, −6.8% for the
-    # whole pair at 1K on an H100 — removed.)
-    ("QKV epilogue: the position by value (MK_QKV_POS=1)", {"HIPENGINE_MK_DEFINES": "MK_QKV_POS=1"}, {}),
-    ("QKV epilogue: position by value, cos / sin in pre() (MK_QKV_POS=2)", {"HIPENGINE_MK_DEFINES": "MK_QKV_POS=2"}, {}),
+    # (session 43's HE_MV_EARLY_A — each matvec stage's first refill by cp.async during its prologue: −1.5% for batch a,
+    # −6.8% for the whole pair at 1K on an H100 — was variant 37, and MK_QKV_POS=2 — MK_QFLOW's QKV epilogue with the
+    # position by value and cos / sin requested by pre(): −2.2%, and not the same bits — variant 38; both removed.)
     # (session 40's MK_O_BULK=1 — each grouped O-proj block's Wo tile copied into shared memory by the copy engine, at the
     # attention stage's start and then from inside the block's split after its first K/V and q requests: −3.6 / −3.9 /
     # −2.6% and −1.6 / −3.6 / −2.7% — was variant 31 here, removed.)

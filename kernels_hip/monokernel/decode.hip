@@ -556,43 +556,16 @@ __shared__ int mk_flow_fail;
 HE_INLINE he_u32 mk_ll_epoch(he_u64 v) { return (he_u32)(v >> 32); }
 
 // QKV with the LL copy of every value (above). Same arithmetic as HeMvQkv (rope = 1).
-// MK_QKV_POS (session 43's experiment): the epilogue is on the splits' path here (no barrier hides it), and it made two
-// dependent L2 round trips after each unit's warp sum — the position (&iota[pos]), then cos / sin there. 1: the
-// position by value (the kernel holds it); 2: and the unit's cos / sin requested by pre() when the unit starts (lane 0,
-// into pv: no dependency, so the warp does not stall there), none left in the epilogue. Same values, same bits.
-#ifndef MK_QKV_POS
-#define MK_QKV_POS 0
-#endif
 struct MkQkvFlow : HeMvQkv {
   he_u64* ll;
   he_u32 epoch;
-  int pos_v;  // MK_QKV_POS: the position
-  HE_INLINE void pre(int u, float (&pv)[2]) const {
-    pv[0] = pv[1] = 0.f;
-    if constexpr (MK_QKV_POS >= 2) {
-      const int half = hd / 2, i = u % half, ra = (u / half) * hd + i;
-      if (he_lane_id() == 0 && ra < q_dim + kv_dim) {
-        pv[0] = cos_t[(he_i64)pos_v * half + i];
-        pv[1] = sin_t[(he_i64)pos_v * half + i];
-      }
-    }
-  }
-  HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const {
+  HE_INLINE void epi(int u, const float (&acc)[2], const float (&)[2]) const {
     if (he_lane_id() != 0) return;
     int ra, rb, i;
     float a, b;
     biased(u, acc, ra, rb, i, a, b);
-    const int pos = MK_QKV_POS ? pos_v : *pos_p;
-    if constexpr (MK_QKV_POS >= 2) {
-      if (ra < q_dim + kv_dim) {  // rotate()'s arithmetic with the unit's cos / sin from pre()
-        const float c = pv[0], sn = pv[1];
-        const float ra_v = a * c - b * sn, rb_v = b * c + a * sn;
-        a = ra_v;
-        b = rb_v;
-      }
-    } else {
-      rotate(ra, i, pos, a, b);
-    }
+    const int pos = *pos_p;
+    rotate(ra, i, pos, a, b);
     he_u32 wa = he_f32_as_u32(a), wb = he_f32_as_u32(b);
     if (ra >= q_dim) {
       he_kv ka, kb;
@@ -777,7 +750,7 @@ HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const 
 #if MK_QFLOW
 // The QKV stage itself in MK_QFLOW builds (the other sites only stream its rows): the LL copy of layer epoch `ep`.
 HE_INLINE MkQkvFlow mk_qkv_flow_op(const MkParams& p, const MkLayer& L, int pos, const float* x, he_u32 ep) {
-  return MkQkvFlow{mk_qkv_op(p, L, pos, x), p.flow_ll, ep, pos};
+  return MkQkvFlow{mk_qkv_op(p, L, pos, x), p.flow_ll, ep};
 }
 #endif
 #if MK_TP
