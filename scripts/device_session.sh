@@ -121,7 +121,8 @@ preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
 engine_tests() { run engine_tests 120 $PY -m pytest tests/test_gpu_engine.py -q -rs -k "not 1b_preset"; }
 bench_ops_decode() { run bench_ops 170 $PY scripts/bench_ops.py --json "$OUT/bench_ops.json"; }
-bench() { run bench 260 $PY -m hipengine bench decode --shape llama-3.2-1b \
+# bench [SECONDS]: the decode bench of record at $BENCH_CONTEXTS (default 1K/8K/32K), both paths, JSON + PNG
+bench() { run bench ${1:-260} $PY -m hipengine bench decode --shape llama-3.2-1b \
             $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) \
             --json "$OUT/bench_decode.json" --plot "$OUT/bench_decode.png"; }
 # prof1k NAME SECONDS [VAR=VALUE ...]: the monokernel's 1K stage profile (its profile build) in that environment, logged as
@@ -412,9 +413,7 @@ case "$MODE" in
     run same_bits 120 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset"
     run op_tests 80 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "rmsnorm or matvec_gate_up or matvec_qkv or test_matvec"
     left=$((${S43_S:-570} - SECONDS)); [ $left -lt 200 ] && BENCH_CONTEXTS=${BENCH_CONTEXTS:-1024}
-    [ $left -gt 60 ] && run bench $((left - 10)) $PY -m hipengine bench decode --shape llama-3.2-1b \
-      $(for c in ${BENCH_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) --json "$OUT/bench_decode.json" \
-      --plot "$OUT/bench_decode.png"
+    [ $left -gt 60 ] && bench $((left - 10))
     left=$((${S43_S:-570} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default $((left < 75 ? left : 75)) ;;
   # (s43q — session 43's MK_QKV_POS A/B, mk_sweep 0/38 and its same-bits test — removed with it.)
   h200rec)  # session 43's last call: on an H200 only — mk_sweep 0,17,0,17 (the default plan and the 0.5 plan) at 1K in one
@@ -422,10 +421,8 @@ case "$MODE" in
             # time; any other GPU: the 1K bench alone (the call ends in ≈ 1 minute). Builds: precompile_mk.py 1b-f3.
     case "$GPU_NAME" in
       *H200*) ONLY=${ONLY:-0,17,0,17} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 150
-              left=$((${H200REC_S:-500} - SECONDS)); [ $left -gt 60 ] && run bench $((left - 10)) $PY -m hipengine bench \
-                decode --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --json "$OUT/bench_decode.json" \
-                --plot "$OUT/bench_decode.png" ;;
-      *) run bench 90 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --json "$OUT/bench_decode.json" ;;
+              left=$((${H200REC_S:-500} - SECONDS)); [ $left -gt 60 ] && bench $((left - 10)) ;;
+      *) BENCH_CONTEXTS=1024 bench 90 ;;
     esac ;;
   final42)  # session 42's last call: mk_sweep's variants $ONLY (default 0,17,0,17: the default plan and the 0.5 plan) at 1K in
             # one process, the decode bench of record (1K/8K/32K, both paths, JSON + PNG), then the same-bits and 1B-preset
