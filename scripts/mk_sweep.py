@@ -125,8 +125,12 @@ VARIANTS = [  # name, build env, runtime attrs
     ("RMSNorm prologues as session 42's (HE_NORM_GAMMA_EARLY=0)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=0"}, {}),
     ("gamma early in gate/up's prologue only (HE_NORM_GAMMA_EARLY=1)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=1"},
      {}),
+    # session 44: the grouped O-proj's group-0 tiles request their residual value x[row] right after their weights,
+    # before the group's wait (decode.hip MK_O_RES_EARLY, the default); 37 requests it after the combine, as before.
+    # The same value: tokens must equal variant 0's.
+    ("O-proj residual requested after the combine (MK_O_RES_EARLY=0)", {"HIPENGINE_MK_DEFINES": "MK_O_RES_EARLY=0"}, {}),
     # (session 43's HE_MV_EARLY_A — each matvec stage's first refill by cp.async during its prologue: −1.5% for batch a,
-    # −6.8% for the whole pair at 1K on an H100 — was variant 37, and MK_QKV_POS=2 — MK_QFLOW's QKV epilogue with the
+    # −6.8% for the whole pair at 1K on an H100 — was variant 37 then, and MK_QKV_POS=2 — MK_QFLOW's QKV epilogue with the
     # position by value and cos / sin requested by pre(): −2.2%, and not the same bits — variant 38; both removed.)
     # (session 40's MK_O_BULK=1 — each grouped O-proj block's Wo tile copied into shared memory by the copy engine, at the
     # attention stage's start and then from inside the block's split after its first K/V and q requests: −3.6 / −3.9 /
