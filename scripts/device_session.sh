@@ -427,11 +427,13 @@ case "$MODE" in
     left=$((${S44_S:-570} - SECONDS)); [ $left -lt 230 ] && BENCH_CONTEXTS=${BENCH_CONTEXTS:-1024}
     [ $left -gt 60 ] && bench $((left - 70))
     left=$((${S44_S:-570} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default $((left < 75 ? left : 75)) ;;
-  h200rec)  # session 43's last call: on an H200 only — mk_sweep 0,17,0,17 (the default plan and the 0.5 plan) at 1K in one
-            # process, then the decode bench of record (1K/8K/32K, both paths) while the call (${H200REC_S:-500} s) has
-            # time; any other GPU: the 1K bench alone (the call ends in ≈ 1 minute). Builds: precompile_mk.py 1b-f3.
+  h200rec)  # sessions 43-44: on an H200 only — mk_sweep 0,17,0,17 (the default plan and the 0.5 plan) at 1K in one
+            # process, the 1K stage profile, then the decode bench of record (1K/8K/32K, both paths) while the call
+            # (${H200REC_S:-500} s) has time; any other GPU: the 1K bench alone (the call ends in ≈ 1 minute). Builds:
+            # precompile_mk.py 1b-f3 1b-1k-profile.
     case "$GPU_NAME" in
       *H200*) ONLY=${ONLY:-0,17,0,17} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 150
+              prof1k mkprof_default 60
               left=$((${H200REC_S:-500} - SECONDS)); [ $left -gt 60 ] && bench $((left - 10)) ;;
       *) BENCH_CONTEXTS=1024 bench 90 ;;
     esac ;;
