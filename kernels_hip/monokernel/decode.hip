@@ -96,6 +96,11 @@ __device__ inline void mk_attn_mark(int k);
 #if MK_O_GROUP
 #include "ops/matvec_group.hip"
 #endif
+// MK_BAL (session 44): which stages number the grid's warps warp-major (MkWarpMajor, below) — 0: none (the default);
+// 1: QKV; 2: QKV and gate/up.
+#ifndef MK_BAL
+#define MK_BAL 0
+#endif
 // MK_O_RES_EARLY=1 (the default): group 0's tiles stage their residual rows by asynchronous copies right after their
 // weights (ops/matvec_group.hip he_mvg_res_copy); 0: the value loaded after the combine (session 43's place, for the
 // A/B: scripts/mk_sweep.py 37). The same value.
@@ -747,16 +752,44 @@ HE_INLINE he_i64* mk_ofx(const MkParams& p) {
   __builtin_assume(f != nullptr);
   return f;
 }
-HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const float* x) {
+// A stage whose last round of units is partial — Llama-3.2-1B's QKV: 1,536 units on 1,056 warps, gate/up: 8,192 —
+// leaves that round to the warps numbered first, which block-major (ops/matvec.hip he_mv_first) are the first
+// blocks': QKV's 480 second units all on blocks 0-59, so those SMs stream 64 KiB after the barrier while 72 others
+// are done, and every attention split waits for them (the newest K/V rows are second-round units). MkWarpMajor
+// numbers the warps warp-major for the stream (w = warp · blocks + block: the partial round falls on 3-4 warps of
+// every block) and maps each index back: a whole round's index w computes unit block · warps + warp of that round,
+// exactly as before (8 consecutive units per block: session 6's v23 put every round warp-major and lost 1%, which
+// it read as that locality), the partial round's index its own unit. Each unit is summed by one warp with the same
+// code, so the values are the same bits; only which warp computes a partial round's unit changes.
+template <class Base>
+struct MkWarpMajor : Base {
+  static constexpr bool kWarpMajor = true;
+  HE_INLINE int unit(int s) const {
+    const int nb = he_grid_dim(), nw = he_num_warps(), stride = nb * nw, r = s / stride, w = s - r * stride;
+    return (r + 1) * stride <= this->units() ? r * stride + (w % nb) * nw + w / nb : s;
+  }
+  template <int kRows>
+  HE_INLINE void rows(int s, const he_u16* (&rp)[kRows]) const { Base::rows(unit(s), rp); }
+  template <int kRows>
+  HE_INLINE void pre(int s, float (&pv)[kRows]) const { Base::pre(unit(s), pv); }
+  template <int kRows>
+  HE_INLINE void epi(int s, const float (&acc)[kRows], const float (&pv)[kRows]) const { Base::epi(unit(s), acc, pv); }
+};
+template <bool kOn, class Op>
+HE_INLINE auto mk_bal(const Op& op) {
+  if constexpr (kOn) return MkWarpMajor<Op>{op};
+  else return op;
+}
+HE_INLINE auto mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const float* x) {
   // qk_norm models write raw q|k|v (rope = 0); the per-head norm stage rotates and appends.
-  return HeMvQkv{x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
-                 p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd, p.nkv * p.hd, p.hd,
-                 p.qk_norm ? 0 : 1, mk_fx(p)};
+  return mk_bal<MK_BAL >= 1>(HeMvQkv{x, L.attn_norm, p.eps, p.d, L.wqkv, L.bqkv, p.cos_t, p.sin_t, p.iota + pos,
+                                     p.qk_norm ? p.qkv : p.q, L.k_cache, L.v_cache, p.max_ctx, p.nh * p.hd,
+                                     p.nkv * p.hd, p.hd, p.qk_norm ? 0 : 1, mk_fx(p)});
 }
 #if MK_QFLOW
 // The QKV stage itself in MK_QFLOW builds (the other sites only stream its rows): the LL copy of layer epoch `ep`.
-HE_INLINE MkQkvFlow mk_qkv_flow_op(const MkParams& p, const MkLayer& L, int pos, const float* x, he_u32 ep) {
-  return MkQkvFlow{mk_qkv_op(p, L, pos, x), p.flow_ll, ep};
+HE_INLINE auto mk_qkv_flow_op(const MkParams& p, const MkLayer& L, int pos, const float* x, he_u32 ep) {
+  return mk_bal<MK_BAL >= 1>(MkQkvFlow{mk_qkv_op(p, L, pos, x), p.flow_ll, ep});
 }
 #endif
 #if MK_TP
@@ -797,12 +830,12 @@ HE_INLINE HeMvGateUpP mk_gate_up_op(const MkParams& p, const MkLayer& L, const f
                         L.w_up_p, L.esc_gu, L.gu_post, L.gu_unpost);
 }
 #elif MK_O_GROUP  // its input is the fixed-point buffer alone (ops/matvec_group.hip)
-HE_INLINE HeMvGateUpFx mk_gate_up_op(const MkParams& p, const MkLayer& L, const float*) {
-  return HeMvGateUpFx{{nullptr, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn, mk_ofx(p)}};
+HE_INLINE auto mk_gate_up_op(const MkParams& p, const MkLayer& L, const float*) {
+  return mk_bal<MK_BAL >= 2>(HeMvGateUpFx{{nullptr, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn, mk_ofx(p)}});
 }
 #else
-HE_INLINE HeMvGateUp mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x) {
-  return HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn};
+HE_INLINE auto mk_gate_up_op(const MkParams& p, const MkLayer& L, const float* x) {
+  return mk_bal<MK_BAL >= 2>(HeMvGateUp{x, L.ffn_norm, p.eps, p.d, L.w_gate, L.w_up, p.h, p.ffn});
 }
 #endif
 // screen (MK_HEAD_SCREEN builds): the int8 rows [V4, d] as the bf16-shaped matrix [V4 / 2, d] the stream reads
@@ -1208,7 +1241,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
           he_sync_block();
           he_mvg_finish<kMkF16, kMkOCols>(oop, s, he_mk_smem);
         }
-        s.p = HeMvPos{he_mv_first(), 0, false};  // the stream goes on with gate/up's first pair
+        s.p = HeMvPos{he_mv_first_of<decltype(mk_gate_up_op(p, L, p.x))>(), 0, false};  // on with gate/up's first pair
         arrive(kProfO);
         he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
         if (!wait(kProfO)) return;
