@@ -125,15 +125,10 @@ VARIANTS = [  # name, build env, runtime attrs
     ("RMSNorm prologues as session 42's (HE_NORM_GAMMA_EARLY=0)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=0"}, {}),
     ("gamma early in gate/up's prologue only (HE_NORM_GAMMA_EARLY=1)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=1"},
      {}),
-    # session 44: the grouped O-proj's group-0 tiles request their residual value x[row] right after their weights,
-    # before the group's wait (decode.hip MK_O_RES_EARLY, the default); 37 requests it after the combine, as before.
-    # The same value: tokens must equal variant 0's.
-    ("O-proj residual requested after the combine (MK_O_RES_EARLY=0)", {"HIPENGINE_MK_DEFINES": "MK_O_RES_EARLY=0"}, {}),
-    # ... and a partial last round of units dealt warp-major over the blocks (decode.hip MK_BAL, MkWarpMajor): QKV's
-    # 480 second units on 3-4 warps of every block instead of on blocks 0-59 (38), and gate/up's last round too (39).
-    # The same sums: tokens must equal variant 0's.
-    ("QKV's second round warp-major (MK_BAL=1)", {"HIPENGINE_MK_DEFINES": "MK_BAL=1"}, {}),
-    ("QKV's and gate/up's last rounds warp-major (MK_BAL=2)", {"HIPENGINE_MK_DEFINES": "MK_BAL=2"}, {}),
+    # (session 44's MK_O_RES_EARLY=0 — the grouped O-proj's group-0 residual read after the combine, against the default
+    # then: its rows staged by cp.async before the combine, +0.3 / +0.2% for the old place, level — and MK_BAL=1 / 2 —
+    # QKV's (and gate/up's) partial last round dealt warp-major over the blocks: −2.0 / −2.7% — were variants 37-39,
+    # removed with them.)
     # (session 43's HE_MV_EARLY_A — each matvec stage's first refill by cp.async during its prologue: −1.5% for batch a,
     # −6.8% for the whole pair at 1K on an H100 — was variant 37 then, and MK_QKV_POS=2 — MK_QFLOW's QKV epilogue with the
     # position by value and cos / sin requested by pre(): −2.2%, and not the same bits — variant 38 then; both removed.)

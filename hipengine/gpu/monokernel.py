@@ -788,10 +788,7 @@ class MonokernelBackend(GpuBackend):
                         O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma),   # attention (ops.attention)
                         4 * ((cfg.vocab_size + 31) // 32),                               # sampling history bitmap
                         O.mlp_shared_bytes(cfg.hidden_size, rt.warp_size, rt.vendor == "nvidia", THREADS)
-                        if self.fused_mlp else 0,
-                        # the grouped O-proj: the combine's att, then group 0's staged residual rows (MK_O_RES_EARLY)
-                        4 * (G * cfg.head_dim + O.o_group_tile_rows(G * cfg.head_dim, rt.warp_size, THREADS))
-                        if self.o_group else 0)
+                        if self.fused_mlp else 0)
         if self.head_screen:  # the staged input, its int16 copy and the warps' slots (ops/head_screen.hip)
             from .head_screen import smem_bytes
 

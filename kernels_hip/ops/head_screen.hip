@@ -138,7 +138,7 @@ template <bool kDefer, bool kRowBounds = false, class Next>
 HE_INLINE void he_head_screen_finish(const HeMvPlain& op, HeMvStream<2>& s, float* xs, float* scratch,
                                      const Next& nxt, const HeHeadScreen& hs) {
   if (HE_UNLIKELY(!s.p.nx && s.p.u >= op.units())) {  // no unit of op for this warp
-    s.p.u = he_mv_first_of<Next>();
+    s.p.u = he_mv_first();
     s.p.c0 = 0;
     s.p.nx = true;
     he_mv_fill_a(op, nxt, s.p, s);

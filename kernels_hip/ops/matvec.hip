@@ -144,23 +144,6 @@ struct HeMvNone {
 
 HE_INLINE int he_mv_stride() { return he_grid_dim() * he_num_warps(); }
 HE_INLINE int he_mv_first() { return he_block_idx() * he_num_warps() + he_warp_id(); }
-// Ops that number the grid's warps warp-major (w = warp · blocks + block: a partial last round of units falls on
-// every block, not on the first ones) say so with `static constexpr bool kWarpMajor = true`, and map the stream's
-// unit index (w + r · stride) to the unit they compute themselves (the monokernel's MkWarpMajor, decode.hip MK_BAL).
-template <class Op, class = void>
-struct HeMvWarpMajor {
-  static constexpr bool value = false;
-};
-template <class Op>
-struct HeMvWarpMajor<Op, decltype(void(Op::kWarpMajor))> {
-  static constexpr bool value = Op::kWarpMajor;
-};
-// This warp's first unit index in op.
-template <class Op>
-HE_INLINE int he_mv_first_of() {
-  if constexpr (HeMvWarpMajor<Op>::value) return he_warp_id() * he_grid_dim() + he_block_idx();
-  else return he_mv_first();
-}
 
 template <int kRows>
 HE_INLINE void he_mv_zero(he_vec16 (&w)[kRows][kMatvecUnroll]) {
@@ -218,9 +201,9 @@ HE_INLINE void he_mv_fill_b(const Op& op, const Next& nxt, const HeMvPos& p, HeM
 }
 
 // p past op's last unit -> the first pair of nxt.
-template <class Next, class Op>
+template <class Op>
 HE_INLINE void he_mv_norm(HeMvPos& p, const Op& op) {
-  if (!p.nx && p.u >= op.units()) { p.u = he_mv_first_of<Next>(); p.c0 = 0; p.nx = true; }
+  if (!p.nx && p.u >= op.units()) { p.u = he_mv_first(); p.c0 = 0; p.nx = true; }
 }
 
 // The pair after p: next 2B columns, then the warp's next unit, then nxt's first pair.
@@ -228,13 +211,13 @@ template <class Op, class Next>
 HE_INLINE void he_mv_advance(HeMvPos& p, const Op& op, const Next& nxt) {
   p.c0 += 2 * kMatvecBatch;
   if (p.c0 >= (p.nx ? nxt.in : op.in)) { p.c0 = 0; p.u += he_mv_stride(); }
-  he_mv_norm<Next>(p, op);
+  he_mv_norm(p, op);
 }
 
 template <class Op, class Next, int kRows>
 HE_INLINE void he_mv_begin(const Op& op, HeMvStream<kRows>& s, const Next& nxt) {
-  s.p = HeMvPos{he_mv_first_of<Op>(), 0, false};
-  he_mv_norm<Next>(s.p, op);
+  s.p = HeMvPos{he_mv_first(), 0, false};
+  he_mv_norm(s.p, op);
   he_mv_fill_a(op, nxt, s.p, s);
   he_mv_fill_b(op, nxt, s.p, s);
 }
@@ -275,7 +258,7 @@ HE_INLINE void he_mv_consume(const he_vec16 (&w)[kRows][kMatvecUnroll], int c0, 
 template <bool kF16, bool kDefer = false, class Op, class Next, int kRows>
 HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float* scratch, const Next& nxt) {
   if (HE_UNLIKELY(!s.p.nx && s.p.u >= op.units())) {  // no unit of op for this warp
-    s.p.u = he_mv_first_of<Next>();
+    s.p.u = he_mv_first();
     s.p.c0 = 0;
     s.p.nx = true;
     he_mv_fill_a(op, nxt, s.p, s);

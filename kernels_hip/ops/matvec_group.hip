@@ -97,18 +97,6 @@ HE_INLINE int he_mvg_kept() {
   return ((lane & (L / 2)) ? 8 : 0) + ((lane & (L / 4)) ? 4 : 0) + ((lane & (L / 8)) ? 2 : 0) + ((lane & (L / 16)) ? 1 : 0);
 }
 
-// Group 0's residual rows staged in shared memory for he_mvg_finish: rows [tile0, tile0 + rows) of res (a multiple
-// of 4) copied to `dst` (16-byte aligned) by asynchronous copies. No register waits for them, so the monokernel
-// issues them before the combine's loads and they land with them; the finish then reads them through op.res =
-// dst - tile0. Read from global memory in the finish, res was one more L2 round trip after the combine's, on group
-// 0's blocks only (≈ 0.2 µs per layer later at the O barrier, session 43's profile); loaded into a register before
-// the combine, ptxas spilled it at once (a local store that waits for the load). Complete the copies with
-// he_cp_async_wait<0>() and a block barrier before the finish.
-HE_INLINE void he_mvg_res_copy(const float* res, int tile0, int rows, float* dst) {
-  for (int i = he_thread_idx(); i < rows / 4; i += he_block_dim()) he_cp_async16(dst + 4 * i, res + tile0 + 4 * i, true);
-  he_cp_async_commit();
-}
-
 // att: the group's kCols inputs (shared memory). Sums this warp's rows and adds each into op.y_fx.
 template <bool kF16, int kCols>
 HE_INLINE void he_mvg_finish(const HeMvGroupO& op, const HeMvStream<2>& s, const float* att) {
