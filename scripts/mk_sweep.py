@@ -125,10 +125,13 @@ VARIANTS = [  # name, build env, runtime attrs
     ("RMSNorm prologues as session 42's (HE_NORM_GAMMA_EARLY=0)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=0"}, {}),
     ("gamma early in gate/up's prologue only (HE_NORM_GAMMA_EARLY=1)", {"HIPENGINE_MK_DEFINES": "HE_NORM_GAMMA_EARLY=1"},
      {}),
+    # session 44: caches of up to 1K take half a block per SM by default (ops.SHORT_PLAN_BPS: variant 17's plan there);
+    # 37 is the plan before, one block per SM (16 splits of 64 at 1K; at 2K and above the default's own plan). Sums differ.
+    ("attention plan at 1 block per SM (the plan at 1K before session 44)", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "1"}, {}),
     # (session 44's MK_O_RES_EARLY=0 — the grouped O-proj's group-0 residual read after the combine, against the default
     # then: its rows staged by cp.async before the combine, +0.3 / +0.2% for the old place, level — and MK_BAL=1 / 2 —
     # QKV's (and gate/up's) partial last round dealt warp-major over the blocks: −2.0 / −2.7% — were variants 37-39,
-    # removed with them.)
+    # removed with them; 37 is now the plan A/B above.)
     # (session 43's HE_MV_EARLY_A — each matvec stage's first refill by cp.async during its prologue: −1.5% for batch a,
     # −6.8% for the whole pair at 1K on an H100 — was variant 37 then, and MK_QKV_POS=2 — MK_QFLOW's QKV epilogue with the
     # position by value and cos / sin requested by pre(): −2.2%, and not the same bits — variant 38 then; both removed.)

@@ -182,7 +182,7 @@ def test_attention_plan_caps_splits_when_free():
     assert f"kCombineBatch = {ops.ATTN_COMBINE_BATCH};" in src
     assert re.search(rf"kAttnUnroll = {ops.ATTN_UNROLL};", src)
     assert ops.attention_plan(1024, 4, 132) == (16, 64)       # TP=2 rank of llama-3.2-1b at 1K (was 32 x 32)
-    assert ops.attention_plan(1024, 8, 132) == (16, 64)       # TP=1: unchanged
+    assert ops.attention_plan(1024, 8, 132) == (8, 128)       # TP=1: the short-cache plan (SHORT_PLAN_BPS)
     assert ops.attention_plan(8192, 4, 132) == (32, 256)      # 16 splits would be 512 rows: kept
     assert ops.attention_plan(1024, 4, 132, head_dim=128) == (16, 64)  # 64 rows per batch at hd 128: fits
     assert ops.attention_plan(2048, 4, 132, head_dim=128) == (32, 64)  # 128 rows would not: kept
@@ -273,13 +273,13 @@ def test_attention_plan_two_rounds_where_one_spills(monkeypatch):
     assert ops.attention_plan(12288, 8, 132) == (32, 384)
     assert ops.attention_plan(8192, 8, 132) == (16, 512)
     assert ops.attention_plan(8704, 8, 132) == (31, 288)  # 17 splits of 512 would spill
-    assert ops.attention_plan(1024, 8, 132) == (16, 64)
+    assert ops.attention_plan(2048, 8, 132) == (16, 128)
     assert ops.attention_plan(32768, 8, 132) == (32, 1024)
     for ctx in (1024, 4096, 8192, 16384, 32768):
         assert ops.attention_plan(ctx, 4, 132) == ops.attention_plan(ctx, 4, 132, blocks_per_sm=1.0)
     one = lambda ctx, nkv=8: ops.attention_plan(ctx, nkv, 132, one_round=True)  # noqa: E731
     assert [one(c) for c in (1024, 8192, 8704, 12288, 16384, 32768)] == [
-        (16, 64), (16, 512), (16, 544), (16, 768), (16, 1024), (16, 2048)]
+        (8, 128), (16, 512), (16, 544), (16, 768), (16, 1024), (16, 2048)]
     assert one(49152) == (48, 1024)  # 2,048-position splits would need 24: the per-op plan's two rounds
     for ctx in (1024, 4096, 8192, 16384, 32768):  # the same where the KV heads divide the SMs
         for nkv in (2, 3, 4):
@@ -295,6 +295,27 @@ def test_attention_plan_two_rounds_where_one_spills(monkeypatch):
         monkeypatch.setenv("HIPENGINE_ATTN_BLOCKS_PER_SM", bad)
         with pytest.raises(UnsupportedError, match="HIPENGINE_ATTN_BLOCKS_PER_SM"):
             ops.attention_plan(8192, 8, 132)
+
+
+def test_attention_plan_short_caches(monkeypatch):
+    """Caches of up to 1K positions take half a (KV head, split) block per SM on both paths (ops.SHORT_PLAN_BPS):
+    llama-3.2-1b 8 splits of 128 at 1K instead of 16 of 64; larger caches, and an explicit blocks per SM, keep
+    the rules they had. The default model's 3 KV heads and a TP=2 rank's 4 keep 16 splits of 64 at 1K."""
+    from hipengine.gpu import monokernel as M
+    from hipengine.gpu import ops
+
+    for var in ("HIPENGINE_ATTN_BLOCKS_PER_SM", "HIPENGINE_ATTN_SPLIT_CAP", "HIPENGINE_ATTN_MAX_CHUNK",
+                "HIPENGINE_MK_ONE_ROUND", "HIPENGINE_MK_FINE"):
+        monkeypatch.delenv(var, raising=False)
+    assert ops.SHORT_PLAN_CTX == 1024
+    assert ops.attention_plan(1024, 8, 132) == ops.attention_plan(1024, 8, 132, one_round=True) == (8, 128)
+    assert ops.attention_plan(512, 8, 132) == (8, 64)
+    assert ops.attention_plan(2048, 8, 132) == ops.attention_plan(2048, 8, 132, one_round=True) == (16, 128)
+    assert ops.attention_plan(1024, 8, 132, blocks_per_sm=1.0) == (16, 64)
+    assert ops.attention_plan(1024, 3, 132) == ops.attention_plan(1024, 4, 132) == (16, 64)
+    assert M.mk_plan(1024, 8, 132) == (8, 128) and M.mk_fine(1024, 8, 132) == 3  # 64 items: one round
+    monkeypatch.setenv("HIPENGINE_ATTN_BLOCKS_PER_SM", "1")
+    assert ops.attention_plan(1024, 8, 132) == (16, 64)  # the old plan, for A/B
 
 
 def test_pdl_late_roles(monkeypatch):

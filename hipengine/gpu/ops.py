@@ -138,6 +138,9 @@ def attention_max_chunk(one_round: bool = False) -> int:
 
 ATTN_COMBINE_BATCH = 16  # attention_decode.hip kCombineBatch: split partials the combine loads per round trip
 ATTN_UNROLL = 4          # attention_decode.hip kAttnUnroll: rows per lane group per batch
+# Caches of up to SHORT_PLAN_CTX positions aim for SHORT_PLAN_BPS (KV head, split) blocks per SM (attention_plan).
+SHORT_PLAN_CTX = 1024
+SHORT_PLAN_BPS = 0.5
 
 
 def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm: float | None = None,
@@ -163,12 +166,21 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
     one-round bound (the default model's 3 KV heads, a TP=2 rank's 4, on 132 SMs). blocks_per_sm (or
     HIPENGINE_ATTN_BLOCKS_PER_SM, sweeps) asks for ~that many blocks per SM instead, for either path.
 
+    Caches of up to SHORT_PLAN_CTX (1K) positions aim for half a block per SM (SHORT_PLAN_BPS; llama-3.2-1b: 8
+    splits of 128, 64 items, where the rules above give 16 of 64): measured for the monokernel on four H100s
+    at 1K (docs/perf-log.md sessions 41-44) at +1.3 to +2.0% — its split items then sit on the blocks that
+    stream one QKV unit, and more blocks request their O-proj tile early — for −1.4% on the per-op path, whose
+    tokens must stay the monokernel's (one plan for both). At 2K the same plan cost the monokernel 0.8%, so the
+    rule stops at 1K.
+
     Then fewer, longer splits where that is free: if the plan has more splits than the combine loads in one
     round trip (ATTN_COMBINE_BATCH) but 16 splits still give each warp a single batch of rows (chunk <= the
     rows a 256-thread block scores per batch: 128 at head_dim 64), take 16 — the split takes one batch either
     way, and the combine and the arrival counter save a dependent round trip (at TP=2, 4 KV heads per rank,
     the 1K plan was 32 splits of 32 positions). HIPENGINE_ATTN_SPLIT_CAP=0 keeps the first plan (A/B)."""
     bps = blocks_per_sm or attention_blocks_per_sm()
+    if bps is None and max_ctx <= SHORT_PLAN_CTX:
+        bps = SHORT_PLAN_BPS
     if bps is None:
         if one_round:
             plan = _split_plan(max_ctx, num_sms // num_kv_heads, attention_max_chunk(one_round=True), head_dim)
