@@ -419,13 +419,14 @@ case "$MODE" in
   # (s44 — session 44's MK_O_RES_EARLY / MK_BAL A/B, mk_sweep 0/37/38/39 at 1K, same-bits, bench, profile — removed with them.)
   s44b)  # session 44: half a block per SM at caches up to 1K (ops.SHORT_PLAN_BPS, the default now) — mk_sweep 0,37 three
          # times at 1K in one process (the new plan and the one before), the same-bits and 1B-preset monokernel tests, the
-         # GPU engine tests, the decode bench of record (1K/8K/32K, both paths), the default's 1K stage profile. Builds:
-         # precompile_mk.py 1b-f3 1b-1k-profile.
-    ONLY=${ONLY:-0,37,0,37,0,37} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 200
-    run same_bits 120 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset"
-    engine_tests
-    bench 150
-    prof1k mkprof_default 60 ;;
+         # decode bench of record (1K/8K/32K, both paths), the default's 1K stage profile, then the GPU engine tests while
+         # the call (${S44B_S:-400} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-profile.
+    ONLY=${ONLY:-0,37,0,37,0,37} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 160
+    run same_bits 100 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset"
+    bench 90
+    prof1k mkprof_default 45
+    left=$((${S44B_S:-400} - SECONDS)); [ $left -gt 40 ] && run engine_tests $left $PY -m pytest tests/test_gpu_engine.py -q -rs \
+      -k "not 1b_preset" ;;
   h200rec)  # sessions 43-44: on an H200 only — mk_sweep 0,17,0,17 (the default plan and the 0.5 plan) at 1K in one
             # process, the 1K stage profile, then the decode bench of record (1K/8K/32K, both paths) while the call
             # (${H200REC_S:-500} s) has time; any other GPU: the 1K bench alone (the call ends in ≈ 1 minute). Builds:
