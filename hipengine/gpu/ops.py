@@ -167,11 +167,11 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
     HIPENGINE_ATTN_BLOCKS_PER_SM, sweeps) asks for ~that many blocks per SM instead, for either path.
 
     Caches of up to SHORT_PLAN_CTX (1K) positions aim for half a block per SM (SHORT_PLAN_BPS; llama-3.2-1b: 8
-    splits of 128, 64 items, where the rules above give 16 of 64): measured for the monokernel on four H100s
-    at 1K (docs/perf-log.md sessions 41-44) at +1.3 to +2.0% — its split items then sit on the blocks that
+    splits of 128, 64 items, where the rules above give 16 of 64): measured for the monokernel in four H100
+    calls at 1K (docs/perf-log.md sessions 41-42) at +1.3 to +2.0% — its split items then sit on the blocks that
     stream one QKV unit, and more blocks request their O-proj tile early — for −1.4% on the per-op path, whose
-    tokens must stay the monokernel's (one plan for both). At 2K the same plan cost the monokernel 0.8%, so the
-    rule stops at 1K.
+    tokens must stay the monokernel's (one plan for both). At 2K the same plan cost the monokernel 0.5-0.8%, so
+    the rule stops at 1K.
 
     Then fewer, longer splits where that is free: if the plan has more splits than the combine loads in one
     round trip (ATTN_COMBINE_BATCH) but 16 splits still give each warp a single batch of rows (chunk <= the
