@@ -119,7 +119,10 @@ mk_sweep_ab() { run "$1" "$2" $PY scripts/mk_sweep.py --contexts "$(echo ${AB_CO
                   --only "$ONLY" $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/$1.json"; }
 preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"; }
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
-engine_tests() { run engine_tests 120 $PY -m pytest tests/test_gpu_engine.py -q -rs -k "not 1b_preset"; }
+# engine_tests [SECONDS] / same_bits [SECONDS]: the GPU engine tests; the monokernel's same-bits and 1B-preset tests
+engine_tests() { run engine_tests ${1:-120} $PY -m pytest tests/test_gpu_engine.py -q -rs -k "not 1b_preset"; }
+same_bits() { run same_bits ${1:-120} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs \
+                -k "q_flow or o_group_same_bits or 1b_preset"; }
 bench_ops_decode() { run bench_ops 170 $PY scripts/bench_ops.py --json "$OUT/bench_ops.json"; }
 # bench [SECONDS]: the decode bench of record at $BENCH_CONTEXTS (default 1K/8K/32K), both paths, JSON + PNG
 bench() { run bench ${1:-260} $PY -m hipengine bench decode --shape llama-3.2-1b \
@@ -410,7 +413,7 @@ case "$MODE" in
         # 1b-1k-profile. (Its second call, s43b, measured HE_MV_EARLY_A — mk_sweep 37 then — and went with it.)
     case "$GPU_NAME" in *H200*) ONLY=${ONLY:-0,35,36,17,0,35,36,17} ;; *) ONLY=${ONLY:-0,35,36,0,35,36} ;; esac
     AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 300
-    run same_bits 120 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset"
+    same_bits 120
     run op_tests 80 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "rmsnorm or matvec_gate_up or matvec_qkv or test_matvec"
     left=$((${S43_S:-570} - SECONDS)); [ $left -lt 200 ] && BENCH_CONTEXTS=${BENCH_CONTEXTS:-1024}
     [ $left -gt 60 ] && bench $((left - 10))
@@ -422,11 +425,10 @@ case "$MODE" in
          # decode bench of record (1K/8K/32K, both paths), the default's 1K stage profile, then the GPU engine tests while
          # the call (${S44B_S:-400} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-profile.
     ONLY=${ONLY:-0,37,0,37,0,37} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 160
-    run same_bits 100 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset"
+    same_bits 100
     bench 90
     prof1k mkprof_default 45
-    left=$((${S44B_S:-400} - SECONDS)); [ $left -gt 40 ] && run engine_tests $left $PY -m pytest tests/test_gpu_engine.py -q -rs \
-      -k "not 1b_preset" ;;
+    left=$((${S44B_S:-400} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   h200rec)  # sessions 43-44: on an H200 only — mk_sweep 0,17,0,17 (the default plan and the 0.5 plan) at 1K in one
             # process, the 1K stage profile, then the decode bench of record (1K/8K/32K, both paths) while the call
             # (${H200REC_S:-500} s) has time; any other GPU: the 1K bench alone (the call ends in ≈ 1 minute). Builds:
@@ -442,8 +444,7 @@ case "$MODE" in
             # monokernel tests in the time left (the call stays under ${FINAL42_S:-560} s). Builds: precompile_mk.py 1b-f3.
     ONLY=${ONLY:-0,17,0,17} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 120
     bench
-    left=$((${FINAL42_S:-560} - SECONDS)); [ $left -gt 60 ] && run mk_same_bits $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs \
-      -k "q_flow or o_group_same_bits or 1b_preset" ;;
+    left=$((${FINAL42_S:-560} - SECONDS)); [ $left -gt 60 ] && same_bits $left ;;
   plan)  # session 42: the attention plan at short contexts with MK_QFLOW (the default) — mk_sweep's variants $ONLY (default
         # 0,17,34,0,17,34: the default plan, 0.5 blocks per SM, 0.24) at $AB_CONTEXTS (default 1K / 2K) in one process,
         # the 1K stage profiles of the default and the 0.5 plan, then the decode bench of both paths at 1K on each plan
@@ -462,8 +463,8 @@ case "$MODE" in
              # variants $ONLY (default 0,33,0,33: the default and the QKV barrier) at 1K/8K/32K in one process, then the
              # decode bench of record in the time left (the call stays under ${QFLOWREC_S:-500} s). Builds: precompile_mk.py
              # 1b-f3 1b-f3-noflow.
-    run mk_same_bits 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits or 1b_preset"
-    run engine_tests 110 $PY -m pytest tests/test_gpu_engine.py -q -rs -k "not 1b_preset"
+    same_bits 150
+    engine_tests 110
     ONLY=${ONLY:-0,33,0,33} mk_sweep_ab mk_sweep 220
     left=$((${QFLOWREC_S:-500} - SECONDS)); [ $left -gt 60 ] && run bench $left $PY -m hipengine bench decode \
       --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --json "$OUT/bench_decode.json" \

@@ -54,8 +54,8 @@ VARIANTS = [  # name, build env, runtime attrs
     # the attention splits' first K/V requests between the QKV barrier's arrival and its wait (v72)
     ("attention K/V requested before the QKV wait", {"HIPENGINE_MK_DEFINES": "MK_ATTN_EARLY=1"}, {}),
     # the attention plan aiming at half a (KV head, split) block per SM: 8 splits of 128 positions at 1K (session
-    # 20: +1% for the monokernel, -1.7% per-op at 1K; session 28: -0.4% at 1K, -7% at 8K; sessions 41-43 under
-    # MK_QFLOW: +1.3 to +2.0% at 1K, -0.8% at 2K; the default's plan at caches up to 1K since session 44 — there
+    # 20: +1% for the monokernel, -1.7% per-op at 1K; session 28: -0.4% at 1K, -7% at 8K; sessions 41-42 under
+    # MK_QFLOW: +1.3 to +2.0% at 1K, -0.5 to -0.8% at 2K; the default's plan at caches up to 1K since session 44 — there
     # variant 37 is the plan before): its sums differ
     ("attention plan at 0.5 blocks per SM", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "0.5"}, {}),
     # the per-op path's split plan (session 29 gave the monokernel its own one-round plan: 16 splits of 1,024 at 16K

@@ -263,7 +263,8 @@ def test_attention_plan_two_rounds_where_one_spills(monkeypatch):
     SMs, then two full rounds (llama-3.2-1b on 132 SMs: 16K takes 32 splits of 512 instead of 17 of 992; 8K
     and 32K keep their plans, and so does every cache of a TP=2 rank). The monokernel's (one_round, session 29):
     one round of num_sms // num_kv_heads splits of up to 2,048 positions first (llama-3.2-1b: 16 splits at every
-    cache from 2K up to 32K). Caches up to 1K: test_attention_plan_short_caches. HIPENGINE_ATTN_BLOCKS_PER_SM overrides both; bad values are one clear error."""
+    cache from 2K up to 32K; caches up to 1K: test_attention_plan_short_caches). HIPENGINE_ATTN_BLOCKS_PER_SM
+    overrides both; bad values are one clear error."""
     from hipengine.errors import UnsupportedError
     from hipengine.gpu import ops
 
