@@ -129,11 +129,14 @@ VARIANTS = [  # name, build env, runtime attrs
     # session 44: caches of up to 1K take half a block per SM by default (ops.SHORT_PLAN_BPS: variant 17's plan there);
     # 37 is the plan before, one block per SM (16 splits of 64 at 1K; at 2K and above the default's own plan). Sums differ.
     ("attention plan at 1 block per SM (the plan at 1K before session 44)", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "1"}, {}),
-    # session 45: each split block's cache rows (up to 128: the 1K plan's splits) requested into shared memory by two bulk
-    # copies right after its QKV prologue, read there by the split (decode.hip MK_KV_EARLY). The same bytes: tokens must
-    # equal variant 0's.
-    ("split K/V rows copied into shared memory during QKV (MK_KV_EARLY=128)", {"HIPENGINE_MK_DEFINES": "MK_KV_EARLY=128"},
-     {}),
+    # (session 45's MK_KV_EARLY=128 — each split block's cache rows copied into shared memory by two bulk copies after its
+    # QKV prologue, read there by the split: −2.3% at 1K on an H100 — was variant 38, removed.)
+    # session 45: the weight stream's loads (port.h he_load16_stream: every matvec stage and the LM head screen) marked
+    # first to leave L2 (an evict-first cache policy), so that what each layer re-reads — its code, the KV cache, the
+    # activations and flags — is not pushed out by the weights; 39 also marks the KV-cache rows last to leave. The same
+    # values: tokens must equal variant 0's.
+    ("weight loads L2 evict-first (HE_STREAM_EVICT_FIRST)", {"HIPENGINE_MK_DEFINES": "HE_STREAM_EVICT_FIRST=1"}, {}),
+    ("weights evict-first, KV rows evict-last", {"HIPENGINE_MK_DEFINES": "HE_STREAM_EVICT_FIRST=1,HE_KV_EVICT_LAST=1"}, {}),
     # (session 44's MK_O_RES_EARLY=0 — the grouped O-proj's group-0 residual read after the combine, against the default
     # then: its rows staged by cp.async before the combine, +0.3 / +0.2% for the old place, level — and MK_BAL=1 / 2 —
     # QKV's (and gate/up's) partial last round dealt warp-major over the blocks: −2.0 / −2.7% — were variants 37-39,

@@ -789,10 +789,6 @@ class MonokernelBackend(GpuBackend):
                         4 * ((cfg.vocab_size + 31) // 32),                               # sampling history bitmap
                         O.mlp_shared_bytes(cfg.hidden_size, rt.warp_size, rt.vendor == "nvidia", THREADS)
                         if self.fused_mlp else 0)
-        kv_rows = extra_defines().get("MK_KV_EARLY", 0)
-        if kv_rows and self.q_flow:  # decode.hip MK_KV_EARLY (experiment): K and V rows past the attention's bytes
-            off = (O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma) + 127) // 128 * 128
-            self.smem = max(self.smem, off + 2 * kv_rows * cfg.head_dim * 2)
         if self.head_screen:  # the staged input, its int16 copy and the warps' slots (ops/head_screen.hip)
             from .head_screen import smem_bytes
 

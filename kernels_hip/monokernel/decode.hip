@@ -548,26 +548,6 @@ constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of colu
 #ifndef MK_QFLOW
 #define MK_QFLOW 0
 #endif
-// MK_KV_EARLY=R (experiment, MK_QFLOW builds on sm_90+; HIPENGINE_MK_DEFINES=MK_KV_EARLY=128, the host adds the
-// shared memory): a block with a split item of at most R rows requests the item's cache rows (all but the newest,
-// which this QKV stage appends) into shared memory right after its QKV prologue — two bulk copies (the TMA: no
-// registers, and session 21's probe measured the SM's later polls barely held back by them) on one mbarrier — and
-// the split reads them there (HeAttnPlainQ kStagedRows) instead of requesting them once QKV is done: their HBM round
-// trip then overlaps the QKV stage instead of heading the split's chain. Its QKV unit's weights were requested at the
-// barrier before and its x is staged, so nothing of the stage waits behind them. Same bytes, same sums. The buffer
-// lies past the attention split's shared memory (kMkKvOff): K rows, then V rows, R × hd each.
-#ifndef MK_KV_EARLY
-#define MK_KV_EARLY 0
-#endif
-static_assert(MK_KV_EARLY >= 0 && MK_KV_EARLY % 16 == 0, "MK_KV_EARLY: rows staged, a multiple of 16");
-static_assert(!MK_KV_EARLY || (kHasBulkCopy && MK_QFLOW), "MK_KV_EARLY: MK_QFLOW, bulk copies (NVIDIA sm_90+)");
-constexpr int kMkKvRows = MK_KV_EARLY;
-constexpr int kMkKvOff = (he_attn_mma_smem(MK_ATTN_G) + 127) / 128 * 128;  // bytes into he_mk_smem
-constexpr int kMkKvVOff = kMkKvRows * HE_ATTN_HD * (int)sizeof(he_kv);   // the V rows, bytes past the K rows
-#if MK_KV_EARLY
-__shared__ he_u64 mk_kv_bar;  // the copies' mbarrier (one phase per staged layer)
-#endif
-
 static_assert(!MK_QFLOW || (MK_O_GROUP && !MK_QK_NORM && !MK_ATTN_EARLY && kAttnMma),
               "MK_QFLOW: the grouped O-proj, no q/k norms, the matrix-core split");
 #if MK_QFLOW
@@ -599,56 +579,15 @@ struct MkQkvFlow : HeMvQkv {
   }
 };
 
-// This block's split item under MK_QFLOW's placement (mk_attention_flow: one item per block, on the grid's last
-// blocks), its rows [start, start + n) of `seq` (he_attn_split_rows' arithmetic) and how many of them precede the
-// newest (`rows`: the ones staged); false when the block has no item, the items do not fit one per block, the item
-// has more than kMkKvRows rows (its split loads them itself) or none but the newest.
-HE_INLINE bool mk_kv_item(int nkv, int nsplit, int chunk, int seq, int& kvh, int& start, int& rows) {
-  const int items = nkv * nsplit, nb = he_grid_dim(), it = he_block_idx() - (nb - items);
-  if (kMkKvRows == 0 || items > nb || it < 0) return false;
-  kvh = it / nsplit;
-  const int len = he_attn_len(seq, nsplit, chunk);
-  start = (it % nsplit) * len;
-  const int n = start < seq ? (seq - start < len ? seq - start : len) : 0;
-  rows = start + n == seq ? n - 1 : n;  // the newest row (seq - 1) is the split's last when it holds it
-  return n <= kMkKvRows && rows > 0;
-}
-
-#if MK_KV_EARLY
-// MkQkvFlow whose prologue is followed by the copies (ops/matvec.hip HeMvHasStaged): thread 0 announces the bytes on
-// mk_kv_bar and requests the K rows and the V rows (contiguous in the cache: [kvh][max_ctx][hd]).
-struct MkQkvFlowKv : MkQkvFlow {
-  static constexpr bool kStaged = true;
-  char* kvs;
-  int nkv, nsplit, chunk, pos;
-  HE_INLINE void staged() const {
-    int kvh, start, rows;
-    if (he_thread_idx() != 0 || !mk_kv_item(nkv, nsplit, chunk, pos + 1, kvh, start, rows)) return;
-    const he_u32 bytes = (he_u32)(rows * HE_ATTN_HD * (int)sizeof(he_kv));
-    const he_i64 at = ((he_i64)kvh * max_ctx + start) * HE_ATTN_HD;
-    he_mbar_expect_arrive(&mk_kv_bar, 2 * bytes);
-    he_bulk_load(kvs, k_cache + at, bytes, &mk_kv_bar);
-    he_bulk_load(kvs + kMkKvVOff, v_cache + at, bytes, &mk_kv_bar);
-  }
-};
-#endif
-
 // The split body's source of q and of the newest K/V row (ops/attention_decode.hip HeAttnPlainQ): the LL words.
 // Polls re-load only the words not yet there, all at once (one round trip per pass); a poll that outlives the
 // timeout reports kStatusCounterTimeout, and one that sees another block's error stops: both set mk_flow_fail.
 struct MkFlowWait {
   static constexpr bool kFlow = true;
-  static constexpr int kStagedRows = kMkKvRows;
   HeWaitCtx w;
   const he_u64* ll;
   he_u32 epoch;
   int q_dim, kv_dim;
-  const char* kvs = nullptr;  // MK_KV_EARLY: he_mk_smem + kMkKvOff, where the block's QKV stage copied its rows
-  bool staged = false;        // MK_KV_EARLY: whether it did (mk_kv_item)
-  HE_INLINE bool staged_ok(int n) const { return staged && n <= kStagedRows; }
-  HE_INLINE he_vec16 kv_staged(bool is_v, int key, int c) const {
-    return *(const he_vec16*)(kvs + (is_v ? kMkKvVOff : 0) + (key * HE_ATTN_HD + c) * (int)sizeof(he_kv));
-  }
   HE_INLINE bool operator()() const { return true; }  // nothing to wait for as a block: the words are polled
   template <int N>
   HE_INLINE void poll(const he_u64* p, he_u64 (&v)[N]) const {
@@ -813,12 +752,6 @@ HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const 
 HE_INLINE MkQkvFlow mk_qkv_flow_op(const MkParams& p, const MkLayer& L, int pos, const float* x, he_u32 ep) {
   return MkQkvFlow{mk_qkv_op(p, L, pos, x), p.flow_ll, ep};
 }
-#if MK_KV_EARLY
-HE_INLINE MkQkvFlowKv mk_qkv_flow_kv_op(const MkParams& p, const MkLayer& L, int pos, const float* x, he_u32 ep,
-                                        char* kvs) {
-  return MkQkvFlowKv{mk_qkv_flow_op(p, L, pos, x, ep), kvs, p.nkv, p.nsplit, p.chunk, pos};
-}
-#endif
 #endif
 #if MK_TP
 HE_INLINE MkMvOut mk_o_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
@@ -1071,14 +1004,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   he_u32 flow_ep = 0;  // the LL words' epoch: one per layer of the launch
   if (he_thread_idx() == 0) mk_flow_fail = 0;
 #endif
-#if MK_KV_EARLY
-  he_u32 kv_phase = 0;  // the parity of mk_kv_bar's next phase
-  if (he_thread_idx() == 0) {
-    he_mbar_init(&mk_kv_bar, 1);
-    he_mbar_init_fence();
-  }
-  he_sync_block();
-#endif
   // LL exchange (monokernel/tp_exchange.h; always at tp > 1, HIPENGINE_MK_LL at tp = 1): epochs of its
   // regions, advanced identically on every rank
   const bool tp = kMkTp && p.tp_ll != nullptr;
@@ -1210,16 +1135,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // QKV's stream stops at its end; the O-proj's first weights are requested after the attention splits.
 #if MK_QFLOW
       ++flow_ep;  // no barrier: the splits poll the LL words of this epoch (above)
-#if MK_KV_EARLY
-      // (every thread's earlier shared-memory accesses — the LM head's staging may cover the buffer — before the
-      // copy engine's writes: the prologue's block barrier orders this fence before thread 0's copies)
-      he_fence_proxy_async();
-      he_mv_finish<kMkF16, kMkDefer>(mk_qkv_flow_kv_op(p, L, pos, qx, flow_ep, (char*)he_mk_smem + kMkKvOff), s,
-                                     he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1));
-#else
       he_mv_finish<kMkF16, kMkDefer>(mk_qkv_flow_op(p, L, pos, qx, flow_ep), s, he_mk_smem, scratch,
                                      mk_o_op(p, L, ep_o + 1));
-#endif
       prof.work(kProfQkv);
       he_sync_block();  // the split reuses the shared memory the QKV prologue staged x in
       prof.done(kProfQkv);
@@ -1241,26 +1158,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // stage, so the kernel reloads its parameters after it instead of keeping them live (spilled) across it.
       if (kAttnMma) he_compiler_fence();
 #if MK_QFLOW
-      {
-        [[maybe_unused]] int kvh, start, rows;
-        const bool staged = kMkKvRows > 0 && mk_kv_item(p.nkv, p.nsplit, p.chunk, pos + 1, kvh, start, rows);
-#if MK_KV_EARLY
-        if (staged) {  // the copies' phase (they landed during QKV as a rule)
-          const he_u64 t0 = he_clock_ns();
-          while (!he_mbar_try_wait(&mk_kv_bar, kv_phase)) {
-            if (he_clock_ns() - t0 > w.timeout_ns) {
-              if (he_thread_idx() == 0) he_report_error(w, kStatusCounterTimeout);
-              return;
-            }
-          }
-          kv_phase ^= 1u;
-        }
-#endif
-        if (!mk_attention_flow(p, L, pos, he_mk_smem, prof, MkFlowWait{w, p.flow_ll, flow_ep, p.nh * p.hd,
-                                                                       p.nkv * p.hd, (const char*)he_mk_smem + kMkKvOff,
-                                                                       staged}))
-          return;
-      }
+      if (!mk_attention_flow(p, L, pos, he_mk_smem, prof, MkFlowWait{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd}))
+        return;
 #else
       if constexpr (kMkAttnEarly) {
         const bool ok = mk_attention<true>(p, L, pos, he_mk_smem, prof, MkWaitQkv{{}, w, epoch, nb, &prof});

@@ -135,10 +135,6 @@ struct HeAttnTrigger {
 // the newest row come as LL words the split polls itself (q2, kv8), so no block barrier stands before the split.
 struct HeAttnPlainQ {
   static constexpr bool kFlow = false;
-  // kStagedRows > 0 (the monokernel's MK_KV_EARLY build, decode.hip MkFlowWait): a split of at most that many rows
-  // may find its cache rows (all but the newest) already copied into shared memory during the QKV stage —
-  // staged_ok(n) says whether this block's did, kv_staged(is_v, key, c) reads one 16-byte vector of them.
-  static constexpr int kStagedRows = 0;
   // q[i], q[i + 1]
   HE_INLINE void q2(const float* q, he_i64 i, float& a, float& b) const {
     a = q[i];
@@ -487,15 +483,10 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   // call left.
   enum { kAll, kButFresh, kFresh };
   he_vec16 kr[kAmKPer], va[kAmVPer], vb[kAmVPer];
-  // One 16-byte vector of row `key` (dims [c, c + 8)): from the cache, or (Wait::kFlow) the newest row's LL words,
-  // or (Wait::kStagedRows) the copy of the cache rows the QKV stage made in shared memory — the same bytes.
-  [[maybe_unused]] bool staged = false;
-  if constexpr (Wait::kStagedRows > 0) staged = wait.staged_ok(n);
+  // One 16-byte vector of row `key` (dims [c, c + 8)): from the cache, or (Wait::kFlow) the newest row's LL words.
   auto row8 = [&](const he_kv* base, bool v, int key, int c) {
     if constexpr (Wait::kFlow)
       if (key == fresh) return wait.kv8(kvh, v, c);
-    if constexpr (Wait::kStagedRows > 0)
-      if (staged) return wait.kv_staged(v, key, c);
     return he_load16_stream_rw(base + (he_i64)key * HD + c);
   };
   auto load = [&](int tile, int part) {

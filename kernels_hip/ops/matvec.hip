@@ -175,18 +175,6 @@ struct HeMvFxOnly<Op, decltype(void(Op::kFxOnly))> {
   static constexpr bool value = Op::kFxOnly;
 };
 
-// Ops with work to start once their prologue has staged the activation say so with `static constexpr bool
-// kStaged = true` and a staged() every thread of the block calls right after it (the monokernel's MK_KV_EARLY QKV:
-// its attention split's cache rows requested into shared memory; decode.hip MkQkvFlowKv).
-template <class Op, class = void>
-struct HeMvHasStaged {
-  static constexpr bool value = false;
-};
-template <class Op>
-struct HeMvHasStaged<Op, decltype(void(Op::kStaged))> {
-  static constexpr bool value = Op::kStaged;
-};
-
 // Load batch columns [c0, c0 + B) of unit u of `op` (zeros past the rows' end or when there is no unit).
 template <class Op, int kRows>
 HE_INLINE void he_mv_load(const Op& op, int u, int c0, he_vec16 (&w)[kRows][kMatvecUnroll]) {
@@ -291,7 +279,6 @@ HE_INLINE void he_mv_finish(const Op& op, HeMvStream<kRows>& s, float* xs, float
     he_rmsnorm_stage<kMvWholePairs && HE_COLD_HINTS, false, HeMvFxOnly<Op>::value>(op.x, op.gamma, op.eps, op.in, xs,
                                                                                   scratch, op.x_fx);
   he_pdl_trigger_staged();  // port.h: a per-op HE_PDL_LATE=2 build lets the next kernel launch here; else nothing
-  if constexpr (HeMvHasStaged<Op>::value) op.staged();
   float acc[kRows][2];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = 0.f;
