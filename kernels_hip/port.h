@@ -280,28 +280,11 @@ HE_INLINE he_vec16 he_load16_stream(const void* p) {
   return v;
 }
 #else
-// HE_STREAM_EVICT_FIRST=1 (experiment): the weight stream's lines are also marked first to leave L2, so that what
-// the step re-reads — code, the KV cache, activations, flags — is not pushed out of L2 by ~2 GB of weights per
-// token. HE_KV_EVICT_LAST=1 (experiment): the KV-cache rows (he_load16_stream_rw) marked last to leave.
-#ifndef HE_STREAM_EVICT_FIRST
-#define HE_STREAM_EVICT_FIRST 0
-#endif
-#ifndef HE_KV_EVICT_LAST
-#define HE_KV_EVICT_LAST 0
-#endif
 HE_INLINE he_vec16 he_load16_stream(const void* p) {
   he_vec16 v;
-#if HE_STREAM_EVICT_FIRST
-  he_u64 pol;  // (not volatile: one policy register serves every load)
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(pol));
-#else
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
-#endif
   return v;
 }
 #endif
@@ -338,17 +321,9 @@ HE_INLINE he_vec16 he_load16_stream_rw(const void* p) { return he_load16_stream(
 #else
 HE_INLINE he_vec16 he_load16_stream_rw(const void* p) {
   he_vec16 v;
-#if HE_KV_EVICT_LAST
-  he_u64 pol;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-  asm volatile("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p), "l"(pol));
-#else
   asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
-#endif
   return v;
 }
 #endif

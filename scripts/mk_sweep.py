@@ -131,12 +131,14 @@ VARIANTS = [  # name, build env, runtime attrs
     ("attention plan at 1 block per SM (the plan at 1K before session 44)", {"HIPENGINE_ATTN_BLOCKS_PER_SM": "1"}, {}),
     # (session 45's MK_KV_EARLY=128 — each split block's cache rows copied into shared memory by two bulk copies after its
     # QKV prologue, read there by the split: −2.3% at 1K on an H100 — was variant 38, removed.)
-    # session 45: the weight stream's loads (port.h he_load16_stream: every matvec stage and the LM head screen) marked
-    # first to leave L2 (an evict-first cache policy), so that what each layer re-reads — its code, the KV cache, the
-    # activations and flags — is not pushed out by the weights; 39 also marks the KV-cache rows last to leave. The same
-    # values: tokens must equal variant 0's.
-    ("weight loads L2 evict-first (HE_STREAM_EVICT_FIRST)", {"HIPENGINE_MK_DEFINES": "HE_STREAM_EVICT_FIRST=1"}, {}),
-    ("weights evict-first, KV rows evict-last", {"HIPENGINE_MK_DEFINES": "HE_STREAM_EVICT_FIRST=1,HE_KV_EVICT_LAST=1"}, {}),
+    # (session 45's HE_STREAM_EVICT_FIRST=1 — the weight stream's loads with an L2 evict-first policy: +0.4 / −1.1 / −0.7%
+    # at 1K / 8K / 32K on an H100 — and with HE_KV_EVICT_LAST=1, the KV rows evict-last too: −0.7% at 1K — were variants
+    # 38 and 39, removed.)
+    # session 45: in MK_QFLOW's split only the warp whose first tile holds the newest row enters the fresh-row load (its
+    # LL polls are ~1,000 instructions of code that every other warp walked through branch by branch: cold code each
+    # layer); ops/attention_decode.hip HE_ATTN_FRESH_GUARD. The same loads: tokens must equal variant 0's.
+    ("only the newest row's warp enters its load (HE_ATTN_FRESH_GUARD)", {"HIPENGINE_MK_DEFINES": "HE_ATTN_FRESH_GUARD=1"},
+     {}),
     # (session 44's MK_O_RES_EARLY=0 — the grouped O-proj's group-0 residual read after the combine, against the default
     # then: its rows staged by cp.async before the combine, +0.3 / +0.2% for the old place, level — and MK_BAL=1 / 2 —
     # QKV's (and gate/up's) partial last round dealt warp-major over the blocks: −2.0 / −2.7% — were variants 37-39,

@@ -425,6 +425,9 @@ HE_INLINE bool he_attention_split_fma(const float* q, const he_kv* k_cache,
 #define HE_ATTN_MMA 0
 #endif
 constexpr bool kAttnMma = HE_ATTN_MMA != 0;
+#ifndef HE_ATTN_FRESH_GUARD
+#define HE_ATTN_FRESH_GUARD 0
+#endif
 static_assert(!kAttnMma || (HE_ATTN_HD > 0 && HE_ATTN_HD % 16 == 0), "HE_ATTN_MMA: HE_ATTN_HD, a multiple of 16");
 constexpr int kAmHd = HE_ATTN_HD > 0 ? HE_ATTN_HD : 16;
 constexpr int kAmKeys = 16;                               // keys per warp tile
@@ -558,8 +561,16 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
 #pragma unroll
   for (int j = 0; j < kAttQ; ++j) m[j] = he_neg_inf(), l[j] = 0.f;
   for (int tile = wid; tile < ntile; tile += nw) {
-    if constexpr (Wait::kFlow && kEarly)
+    if constexpr (Wait::kFlow && kEarly) {
+#if HE_ATTN_FRESH_GUARD
+      // Only the warp whose first tile holds the newest row enters the fresh load: its polls of that row's LL words are
+      // ~1,000 instructions of code (one poll loop per 16-byte vector), which every other warp otherwise walked through
+      // branch by branch — cold code, fetched again each layer (experiment; same loads, same bits).
+      if (tile == wid && HE_UNLIKELY(fresh >= wid * kAmKeys && fresh < (wid + 1) * kAmKeys)) load(wid, kFresh);
+#else
       if (tile == wid) load(wid, kFresh);
+#endif
+    }
     stage();
     he_sync_warp();
     if (tile + nw < ntile) load(tile + nw, kAll);  // the next tile's rows fly under this one's products
