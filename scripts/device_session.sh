@@ -420,6 +420,16 @@ case "$MODE" in
     left=$((${S43_S:-570} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default $((left < 75 ? left : 75)) ;;
   # (s43q — session 43's MK_QKV_POS A/B, mk_sweep 0/38 and its same-bits test — removed with it.)
   # (s44 — session 44's MK_O_RES_EARLY / MK_BAL A/B, mk_sweep 0/37/38/39 at 1K, same-bits, bench, profile — removed with them.)
+  s45fg)  # session 45 (prepared, not run: no device time left): HE_ATTN_FRESH_GUARD (only the warp holding the newest
+           # row enters the split's fresh-row load) — mk_sweep 0,38 three times at 1K in one process, then twice at 8K /
+           # 32K, 38's 1K stage profile, its same-bits and 1B-preset monokernel tests, then the GPU engine tests while the
+           # call (${S45FG_S:-540} s) has time. Builds: precompile_mk.py 1b-f3 1b-f3-fg 1b-1k-fg-profile.
+    ONLY=${ONLY:-0,38,0,38,0,38} AB_CONTEXTS=1024 mk_sweep_ab mk_sweep 150
+    ONLY=0,38,0,38 AB_CONTEXTS="8192 32768" mk_sweep_ab mk_sweep_long 170
+    prof1k mkprof_fg 45 HIPENGINE_MK_DEFINES=HE_ATTN_FRESH_GUARD=1
+    run same_bits_fg 120 env HIPENGINE_MK_DEFINES=HE_ATTN_FRESH_GUARD=1 $PY -m pytest tests/test_monokernel_gpu.py -q -x \
+      -rs -k "q_flow or o_group_same_bits or 1b_preset"
+    left=$((${S45FG_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   s44b)  # session 44: half a block per SM at caches up to 1K (ops.SHORT_PLAN_BPS, the default now) — mk_sweep 0,37 three
          # times at 1K in one process (the new plan and the one before), the same-bits and 1B-preset monokernel tests, the
          # decode bench of record (1K/8K/32K, both paths), the default's 1K stage profile, then the GPU engine tests while
@@ -476,7 +486,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s45fg|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
