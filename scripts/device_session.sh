@@ -119,10 +119,15 @@ mk_sweep_ab() { run "$1" "$2" $PY scripts/mk_sweep.py --contexts "$(echo ${AB_CO
                   --only "$ONLY" $(for t in ${AB_TREES:-}; do echo --baseline-tree "$t"; done) --json "$OUT/$1.json"; }
 preset1b() { run preset1b 150 $PY -m pytest tests/test_gpu_engine.py -q -rs -s -k "1b_preset"; }
 bench_ops() { run bench_ops 80 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"; }
-# engine_tests [SECONDS] / same_bits [SECONDS]: the GPU engine tests; the monokernel's same-bits and 1B-preset tests
+# engine_tests [SECONDS]: the GPU engine tests. same_bits [SECONDS [VAR=VALUE ...]]: the monokernel's same-bits and
+# 1B-preset tests, in that environment (an experiment's build: HIPENGINE_MK_DEFINES=...)
 engine_tests() { run engine_tests ${1:-120} $PY -m pytest tests/test_gpu_engine.py -q -rs -k "not 1b_preset"; }
-same_bits() { run same_bits ${1:-120} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs \
-                -k "q_flow or o_group_same_bits or 1b_preset"; }
+same_bits() {
+  local limit=${1:-120}
+  [ $# -gt 0 ] && shift
+  run same_bits "$limit" env "$@" $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs \
+    -k "q_flow or o_group_same_bits or 1b_preset"
+}
 bench_ops_decode() { run bench_ops 170 $PY scripts/bench_ops.py --json "$OUT/bench_ops.json"; }
 # bench [SECONDS]: the decode bench of record at $BENCH_CONTEXTS (default 1K/8K/32K), both paths, JSON + PNG
 bench() { run bench ${1:-260} $PY -m hipengine bench decode --shape llama-3.2-1b \
@@ -427,8 +432,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,38,0,38,0,38} AB_CONTEXTS=1024 mk_sweep_ab mk_sweep 150
     ONLY=0,38,0,38 AB_CONTEXTS="8192 32768" mk_sweep_ab mk_sweep_long 170
     prof1k mkprof_fg 45 HIPENGINE_MK_DEFINES=HE_ATTN_FRESH_GUARD=1
-    run same_bits_fg 120 env HIPENGINE_MK_DEFINES=HE_ATTN_FRESH_GUARD=1 $PY -m pytest tests/test_monokernel_gpu.py -q -x \
-      -rs -k "q_flow or o_group_same_bits or 1b_preset"
+    same_bits 120 HIPENGINE_MK_DEFINES=HE_ATTN_FRESH_GUARD=1
     left=$((${S45FG_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   s44b)  # session 44: half a block per SM at caches up to 1K (ops.SHORT_PLAN_BPS, the default now) — mk_sweep 0,37 three
          # times at 1K in one process (the new plan and the one before), the same-bits and 1B-preset monokernel tests, the

@@ -168,8 +168,9 @@ def attention_plan(max_ctx: int, num_kv_heads: int, num_sms: int, blocks_per_sm:
 
     Caches of up to SHORT_PLAN_CTX (1K) positions aim for half a block per SM (SHORT_PLAN_BPS; llama-3.2-1b: 8
     splits of 128, 64 items, where the rules above give 16 of 64): measured for the monokernel in four H100
-    calls at 1K (docs/perf-log.md sessions 41-42) at +1.3 to +2.0% — its split items then sit on the blocks that
-    stream one QKV unit, and more blocks request their O-proj tile early — for −1.4% on the per-op path, whose
+    calls at 1K (docs/perf-log.md sessions 41-42) at +1.3 to +2.0%, and at +1.7% on session 45's kernels — its
+    split items then sit on the blocks that stream one QKV unit, and more blocks request their O-proj tile early
+    — for −1.4% on the per-op path, whose
     tokens must stay the monokernel's (one plan for both). At 2K the same plan cost the monokernel 0.5-0.8%, so
     the rule stops at 1K.
 
