@@ -139,6 +139,10 @@ VARIANTS = [  # name, build env, runtime attrs
     # layer); ops/attention_decode.hip HE_ATTN_FRESH_GUARD. The same loads: tokens must equal variant 0's.
     ("only the newest row's warp enters its load (HE_ATTN_FRESH_GUARD)", {"HIPENGINE_MK_DEFINES": "HE_ATTN_FRESH_GUARD=1"},
      {}),
+    # session 46: and the next tiles' loads (more tiles than warps: 2K and above) poll the newest row's words only where
+    # the tile holds it (HE_ATTN_FRESH_GUARD=2): elsewhere a load with no poll code. Same loads: tokens equal variant 0's.
+    ("... and the next tiles' loads without the poll code (HE_ATTN_FRESH_GUARD=2)",
+     {"HIPENGINE_MK_DEFINES": "HE_ATTN_FRESH_GUARD=2"}, {}),
     # (session 44's MK_O_RES_EARLY=0 — the grouped O-proj's group-0 residual read after the combine, against the default
     # then: its rows staged by cp.async before the combine, +0.3 / +0.2% for the old place, level — and MK_BAL=1 / 2 —
     # QKV's (and gate/up's) partial last round dealt warp-major over the blocks: −2.0 / −2.7% — were variants 37-39,

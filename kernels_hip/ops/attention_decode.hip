@@ -487,26 +487,28 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   enum { kAll, kButFresh, kFresh };
   he_vec16 kr[kAmKPer], va[kAmVPer], vb[kAmVPer];
   // One 16-byte vector of row `key` (dims [c, c + 8)): from the cache, or (Wait::kFlow) the newest row's LL words.
-  auto row8 = [&](const he_kv* base, bool v, int key, int c) {
+  // `poll` false (a constant where load is called): the tile is known not to hold the newest row, and the poll's
+  // code is not compiled into that load.
+  auto row8 = [&](const he_kv* base, bool v, int key, int c, bool poll) {
     if constexpr (Wait::kFlow)
-      if (key == fresh) return wait.kv8(kvh, v, c);
+      if (poll && key == fresh) return wait.kv8(kvh, v, c);
     return he_load16_stream_rw(base + (he_i64)key * HD + c);
   };
-  auto load = [&](int tile, int part) {
+  auto load = [&](int tile, int part, bool poll = true) {
     const int k0 = tile * kAmKeys;
     auto want = [&](int key) { return part == kAll || (part == kButFresh) == (key != fresh); };
 #pragma unroll
     for (int r = 0; r < kAmKPer; ++r) {
       const int i = lane + r * kWarpSize, key = k0 + i / (HD / 8), c = (i % (HD / 8)) * 8;
       const bool ok = (kAmKVec % kWarpSize == 0 || i < kAmKVec) && key < n;
-      if (want(key)) kr[r] = ok ? row8(kbase, false, key, c) : zero;
+      if (want(key)) kr[r] = ok ? row8(kbase, false, key, c, poll) : zero;
     }
 #pragma unroll
     for (int r = 0; r < kAmVPer; ++r) {
       const int i = lane + r * kWarpSize, kp = i % (kAmKeys / 2), c = (i / (kAmKeys / 2)) * 8, key = k0 + 2 * kp;
       const bool in = kAmVItems % kWarpSize == 0 || i < kAmVItems;
-      if (want(key)) va[r] = in && key < n ? row8(vbase, true, key, c) : zero;
-      if (want(key + 1)) vb[r] = in && key + 1 < n ? row8(vbase, true, key + 1, c) : zero;
+      if (want(key)) va[r] = in && key < n ? row8(vbase, true, key, c, poll) : zero;
+      if (want(key + 1)) vb[r] = in && key + 1 < n ? row8(vbase, true, key + 1, c, poll) : zero;
     }
   };
   // Registers -> the warp's tiles. Vᵀ as attention_prefill.hip stages it: 32-bit words of a key pair per dim.
@@ -573,7 +575,17 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
     }
     stage();
     he_sync_warp();
+#if HE_ATTN_FRESH_GUARD >= 2
+    // The next tile's rows fly under this one's products. Its load polls the newest row's LL words only where the
+    // tile holds that row (kFlow, kEarly: one tile per split); elsewhere a load with no poll code (experiment).
+    if (tile + nw < ntile) {
+      const int nx = tile + nw;
+      if (Wait::kFlow && kEarly && HE_UNLIKELY(fresh >= nx * kAmKeys && fresh < (nx + 1) * kAmKeys)) load(nx, kAll);
+      else load(nx, kAll, false);
+    }
+#else
     if (tile + nw < ntile) load(tile + nw, kAll);  // the next tile's rows fly under this one's products
+#endif
     HeMmaAcc sc;
     he_mma_zero(sc);
 #pragma unroll
