@@ -427,10 +427,11 @@ case "$MODE" in
   # (s44 — session 44's MK_O_RES_EARLY / MK_BAL A/B, mk_sweep 0/37/38/39 at 1K, same-bits, bench, profile — removed with them.)
   s46)  # session 46: HE_ATTN_FRESH_GUARD=1 (mk_sweep 38: only the warp holding the newest row enters the split's fresh-row
          # load) and =2 (39: the next tiles' loads without the poll code too) — mk_sweep 0,38 three times at 1K in one
-         # process (39 is 38 there: one tile per warp), 0,38,39 twice at 8K / 32K, 38's 1K stage profile, the same-bits
-         # and 1B-preset monokernel tests with =2 (both guards' code), then the GPU engine tests while the call
-         # (${S46_S:-550} s) has time (LONG_ONLY / LONG_S: the 8K / 32K sweep; S46_PROF=0 / S46_TESTS=0: no profile / same-bits tests). Builds:
-         # precompile_mk.py 1b-f3 1b-f3-fg 1b-f3-fg2 1b-1k-fg-profile.
+         # process (39 is 38 there: one tile per warp), 0,38,39 twice at 8K / 32K, 38's 1K stage profile (with the
+         # split's q / newest-row marks: attn_q_first, attn_q_ready, attn_fresh), the same-bits and 1B-preset
+         # monokernel tests with =2 (both guards' code), then the GPU engine tests while the call (${S46_S:-550} s) has
+         # time. LONG_ONLY / LONG_S: the 8K / 32K sweep; S46_PROF=0 / S46_TESTS=0: no profile / same-bits tests (a
+         # shorter call). Builds: precompile_mk.py 1b-f3 1b-f3-fg 1b-f3-fg2 1b-1k-fg-profile.
     ONLY=${ONLY:-0,38,0,38,0,38} AB_CONTEXTS=1024 mk_sweep_ab mk_sweep 150
     ONLY=${LONG_ONLY:-0,38,39,0,38,39} AB_CONTEXTS="8192 32768" mk_sweep_ab mk_sweep_long ${LONG_S:-240}
     [ "${S46_PROF:-1}" = 1 ] && prof1k mkprof_fg 45 HIPENGINE_MK_DEFINES=HE_ATTN_FRESH_GUARD=1

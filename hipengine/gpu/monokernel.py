@@ -1100,8 +1100,10 @@ def barriers_per_token(cfg, fine: int = 3, tp: int = 1, q_flow: bool = False) ->
 
 
 # ---- stage profile (HIPENGINE_MK_PROFILE=1: a separate build with -DMK_PROFILE=1) --------------------------
+# attn_*: block 0's attention items, stage start -> that point (MK_QFLOW's splits, in their blocks' rows: attn_q_first /
+# attn_q_ready thread 0's q poll's first pass back / its words all there, attn_fresh the newest row's words all there)
 PROF_STAGES = ["select", "qkv", "attention", "combine", "o_proj", "gate_up", "down", "lm_head", "attn_split",
-               "attn_q", "attn_loop", "attn_merge"]  # attn_*: block 0's attention items, stage start -> that point
+               "attn_q", "attn_loop", "attn_merge", "attn_q_first", "attn_q_ready", "attn_fresh"]
 MK_PROF_HEADER = 2 * len(PROF_STAGES) + 3
 # + one row per block (decode.hip kMkProfMaxBlocks rows of kMkProfRow words): per stage its cycles to the work
 # mark, to the block's slowest warp, to its barrier arrival issued, to the stage's exit (PROF_COLS); its SM

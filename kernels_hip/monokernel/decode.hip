@@ -67,7 +67,9 @@
 // row (block 0's also into the header; mk_prof_t: that stage's start, kept by MkProf::done).
 __shared__ he_u64 mk_prof_t;
 __device__ inline void mk_attn_mark(int k);
+__device__ inline void mk_attn_mark_warp(int k);
 #define HE_ATTN_MARK(k) mk_attn_mark(k)
+#define HE_ATTN_MARK_WARP(k) mk_attn_mark_warp(k)
 #endif
 #include "ops/attention_decode.hip"
 #include "ops/qk_norm.hip"
@@ -599,6 +601,10 @@ struct MkFlowWait {
       bool all = true;
 #pragma unroll
       for (int j = 0; j < N; ++j) all = all && mk_ll_epoch(v[j]) == epoch;
+#if MK_PROFILE
+      if (N == 2 && polls == 0) mk_attn_mark(3);  // q2's (kProfAttnQFirst): thread 0's first pass back
+      if (N == 2 && all) mk_attn_mark(4);         // (kProfAttnQReady) its words all there
+#endif
       if (all) return;
       if (polls % kPollsPerClock == 0) {
         if (polls == 0) {
@@ -638,14 +644,21 @@ struct MkFlowWait {
 // launch; then the wall time and cycles of the whole loop so the host can convert cycles to ns.
 // prof[k] work, prof[kMkProfN + k] total, prof[2N] ns, prof[2N + 1] cycles, prof[2N + 2] steps.
 // kProfAttnQ/Loop/Merge: block 0's attention items, from the stage start to the HE_ATTN_MARK points (q staged,
-// rows scored, warp states in shared memory); kProfAttnSplit to the item's partial written.
+// rows scored, warp states in shared memory); kProfAttnSplit to the item's partial written. MK_QFLOW's split also
+// marks kProfAttnQFirst / kProfAttnQReady (thread 0's q poll: its first pass back, its words all there — so the q
+// wait splits into a round trip and the producers' lateness) and kProfAttnFresh (the newest row's words all there,
+// in the warp whose tile holds it).
 // Then one row per block b < kMkProfMaxBlocks at prof + kMkProfHeader + b·kMkProfRow, per stage kind (thread
 // 0's cycles, same marks as block 0's): work; for a grid barrier, from the work mark to every warp of the block
 // done (he_sync_block: the block's slowest warp), from there to the arrival issued (the release fence), and
 // the total to the barrier's exit; last, the SM it ran on — so the host can tell a slow block from a slow SM
 // and the barrier's own cost from waiting for others (hipengine/gpu/monokernel.py read_profile: "blocks").
 enum MkProfStage { kProfSelect, kProfQkv, kProfAttn, kProfCombine, kProfO, kProfGateUp, kProfDown, kProfHead,
-                   kProfAttnSplit, kProfAttnQ, kProfAttnLoop, kProfAttnMerge, kMkProfN };
+                   kProfAttnSplit, kProfAttnQ, kProfAttnLoop, kProfAttnMerge, kProfAttnQFirst, kProfAttnQReady,
+                   kProfAttnFresh, kMkProfN };
+static_assert(kProfAttnLoop == kProfAttnQ + 1 && kProfAttnMerge == kProfAttnQ + 2 && kProfAttnQFirst == kProfAttnQ + 3 &&
+                  kProfAttnQReady == kProfAttnQ + 4 && kProfAttnFresh == kProfAttnQ + 5,
+              "the attention marks' k (HE_ATTN_MARK / HE_ATTN_MARK_WARP, MkFlowWait::poll): kProfAttnQ + k");
 enum MkProfCol { kProfColWork, kProfColSync, kProfColArrive, kProfColTotal, kProfCols };
 #if MK_PROFILE
 constexpr int kMkProfHeader = 2 * kMkProfN + 3, kMkProfRow = kProfCols * kMkProfN + 1, kMkProfMaxBlocks = 2048;
@@ -659,6 +672,14 @@ __device__ inline void mk_attn_mark(int k) {
   const he_u64 d = he_cycles() - mk_prof_t;
   if (he_block_idx() == 0) mk_prof_sh[kProfAttnQ + k] += d;
   mk_prof_sh[kMkProfHeader + kProfAttnQ + k] += d;  // the block's row (work column): MK_QFLOW's splits are not block 0's
+}
+// A mark that one warp of the block reaches (attn_fresh: the warp that polls the newest row), by its lane 0: a word of
+// its own in the row, so no other thread writes it; finish() reads it after the launch's last barrier.
+__device__ inline void mk_attn_mark_warp(int k) {
+  if (he_lane_id() != 0 || he_block_idx() >= kMkProfMaxBlocks) return;
+  const he_u64 d = he_cycles() - mk_prof_t;
+  if (he_block_idx() == 0) mk_prof_sh[kProfAttnQ + k] += d;
+  mk_prof_sh[kMkProfHeader + kProfAttnQ + k] += d;
 }
 #endif
 struct MkProf {

@@ -35,6 +35,10 @@
 #ifndef HE_ATTN_MARK
 #define HE_ATTN_MARK(k) ((void)0)
 #endif
+// The same, by the calling warp's lane 0 rather than the block's thread 0 (a mark only one warp reaches).
+#ifndef HE_ATTN_MARK_WARP
+#define HE_ATTN_MARK_WARP(k) ((void)0)
+#endif
 
 static_assert(HE_PDL_LATE <= 1, "the attention kernels trigger at their top or after their wait (port.h)");
 constexpr int kAttnMaxGroup = 8;
@@ -575,6 +579,8 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
     }
     stage();
     he_sync_warp();
+    if constexpr (Wait::kFlow && kEarly)  // the newest row's words have all landed (profile builds: attn_fresh)
+      if (tile == wid && fresh >= wid * kAmKeys && fresh < (wid + 1) * kAmKeys) HE_ATTN_MARK_WARP(5);
 #if HE_ATTN_FRESH_GUARD >= 2
     // The next tile's rows fly under this one's products. Its load polls the newest row's LL words only where the
     // tile holds that row (kFlow, kEarly: one tile per split); elsewhere a load with no poll code (experiment).
