@@ -602,8 +602,11 @@ struct MkFlowWait {
 #pragma unroll
       for (int j = 0; j < N; ++j) all = all && mk_ll_epoch(v[j]) == epoch;
 #if MK_PROFILE
-      if (N == 2 && polls == 0) mk_attn_mark(3);  // q2's (kProfAttnQFirst): thread 0's first pass back
-      if (N == 2 && all) mk_attn_mark(4);         // (kProfAttnQReady) its words all there
+      // q2's marks (thread 0's): kProfAttnQFirst, its first pass back — the test reads a word, so the clock is read
+      // after the pass returns (no epoch is ~0; without it the clock read was scheduled before the loads' first use) —
+      // and kProfAttnQReady, its words all there
+      if (N == 2 && polls == 0 && mk_ll_epoch(v[0]) != ~0u) mk_attn_mark(3);
+      if (N == 2 && all) mk_attn_mark(4);
 #endif
       if (all) return;
       if (polls % kPollsPerClock == 0) {
