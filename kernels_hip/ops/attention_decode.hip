@@ -498,6 +498,8 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
       if (poll && key == fresh) return wait.kv8(kvh, v, c);
     return he_load16_stream_rw(base + (he_i64)key * HD + c);
   };
+  // whether tile `t` holds the newest row (kEarly; warp-uniform)
+  [[maybe_unused]] auto holds_fresh = [&](int t) { return fresh >= t * kAmKeys && fresh < (t + 1) * kAmKeys; };
   auto load = [&](int tile, int part, bool poll = true) {
     const int k0 = tile * kAmKeys;
     auto want = [&](int key) { return part == kAll || (part == kButFresh) == (key != fresh); };
@@ -572,7 +574,7 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
       // Only the warp whose first tile holds the newest row enters the fresh load: its polls of that row's LL words are
       // ~1,000 instructions of code (one poll loop per 16-byte vector), which every other warp otherwise walked through
       // branch by branch — cold code, fetched again each layer (experiment; same loads, same bits).
-      if (tile == wid && HE_UNLIKELY(fresh >= wid * kAmKeys && fresh < (wid + 1) * kAmKeys)) load(wid, kFresh);
+      if (tile == wid && HE_UNLIKELY(holds_fresh(wid))) load(wid, kFresh);
 #else
       if (tile == wid) load(wid, kFresh);
 #endif
@@ -580,13 +582,13 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
     stage();
     he_sync_warp();
     if constexpr (Wait::kFlow && kEarly)  // the newest row's words have all landed (profile builds: attn_fresh)
-      if (tile == wid && fresh >= wid * kAmKeys && fresh < (wid + 1) * kAmKeys) HE_ATTN_MARK_WARP(5);
+      if (tile == wid && holds_fresh(wid)) HE_ATTN_MARK_WARP(5);
 #if HE_ATTN_FRESH_GUARD >= 2
     // The next tile's rows fly under this one's products. Its load polls the newest row's LL words only where the
     // tile holds that row (kFlow, kEarly: one tile per split); elsewhere a load with no poll code (experiment).
     if (tile + nw < ntile) {
       const int nx = tile + nw;
-      if (Wait::kFlow && kEarly && HE_UNLIKELY(fresh >= nx * kAmKeys && fresh < (nx + 1) * kAmKeys)) load(nx, kAll);
+      if (Wait::kFlow && kEarly && HE_UNLIKELY(holds_fresh(nx))) load(nx, kAll);
       else load(nx, kAll, false);
     }
 #else
