@@ -425,27 +425,14 @@ case "$MODE" in
     left=$((${S43_S:-570} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default $((left < 75 ? left : 75)) ;;
   # (s43q — session 43's MK_QKV_POS A/B, mk_sweep 0/38 and its same-bits test — removed with it.)
   # (s44 — session 44's MK_O_RES_EARLY / MK_BAL A/B, mk_sweep 0/37/38/39 at 1K, same-bits, bench, profile — removed with them.)
-  s46)  # session 46: HE_ATTN_FRESH_GUARD=1 (mk_sweep 38: only the warp holding the newest row enters the split's fresh-row
-         # load) and =2 (39: the next tiles' loads without the poll code too) — mk_sweep 0,38 three times at 1K in one
-         # process (39 is 38 there: one tile per warp), 0,38,39 twice at 8K / 32K, 38's 1K stage profile (with the
-         # split's q / newest-row marks: attn_q_first, attn_q_ready, attn_fresh), the same-bits and 1B-preset
-         # monokernel tests with =2 (both guards' code), then the GPU engine tests while the call (${S46_S:-550} s) has
-         # time. LONG_ONLY / LONG_S: the 8K / 32K sweep; S46_PROF=0 / S46_TESTS=0: no profile / same-bits tests (a
-         # shorter call). Builds: precompile_mk.py 1b-f3 1b-f3-fg 1b-f3-fg2 1b-1k-fg-profile.
-    ONLY=${ONLY:-0,38,0,38,0,38} AB_CONTEXTS=1024 mk_sweep_ab mk_sweep 150
-    ONLY=${LONG_ONLY:-0,38,39,0,38,39} AB_CONTEXTS="8192 32768" mk_sweep_ab mk_sweep_long ${LONG_S:-240}
-    [ "${S46_PROF:-1}" = 1 ] && prof1k mkprof_fg 45 HIPENGINE_MK_DEFINES=HE_ATTN_FRESH_GUARD=1
-    [ "${S46_TESTS:-1}" = 1 ] && same_bits 110 HIPENGINE_MK_DEFINES=HE_ATTN_FRESH_GUARD=2
-    left=$((${S46_S:-550} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
-  s45fg)  # session 45 (prepared, not run: no device time left): HE_ATTN_FRESH_GUARD (only the warp holding the newest
-           # row enters the split's fresh-row load) — mk_sweep 0,38 three times at 1K in one process, then twice at 8K /
-           # 32K, 38's 1K stage profile, its same-bits and 1B-preset monokernel tests, then the GPU engine tests while the
-           # call (${S45FG_S:-540} s) has time. Builds: precompile_mk.py 1b-f3 1b-f3-fg 1b-1k-fg-profile.
-    ONLY=${ONLY:-0,38,0,38,0,38} AB_CONTEXTS=1024 mk_sweep_ab mk_sweep 150
-    ONLY=0,38,0,38 AB_CONTEXTS="8192 32768" mk_sweep_ab mk_sweep_long 170
-    prof1k mkprof_fg 45 HIPENGINE_MK_DEFINES=HE_ATTN_FRESH_GUARD=1
-    same_bits 120 HIPENGINE_MK_DEFINES=HE_ATTN_FRESH_GUARD=1
-    left=$((${S45FG_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+  s47)  # session 47: the fresh-row guard the default (session 46's HE_ATTN_FRESH_GUARD=2; same SASS as the build measured)
+         # — the decode bench of record (1K / 8K / 32K, both paths; on an H200 it is issue 4's figure), the same-bits and
+         # 1B-preset monokernel tests, the default's 1K stage profile (the split's q / newest-row marks), then the GPU
+         # engine tests while the call (${S47_S:-480} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-profile.
+    bench 150
+    same_bits 110
+    prof1k mkprof_default 45
+    left=$((${S47_S:-480} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   s44b)  # session 44: half a block per SM at caches up to 1K (ops.SHORT_PLAN_BPS, the default now) — mk_sweep 0,37 three
          # times at 1K in one process (the new plan and the one before), the same-bits and 1B-preset monokernel tests, the
          # decode bench of record (1K/8K/32K, both paths), the default's 1K stage profile, then the GPU engine tests while
@@ -502,7 +489,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s46|s45fg|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -134,15 +134,10 @@ VARIANTS = [  # name, build env, runtime attrs
     # (session 45's HE_STREAM_EVICT_FIRST=1 — the weight stream's loads with an L2 evict-first policy: +0.4 / −1.1 / −0.7%
     # at 1K / 8K / 32K on an H100 — and with HE_KV_EVICT_LAST=1, the KV rows evict-last too: −0.7% at 1K — were variants
     # 38 and 39, removed.)
-    # session 45: in MK_QFLOW's split only the warp whose first tile holds the newest row enters the fresh-row load (its
-    # LL polls are ~1,000 instructions of code that every other warp walked through branch by branch: cold code each
-    # layer); ops/attention_decode.hip HE_ATTN_FRESH_GUARD. The same loads: tokens must equal variant 0's.
-    ("only the newest row's warp enters its load (HE_ATTN_FRESH_GUARD)", {"HIPENGINE_MK_DEFINES": "HE_ATTN_FRESH_GUARD=1"},
-     {}),
-    # session 46: and the next tiles' loads (more tiles than warps: 2K and above) poll the newest row's words only where
-    # the tile holds it (HE_ATTN_FRESH_GUARD=2): elsewhere a load with no poll code. Same loads: tokens equal variant 0's.
-    ("... and the next tiles' loads without the poll code (HE_ATTN_FRESH_GUARD=2)",
-     {"HIPENGINE_MK_DEFINES": "HE_ATTN_FRESH_GUARD=2"}, {}),
+    # (session 45's HE_ATTN_FRESH_GUARD=1 — in MK_QFLOW's split only the warp whose first tile holds the newest row enters
+    # the fresh-row load: level at 1K on an H100, −0.2% — and session 46's =2 — the next tiles' loads without the poll code
+    # where the tile does not hold the newest row: +4.4 / +3.2% at 8K / 32K — were variants 38 and 39; both the default
+    # since session 47, the define removed.)
     # (session 44's MK_O_RES_EARLY=0 — the grouped O-proj's group-0 residual read after the combine, against the default
     # then: its rows staged by cp.async before the combine, +0.3 / +0.2% for the old place, level — and MK_BAL=1 / 2 —
     # QKV's (and gate/up's) partial last round dealt warp-major over the blocks: −2.0 / −2.7% — were variants 37-39,
