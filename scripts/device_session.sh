@@ -425,10 +425,11 @@ case "$MODE" in
     left=$((${S43_S:-570} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default $((left < 75 ? left : 75)) ;;
   # (s43q — session 43's MK_QKV_POS A/B, mk_sweep 0/38 and its same-bits test — removed with it.)
   # (s44 — session 44's MK_O_RES_EARLY / MK_BAL A/B, mk_sweep 0/37/38/39 at 1K, same-bits, bench, profile — removed with them.)
-  s47)  # session 47: the fresh-row guard the default (session 46's HE_ATTN_FRESH_GUARD=2; same SASS as the build measured)
+  s47)  # session 47: the fresh-row guard the default (session 46's HE_ATTN_FRESH_GUARD=2, measured +4.3 / +3.2% at 8K / 32K)
          # — the decode bench of record (1K / 8K / 32K, both paths; on an H200 it is issue 4's figure), the same-bits and
          # 1B-preset monokernel tests, the default's 1K stage profile (the split's q / newest-row marks), then the GPU
-         # engine tests while the call (${S47_S:-480} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-profile.
+         # engine tests while the call (${S47_S:-480} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-profile
+         # (the next-tile test written out after the call that measured =2: the same instructions, one block order).
     bench 150
     same_bits 110
     prof1k mkprof_default 45

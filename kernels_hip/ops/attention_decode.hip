@@ -579,7 +579,8 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
     // H100: +4.4 / +3.2% at 8K / 32K, where a warp walks many tiles; level at 1K).
     if (tile + nw < ntile) {
       const int nx = tile + nw;
-      if (Wait::kFlow && kEarly && HE_UNLIKELY(holds_fresh(nx))) load(nx, kAll);
+      // (the test written out, not holds_fresh(nx): through the lambda clang's gfx942 build spills 22 more VGPRs)
+      if (Wait::kFlow && kEarly && HE_UNLIKELY(fresh >= nx * kAmKeys && fresh < (nx + 1) * kAmKeys)) load(nx, kAll);
       else load(nx, kAll, false);
     }
     HeMmaAcc sc;
