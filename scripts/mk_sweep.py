@@ -136,7 +136,7 @@ VARIANTS = [  # name, build env, runtime attrs
     # 38 and 39, removed.)
     # (session 45's HE_ATTN_FRESH_GUARD=1 — in MK_QFLOW's split only the warp whose first tile holds the newest row enters
     # the fresh-row load: level at 1K on an H100, −0.2% — and session 46's =2 — the next tiles' loads without the poll code
-    # where the tile does not hold the newest row: +4.4 / +3.2% at 8K / 32K — were variants 38 and 39; both the default
+    # where the tile does not hold the newest row: +4.3 / +3.2% at 8K / 32K — were variants 38 and 39; both the default
     # since session 47, the define removed.)
     # (session 44's MK_O_RES_EARLY=0 — the grouped O-proj's group-0 residual read after the combine, against the default
     # then: its rows staged by cp.async before the combine, +0.3 / +0.2% for the old place, level — and MK_BAL=1 / 2 —

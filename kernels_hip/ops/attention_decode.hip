@@ -576,7 +576,7 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
       if (tile == wid && holds_fresh(wid)) HE_ATTN_MARK_WARP(5);
     // The next tile's rows fly under this one's products. Its load polls the newest row's LL words only where the
     // tile holds that row (kFlow, kEarly: one tile per split); everywhere else a load with no poll code (session 47,
-    // H100: +4.4 / +3.2% at 8K / 32K, where a warp walks many tiles; level at 1K).
+    // H100: +4.3 / +3.2% at 8K / 32K, where a warp walks many tiles; level at 1K).
     if (tile + nw < ntile) {
       const int nx = tile + nw;
       // (the test written out, not holds_fresh(nx): through the lambda clang's gfx942 build spills 22 more VGPRs)
