@@ -670,19 +670,21 @@ constexpr int kMkProfHeader = 2 * kMkProfN + 3, kMkProfRow = kProfCols * kMkProf
 // after each grid wait (whose acquire empties L1) into the thread being timed: session 23's profile builds ran
 // ~8% slower than the production build, and the sub-stage marks just after a wait read that trip too.
 __shared__ he_u64 mk_prof_sh[kMkProfHeader + kMkProfRow];
-__device__ inline void mk_attn_mark(int k) {
-  if (he_thread_idx() != 0 || he_block_idx() >= kMkProfMaxBlocks) return;
+// One attention mark's cycles since the stage start, added by the one thread that calls it: to the header (block 0)
+// and to the block's row (work column: MK_QFLOW's splits are not block 0's).
+__device__ inline void mk_attn_add(int k) {
+  if (he_block_idx() >= kMkProfMaxBlocks) return;
   const he_u64 d = he_cycles() - mk_prof_t;
   if (he_block_idx() == 0) mk_prof_sh[kProfAttnQ + k] += d;
-  mk_prof_sh[kMkProfHeader + kProfAttnQ + k] += d;  // the block's row (work column): MK_QFLOW's splits are not block 0's
+  mk_prof_sh[kMkProfHeader + kProfAttnQ + k] += d;
+}
+__device__ inline void mk_attn_mark(int k) {  // by the block's thread 0
+  if (he_thread_idx() == 0) mk_attn_add(k);
 }
 // A mark that one warp of the block reaches (attn_fresh: the warp that polls the newest row), by its lane 0: a word of
 // its own in the row, so no other thread writes it; finish() reads it after the launch's last barrier.
 __device__ inline void mk_attn_mark_warp(int k) {
-  if (he_lane_id() != 0 || he_block_idx() >= kMkProfMaxBlocks) return;
-  const he_u64 d = he_cycles() - mk_prof_t;
-  if (he_block_idx() == 0) mk_prof_sh[kProfAttnQ + k] += d;
-  mk_prof_sh[kMkProfHeader + kProfAttnQ + k] += d;
+  if (he_lane_id() == 0) mk_attn_add(k);
 }
 #endif
 struct MkProf {
