@@ -248,10 +248,12 @@ def bench_attention(rt, ops, stream, hbm) -> list[dict]:
         # the two kernels apart: where a short context's time goes
         from ctypes import c_int32
 
-        comb = ops.fn("attention_decode", "attention_combine", O.attention_defines(hd, ctx))
-        t_comb = timed(rt, stream, lambda i, part=part, nsplit=nsplit, pos=pos: rt.launch(
+        defs = O.attention_defines(hd, ctx)
+        comb = ops.fn("attention_decode", "attention_combine", defs)
+        fresh = O.Ops._combine_fresh(q, *caches[0], nkv, ctx, "HE_ATTN_FRESH_COMBINE" in defs)
+        t_comb = timed(rt, stream, lambda i, part=part, nsplit=nsplit, pos=pos, fresh=fresh: rt.launch(
             comb, (nh, 1), 128, [O._p(part), O._p(pos), c_int32(nsplit), c_int32(nh), c_int32(hd), O._p(out),
-                                 c_int32(0)], stream=stream), trials=5)
+                                 c_int32(0), *fresh], stream=stream), trials=5)
         out_rows.append(dict(op=f"attention ctx {ctx} (split {nsplit}x{chunk})", us=t * 1e6, gbps=moved / t / 1e9,
                              pct_hbm=100 * moved / t / hbm, pdl=ops.pdl, us_no_pdl=t_plain * 1e6,
                              pct_hbm_no_pdl=100 * moved / t_plain / hbm, combine_us=t_comb * 1e6,

@@ -425,6 +425,17 @@ case "$MODE" in
     left=$((${S43_S:-570} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default $((left < 75 ? left : 75)) ;;
   # (s43q — session 43's MK_QKV_POS A/B, mk_sweep 0/38 and its same-bits test — removed with it.)
   # (s44 — session 44's MK_O_RES_EARLY / MK_BAL A/B, mk_sweep 0/37/38/39 at 1K, same-bits, bench, profile — removed with them.)
+  s48)  # session 48: the newest row added by the combine (attention_decode.hip HE_ATTN_FRESH_COMBINE, opt-in: mk_sweep 38).
+         # On an H200 first the decode bench of record (1K / 8K / 32K, both paths: issue 4's figure). Then mk_sweep 0,38,0,38
+         # at 1K / 8K / 32K in one process; the op tests of the new combine and the same-bits and 1B-preset monokernel tests
+         # with it on both paths; its 1K stage profile; the GPU engine tests while the call (${S48_S:-560} s) has time.
+         # Builds: precompile_mk.py 1b-f3 1b-f3-fc 1b-1k-profile 1b-1k-fc-profile.
+    case "$GPU_NAME" in *H200*) bench 150 ;; esac
+    ONLY=${ONLY:-0,38,0,38} mk_sweep_ab mk_sweep ${S48_AB_S:-210}
+    run ops_fc 70 env HIPENGINE_ATTN_FRESH_COMBINE=1 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k fresh_combine
+    same_bits 110 HIPENGINE_ATTN_FRESH_COMBINE=1
+    left=$((${S48_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_fc 45 HIPENGINE_ATTN_FRESH_COMBINE=1
+    left=$((${S48_S:-560} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   s47)  # session 47: the fresh-row guard the default (session 46's HE_ATTN_FRESH_GUARD=2, measured +4.3 / +3.2% at 8K / 32K)
          # — the decode bench of record (1K / 8K / 32K, both paths; on an H200 it is issue 4's figure), the same-bits and
          # 1B-preset monokernel tests, the default's 1K stage profile (the split's q / newest-row marks), then the GPU

@@ -601,6 +601,7 @@ class EmulatedRuntime:
         self.top = 0
         self.capturing = None
         self.kv_f16 = False
+        self.attn_fresh = False
 
     # memory ---------------------------------------------------------------------------------------------
     def malloc(self, n):
@@ -652,7 +653,10 @@ class EmulatedRuntime:
 
     # code / execution -----------------------------------------------------------------------------------
     def compile(self, source, **kw):
-        self.kv_f16 = bool((kw.get("defines") or {}).get("HE_KV_F16", 0))  # port.h's he_kv element type
+        defines = kw.get("defines") or {}
+        self.kv_f16 = bool(defines.get("HE_KV_F16", 0))  # port.h's he_kv element type
+        if "HE_ATTN_LPR" in defines:  # the attention module: whether its splits leave the newest row to the combine
+            self.attn_fresh = bool(defines.get("HE_ATTN_FRESH_COMBINE", 0))
         return _Mod()
 
     def _kv_enc(self, a):
@@ -804,8 +808,10 @@ class EmulatedRuntime:
             K[:, p] = self._kv_enc(O.ref_rope(k, c, s))
             V[:, p] = self._kv_enc(v)
 
-    def _k_attention_split(self, grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx, early_pos=0):
+    def _k_attention_split(self, grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx, early_pos=0,
+                           fresh=None):
         T, G = grid[1], nh // nkv
+        fresh = self.attn_fresh if fresh is None else fresh  # HE_ATTN_FRESH_COMBINE: the newest row is the combine's
         p0 = int(self.view(pos, np.int32, 1)[0])
         K = self._kv_dec(self.view(kc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd).astype(np.float64)
         V = self._kv_dec(self.view(vc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd).astype(np.float64)
@@ -816,7 +822,7 @@ class EmulatedRuntime:
             for h in range(nh):
                 s_all = K[h // G, :seq] @ Q[t, h] / np.sqrt(hd) * np.log2(np.e)
                 for sp in range(nsplit):
-                    a, b = sp * chunk, min(seq, (sp + 1) * chunk)
+                    a, b = sp * chunk, min(seq - int(fresh), (sp + 1) * chunk)
                     if a >= b:
                         P[t, h, sp, hd], P[t, h, sp, hd + 1] = -np.inf, 0.0
                         continue
@@ -830,21 +836,36 @@ class EmulatedRuntime:
         assert grid == (nkv * nsp, -(-T // 16)) and nsp <= O.AP_MAX_SPLITS
         p0 = int(self.view(pos, np.int32, 1)[0])
         length = -(-(-(-(p0 + T) // nsp)) // 64) * 64  # the splits: whole 64-key steps over [0, pos + T)
-        self._k_attention_split((nkv * nsp, T), q, kc, vc, partial, pos, nsp, length, nh, nkv, hd, max_ctx)
+        self._k_attention_split((nkv * nsp, T), q, kc, vc, partial, pos, nsp, length, nh, nkv, hd, max_ctx,
+                                fresh=False)
 
     def _k_attention_decode(self, grid, q, kc, vc, partial, pos, count, out, nsplit, chunk, nh, nkv, hd, max_ctx,
                             early):
         assert not any(self.view(count, np.uint32, nkv)), "arrival counters must be left at zero"
         self._k_attention_split(grid, q, kc, vc, partial, pos, nsplit, chunk, nh, nkv, hd, max_ctx)
-        self._k_attention_combine((nh, 1), partial, pos, nsplit, nh, hd, out)
+        self._k_attention_combine((nh, 1), partial, pos, nsplit, nh, hd, out, 0, q, kc, vc, nkv, max_ctx,
+                                  int(self.attn_fresh))
 
-    def _k_attention_combine(self, grid, partial, pos, nsplit, nh, hd, out, early_pos=0):
+    def _k_attention_combine(self, grid, partial, pos, nsplit, nh, hd, out, early_pos=0, q=0, kc=0, vc=0, nkv=1,
+                             max_ctx=0, fresh=0):
         T = grid[1]
         P = self._f32(partial, T * nh * nsplit * (hd + 2)).reshape(T, nh, nsplit, hd + 2).astype(np.float64)
-        m, l = P[..., hd], P[..., hd + 1]
+        m, l, o = P[..., hd], P[..., hd + 1], P[..., :hd]
+        if fresh:  # the newest row of each token, which the splits left out: one more (m, l, o) state (1, 1, v)
+            p0, G = int(self.view(pos, np.int32, 1)[0]), nh // nkv
+            K = self._kv_dec(self.view(kc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd)
+            V = self._kv_dec(self.view(vc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd)
+            Q = self._f32(q, T * nh * hd).reshape(T, nh, hd).astype(np.float64)
+            rows = np.arange(T) + p0
+            kv = np.arange(nh) // G
+            Kn, Vn = K[kv[None, :], rows[:, None]].astype(np.float64), V[kv[None, :], rows[:, None]].astype(np.float64)
+            s = (Q * Kn).sum(-1) / np.sqrt(hd) * np.log2(np.e)
+            m = np.concatenate([m, s[..., None]], -1)
+            l = np.concatenate([l, np.ones_like(s)[..., None]], -1)
+            o = np.concatenate([o, Vn[:, :, None, :]], -2)
         M = np.where(l > 0, m, -np.inf).max(-1, keepdims=True)
         w = np.where(l > 0, np.exp2(np.where(l > 0, m, 0) - M), 0.0)
-        o = (P[..., :hd] * w[..., None]).sum(-2) / (l * w).sum(-1)[..., None]
+        o = (o * w[..., None]).sum(-2) / (l * w).sum(-1)[..., None]
         self._f32(out, T * nh * hd)[:] = o.reshape(-1)
 
     def _k_sample(self, grid, logits, n, history, hist_len, temp, top_k, top_p, min_p, rep, seed_lo, seed_hi, step,
@@ -971,6 +992,34 @@ def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path,
     sp = SamplingParams(max_tokens=6, temperature=0.9, top_k=20, repetition_penalty=1.2, seed=3, ignore_eos=True)
     assert list(gpu.generate_ids(ids[:9], sp, lambda: False)) == list(gpu.generate_ids(ids[:9], sp, lambda: False))
     gpu.close()
+
+
+@pytest.mark.parametrize("one_kernel", ["0", "1"])
+def test_fresh_combine_wiring_matches_reference(emulated, one_kernel, tmp_path, monkeypatch):
+    """HIPENGINE_ATTN_FRESH_COMBINE=1 (attention_decode.hip HE_ATTN_FRESH_COMBINE) on the per-op path: the decode
+    splits leave each token's newest row out and the combine adds it from q and the caches (attention_combine's
+    `fresh` argument, or the one-kernel form's last split block); the prefill's matrix-core splits cover every row
+    (fresh 0) — prefill and decode logits as the reference's, greedy tokens equal."""
+    monkeypatch.setenv("HIPENGINE_ATTN_FRESH_COMBINE", "1")
+    monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", one_kernel)
+    from hipengine.loader import load_model
+    from hipengine.reference import ReferenceBackend
+    from tiny_models import save_tiny_model
+
+    assert "HE_ATTN_FRESH_COMBINE" in O.attention_defines(64, 1024, "sm_90")
+    path, _ = save_tiny_model("llama3", tmp_path, seed=5, max_position_embeddings=1024)
+    model = load_model(path, progress=False)
+    ids = np.random.default_rng(2).integers(3, model.config.vocab_size, 21)
+    want = ReferenceBackend(model, max_context=64).prefill(ids, all_logits=True)
+    gpu = emulated(model, max_context=64)
+    got = gpu.prefill(ids, all_logits=True)
+    assert gpu.rt.attn_fresh
+    rel = np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert rel.max() < 2e-2, f"prefill logits rel err {rel.max():.3g}"
+    _decode_matches_reference(gpu, model, ids, want)
+    gpu.close()
+    monkeypatch.setenv("HIPENGINE_ATTN_FRESH_COMBINE", "0")
+    assert "HE_ATTN_FRESH_COMBINE" not in O.attention_defines(64, 1024, "sm_90")
 
 
 @pytest.mark.parametrize("kind", ["llama", "smollm", "qwen3"])

@@ -303,3 +303,18 @@ def test_q_flow_build_compiles(tmp_path, monkeypatch):
         "decode_q_flow.hip": base + "#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
                              '#include "monokernel/decode.hip"\n',
         "decode_q_flow_profile.hip": base + '#define MK_PROFILE 1\n#include "monokernel/decode.hip"\n'})
+
+
+def test_fresh_combine_builds_compile(tmp_path, monkeypatch):
+    """The splits without the newest row and the combine that adds it (attention_decode.hip HE_ATTN_FRESH_COMBINE:
+    ops.attn_fresh_combine, both paths): the per-op module on the FMA and the matrix-core bodies, and the monokernel
+    with its three combines — the grouped O-proj's from the LL words (MK_QFLOW), the same from plain loads, and the
+    last split block's (plain O-proj, tensor-parallel build) — compile warnings-as-errors for gfx942 and sm_90."""
+    fc = "#define HE_ATTN_FRESH_COMBINE 1\n#define HE_ATTN_HD 64\n"
+    mk = fc + "#define HE_ATTN_MMA 1\n#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n"
+    _check_units(tmp_path, monkeypatch, {
+        "attention_fc.hip": fc + '#define HE_ATTN_LPR 8\n#include "ops/attention_decode.hip"\n',
+        "attention_fc_mma.hip": fc + '#define HE_ATTN_LPR 8\n#define HE_ATTN_MMA 1\n#include "ops/attention_decode.hip"\n',
+        "decode_fc_q_flow.hip": mk + '#define MK_O_GROUP 1\n#define MK_QFLOW 1\n#include "monokernel/decode.hip"\n',
+        "decode_fc_o_group.hip": mk + '#define MK_O_GROUP 1\n#include "monokernel/decode.hip"\n',
+        "decode_fc_tp.hip": mk + '#define MK_TP 1\n#include "monokernel/decode.hip"\n'})

@@ -533,6 +533,22 @@ def test_attention_decode_fused(gpu, nh, nkv, hd, seq, max_ctx, T, split_mma, mo
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), "two kernels, early position"
 
 
+# The newest row left to the combine (HE_ATTN_FRESH_COMBINE): the first position (every split empty); 225 rows in a 1K
+# cache's 8 splits (he_attn_len: 32 rows each, so the newest row is alone in the last split, which the splits then leave
+# empty); a 1K cache nearly full; 64 splits at hd 128 (four combine batches).
+@pytest.mark.parametrize("nh,nkv,hd,seq,max_ctx", [(9, 3, 64, 1, 32), (32, 8, 64, 225, 1024), (32, 8, 64, 1000, 1024),
+                                                   (8, 2, 128, 3000, 8192)])
+@pytest.mark.parametrize("split_mma", ["0", "1"])
+def test_attention_fresh_combine(gpu, nh, nkv, hd, seq, max_ctx, split_mma, monkeypatch):
+    """Decode attention with the newest row added by the combine (HIPENGINE_ATTN_FRESH_COMBINE=1, both split bodies):
+    against float64, and the one-kernel form (with and without its early loads) gives the two kernels' bits."""
+    rt, ops, O = gpu
+    monkeypatch.setenv("HIPENGINE_ATTN_FRESH_COMBINE", "1")
+    assert O.attention_defines(hd, max_ctx, rt.arch)["HE_ATTN_FRESH_COMBINE"] == 1
+    test_attention(gpu, nh, nkv, hd, seq, max_ctx, 1, split_mma, monkeypatch)
+    test_attention_decode_fused(gpu, nh, nkv, hd, seq, max_ctx, 1, split_mma, monkeypatch)
+
+
 @pytest.mark.parametrize("M", [1, 3, 8])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("rows,inn", [(13, 72), (333, 2056)])

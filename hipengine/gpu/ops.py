@@ -680,14 +680,28 @@ def attn_mma(arch: str | None, hd: int) -> bool:
     return ATTN_MMA_DEFAULT if forced is None else forced
 
 
+ATTN_FRESH_COMBINE_DEFAULT = False  # session 48: measured before it becomes the default (docs/perf-log.md)
+
+
+def attn_fresh_combine() -> bool:
+    """Whether the decode attention's splits leave the newest cache row to the combine (attention_decode.hip
+    HE_ATTN_FRESH_COMBINE: the row this step's QKV writes, so the split holding it waited for the end of that
+    stage): ATTN_FRESH_COMBINE_DEFAULT, or HIPENGINE_ATTN_FRESH_COMBINE=0|1. Both paths take the same build
+    (attention_defines), so they stay bit-identical."""
+    forced = _env_switch("HIPENGINE_ATTN_FRESH_COMBINE")
+    return forced if forced is not None else ATTN_FRESH_COMBINE_DEFAULT
+
+
 def attention_defines(hd: int, max_ctx: int, arch: str | None = None) -> dict:
     """Compile-time defines of the attention module (attention_decode.hip) for head_dim hd and a KV cache of
     max_ctx tokens on `arch`: lanes per K/V row, hd itself (HE_ATTN_HD: its index arithmetic folds), whose
-    running max the softmax keeps (attn_warp_max) and, where attn_mma says so, the matrix-core split
-    (HE_ATTN_MMA; without an arch, the FMA body)."""
+    running max the softmax keeps (attn_warp_max), where attn_mma says so the matrix-core split (HE_ATTN_MMA;
+    without an arch, the FMA body) and whether the combine takes the newest row (attn_fresh_combine)."""
     d = {"HE_ATTN_LPR": attn_lanes(hd), "HE_ATTN_HD": int(hd), "HE_ATTN_WARP_MAX": int(attn_warp_max(max_ctx))}
     if attn_mma(arch, hd):
         d["HE_ATTN_MMA"] = 1
+    if attn_fresh_combine():
+        d["HE_ATTN_FRESH_COMBINE"] = 1
     return d
 
 
@@ -1010,7 +1024,8 @@ class Ops:
                             c_int32(nh), c_int32(nkv), c_int32(hd), c_int32(max_ctx)],
                            shared=ap_shared_bytes(G, hd), stream=stream, pdl=self.pdl)
             self.rt.launch(self.fn("attention_decode", "attention_combine", lanes), (nh, T), 128,
-                           [_p(partial), _p(pos), c_int32(nsp), c_int32(nh), c_int32(hd), _p(out), c_int32(0)],
+                           [_p(partial), _p(pos), c_int32(nsp), c_int32(nh), c_int32(hd), _p(out), c_int32(0),
+                            *self._combine_fresh(q, k_cache, v_cache, nkv, max_ctx, False)],
                            stream=stream, pdl=self.pdl)
             return
         self.rt.launch(self.fn("attention_decode", f"attention_split_g{G}", {**lanes, **self._late("attn")}),
@@ -1022,8 +1037,15 @@ class Ops:
         self.rt.launch(self.fn("attention_decode", "attention_combine", {**lanes, **self._late("combine")}),
                        (nh, T), 128,
                        [_p(partial), _p(pos), c_int32(nsplit), c_int32(nh), c_int32(hd), _p(out),
-                        c_int32(int(early and self._pdl("combine") and attention_early_pos()))],
+                        c_int32(int(early and self._pdl("combine") and attention_early_pos())),
+                        *self._combine_fresh(q, k_cache, v_cache, nkv, max_ctx, "HE_ATTN_FRESH_COMBINE" in lanes)],
                        stream=stream, pdl=self._pdl("combine"))
+
+    @staticmethod
+    def _combine_fresh(q, k_cache, v_cache, nkv: int, max_ctx: int, fresh: bool) -> list:
+        """attention_combine's last arguments: where the newest row comes from, and whether the splits before it
+        left that row out (attention_split in an HE_ATTN_FRESH_COMBINE build; attention_prefill never does)."""
+        return [_p(q), _p(k_cache), _p(v_cache), c_int32(nkv), c_int32(max_ctx), c_int32(int(fresh))]
 
     @staticmethod
     def partial_floats(T: int, nh: int, hd: int, nsplit: int) -> int:

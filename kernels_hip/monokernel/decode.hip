@@ -591,11 +591,19 @@ struct MkFlowWait {
   he_u32 epoch;
   int q_dim, kv_dim;
   HE_INLINE bool operator()() const { return true; }  // nothing to wait for as a block: the words are polled
+  // words p[0 .. N)
   template <int N>
   HE_INLINE void poll(const he_u64* p, he_u64 (&v)[N]) const {
-    const volatile he_u64* src = p;
+    const he_u64* at[N];
 #pragma unroll
-    for (int j = 0; j < N; ++j) v[j] = src[j];
+    for (int j = 0; j < N; ++j) at[j] = p + j;
+    poll_at(at, v);
+  }
+  // words *at[0 .. N)
+  template <int N>
+  HE_INLINE void poll_at(const he_u64* const (&at)[N], he_u64 (&v)[N]) const {
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = *(const volatile he_u64*)at[j];
     he_u64 t0 = 0;
     for (int polls = 0;; ++polls) {
       bool all = true;
@@ -623,7 +631,7 @@ struct MkFlowWait {
       }
 #pragma unroll
       for (int j = 0; j < N; ++j)
-        if (mk_ll_epoch(v[j]) != epoch) v[j] = src[j];
+        if (mk_ll_epoch(v[j]) != epoch) v[j] = *(const volatile he_u64*)at[j];
     }
   }
   HE_INLINE void q2(const float*, he_i64 i, float& a, float& b) const {
@@ -637,6 +645,22 @@ struct MkFlowWait {
     poll(ll + q_dim + (is_v ? kv_dim : 0) + (he_i64)kvh * HE_ATTN_HD + c, v);
     auto two = [&](int j) { return ((he_u32)v[j] & 0xffffu) | ((he_u32)v[j + 1] << 16); };
     return he_vec16{two(0), two(2), two(4), two(6)};
+  }
+};
+
+// HE_ATTN_FRESH_COMBINE's source of the newest row in the grouped O-proj's combine (ops/attention_decode.hip
+// HeAttnFreshPlain's interface): head h's q[d] and dim d of KV head kvh's K (when wk) and V row, from the QKV stage's
+// LL words — the combine's blocks passed no barrier after QKV. The three words polled together (one round trip).
+struct MkFlowFresh {
+  MkFlowWait f;
+  HE_INLINE void fetch(int h, int kvh, int, int d, int hd, bool wk, float& qv, float& kv, float& vv) const {
+    const he_u64 *q = f.ll + (he_i64)h * hd + d, *k = f.ll + f.q_dim + (he_i64)kvh * hd + d;
+    const he_u64* const at[3] = {q, wk ? k : q, wk ? k + f.kv_dim : q};  // (!wk: q's word again, not used)
+    he_u64 v[3];
+    f.poll_at(at, v);
+    qv = he_u32_as_f32((he_u32)v[0]);
+    kv = he_kvlo_to_f32((he_u32)v[1]);
+    vv = he_kvlo_to_f32((he_u32)v[2]);
   }
 };
 #endif
@@ -837,8 +861,16 @@ HE_INLINE HeMvPlain mk_head_op(const MkParams& p, const float* x, bool screen = 
 // ---- attention --------------------------------------------------------------------------------------------
 // Combine heads [h0, h0 + n) into att, then count them on the heads-combined counter (release add at device
 // scope after he_sync_block, so every thread's att writes happen-before it; O-proj acquires the count).
-HE_INLINE void mk_combine(const MkParams& p, int h0, int n, int seq) {
-  he_attention_combine(p.partial + (he_i64)h0 * p.nsplit * (p.hd + 2), n, p.nsplit, seq, p.hd, p.att + (he_i64)h0 * p.hd);
+// HE_ATTN_FRESH_COMBINE: with the newest row, which the splits left out (q and the caches are published by the QKV
+// barrier this block passed; staged in smem).
+HE_INLINE void mk_combine(const MkParams& p, const MkLayer& L, int h0, int n, int seq, float* smem) {
+  const float* pr = p.partial + (he_i64)h0 * p.nsplit * (p.hd + 2);
+  float* att = p.att + (he_i64)h0 * p.hd;
+  if constexpr (kAttnFreshCombine)
+    he_attention_combine_fresh(pr, n, p.nsplit, seq, p.hd, att, h0, MK_ATTN_G, smem,
+                               HeAttnFreshPlain{p.q, L.k_cache, L.v_cache, p.max_ctx});
+  else
+    he_attention_combine(pr, n, p.nsplit, seq, p.hd, att);
   he_sync_block();
   if (he_thread_idx() == 0) he_arrive_add(p.attn_count + p.nkv + 1, (he_u32)n);
 }
@@ -887,7 +919,7 @@ HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
       he_sync_block();
       if (he_thread_idx() == 0) he_arrive_add(p.attn_count + kvh, 1u);
     } else if (p.fine == 3 && he_arrive_last(p.attn_count + kvh, (he_u32)p.nsplit)) {
-      mk_combine(p, kvh * MK_ATTN_G, MK_ATTN_G, pos + 1);
+      mk_combine(p, L, kvh * MK_ATTN_G, MK_ATTN_G, pos + 1, smem);
     }
     he_sync_block();  // shared memory is reused by the next item
   }
@@ -1217,9 +1249,23 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         if (og && !he_block_wait_geq(w, p.attn_count + oop.g, attn_done)) return;
         prof.done(kProfAttn);
         if (og) {
-          he_attention_combine(p.partial + (he_i64)oop.g * MK_ATTN_G * p.nsplit * (p.hd + 2), MK_ATTN_G, p.nsplit,
-                               pos + 1, p.hd, he_mk_smem);
+          const float* pr = p.partial + (he_i64)oop.g * MK_ATTN_G * p.nsplit * (p.hd + 2);
+          if constexpr (kAttnFreshCombine) {  // + the newest row, which the splits left out (staged after att)
+            float* stage = he_mk_smem + MK_ATTN_G * p.hd;
+#if MK_QFLOW
+            he_attention_combine_fresh(pr, MK_ATTN_G, p.nsplit, pos + 1, p.hd, he_mk_smem, oop.g * MK_ATTN_G, MK_ATTN_G,
+                                       stage, MkFlowFresh{{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd}});
+#else
+            he_attention_combine_fresh(pr, MK_ATTN_G, p.nsplit, pos + 1, p.hd, he_mk_smem, oop.g * MK_ATTN_G, MK_ATTN_G,
+                                       stage, HeAttnFreshPlain{p.q, L.k_cache, L.v_cache, p.max_ctx});
+#endif
+          } else {
+            he_attention_combine(pr, MK_ATTN_G, p.nsplit, pos + 1, p.hd, he_mk_smem);
+          }
           he_sync_block();
+#if MK_QFLOW
+          if (kAttnFreshCombine && mk_flow_fail) return;  // a poll timed out or saw another block's error
+#endif
           he_mvg_finish<kMkF16, kMkOCols>(oop, s, he_mk_smem);
         }
         s.p = HeMvPos{he_mv_first(), 0, false};  // the stream goes on with gate/up's first pair
@@ -1232,7 +1278,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if constexpr (MK_GU_L2 > 0 && MK_GU_L2_GAP > 0) mk_gu_prefetch(p, L);  // paced, after the block's O-proj fill
       if (MK_FINE2 && p.fine == 2) {  // every split's partial is published by the barrier; heads combine in parallel
         if (!barrier(kProfAttn)) return;
-        for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, h, 1, pos + 1);
+        for (int h = he_block_idx(); h < p.nh; h += nb) mk_combine(p, L, h, 1, pos + 1, he_mk_smem);
       }
       // O-proj needs every head of att and nothing else of this stage, so it waits for the heads-combined
       // counter (nh more per layer) instead of a grid barrier: no grid-wide arrival, and blocks with no

@@ -79,6 +79,15 @@ HE_INLINE int he_attn_hd(int hd) { return HE_ATTN_HD ? HE_ATTN_HD : hd; }
 #define HE_ATTN_WARP_MAX 1
 #endif
 [[maybe_unused]] constexpr bool kAttnWarpMax = HE_ATTN_WARP_MAX != 0;
+// HE_ATTN_FRESH_COMBINE=1 (ops.attention_defines, HIPENGINE_ATTN_FRESH_COMBINE: both paths build alike, so they stay
+// bit-identical): the splits leave out the newest row (seq − 1) and the combine adds it — its score for each head,
+// then one more online-softmax merge (he_attention_combine_fresh). Decode writes that row in the same step, so the
+// split holding it waited for the end of the QKV stage (the monokernel: QKV's second round of units) and ended the
+// chain ≈ 1.2 µs after the other splits (H100, 1K, session 47's profile); the combine waits for the splits anyway.
+#ifndef HE_ATTN_FRESH_COMBINE
+#define HE_ATTN_FRESH_COMBINE 0
+#endif
+constexpr bool kAttnFreshCombine = HE_ATTN_FRESH_COMBINE != 0;
 
 // Online-softmax state (m, l, o[8]) of a lane group for one head: merge (m2, l2, o2) into it.
 HE_INLINE void he_softmax_merge(float& m, float& l, float (&o)[8], float m2, float l2, const float (&o2)[8]) {
@@ -164,6 +173,7 @@ HE_INLINE int he_attn_split_rows(int seq, int kvh, int split, int nsplit, int ch
   chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
   start = split * chunk;
   n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
+  if (kAttnFreshCombine && n != 0 && start + n == seq) --n;  // the newest row is the combine's
   if (n != 0) return 1;
   if (HeAttnTrigger<kEarly, kTrigger>::before) he_pdl_trigger();
   if (kEarly && !wait()) return -1;  // partial is step data
@@ -254,12 +264,13 @@ HE_INLINE bool he_attention_split_fma(const float* q, const he_kv* k_cache,
 
   // Issue the first K/V batch before staging q: cache rows do not depend on it. (kEarly: all but the
   // newest row, `fresh`, which is loaded after the wait; -1 = none held back.)
-  const int fresh = kEarly ? seq - 1 - start : -1;
+  constexpr bool kHeld = kEarly && !kAttnFreshCombine;  // the newest row is this split's (else the combine's)
+  const int fresh = kHeld ? seq - 1 - start : -1;
   he_vec16 kb[U], vb[U];
 #pragma unroll
   for (int j = 0; j < U; ++j) {
     const int p = w0 + rw + j * kR;
-    const bool ok = p < w1 && dim_ok && (!kEarly || p != fresh);
+    const bool ok = p < w1 && dim_ok && (!kHeld || p != fresh);
     kb[j] = ok ? he_load16_stream_rw(kbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
     vb[j] = ok ? he_load16_stream_rw(vbase + (he_i64)p * hd) : he_vec16{0u, 0u, 0u, 0u};
   }
@@ -270,7 +281,7 @@ HE_INLINE bool he_attention_split_fma(const float* q, const he_kv* k_cache,
 #pragma unroll
     for (int j = 0; j < U; ++j) {
       const int p = w0 + rw + j * kR;
-      if (p == fresh && p < w1 && dim_ok) {
+      if (kHeld && p == fresh && p < w1 && dim_ok) {
         kb[j] = he_load16_stream_rw(kbase + (he_i64)p * hd);
         vb[j] = he_load16_stream_rw(vbase + (he_i64)p * hd);
       }
@@ -478,7 +489,9 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   const he_kv* kbase = k_cache + ((he_i64)kvh * max_ctx + start) * HD;
   const he_kv* vbase = v_cache + ((he_i64)kvh * max_ctx + start) * HD;
   const int ntile = (n + kAmKeys - 1) / kAmKeys;
-  const int fresh = kEarly ? seq - 1 - start : -1;  // kEarly: the newest row, loaded after the wait
+  // kEarly: the newest row, loaded after the wait — unless the combine takes it (HE_ATTN_FRESH_COMBINE)
+  constexpr bool kHeld = kEarly && !kAttnFreshCombine;
+  const int fresh = kHeld ? seq - 1 - start : -1;
   const he_vec16 zero{0u, 0u, 0u, 0u};
 
   // This lane's share of a tile in registers: K vectors (key, 8 dims) and V items (two keys, 8 dims). Keys past
@@ -491,7 +504,7 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   // `poll` false (a constant where load is called): the tile is known not to hold the newest row, and the poll's
   // code is not compiled into that load.
   auto row8 = [&](const he_kv* base, bool v, int key, int c, bool poll) {
-    if constexpr (Wait::kFlow)
+    if constexpr (Wait::kFlow && kHeld)
       if (poll && key == fresh) return wait.kv8(kvh, v, c);
     return he_load16_stream_rw(base + (he_i64)key * HD + c);
   };
@@ -538,14 +551,14 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
 
   // The warp's first tile is requested before q is staged (cache rows do not depend on it) and, kEarly, before
   // the wait — all but the newest row, which the kernel before this one appends.
-  if (wid < ntile) load(wid, kEarly ? kButFresh : kAll);
+  if (wid < ntile) load(wid, kHeld ? kButFresh : kAll);
   if (kTriggerBefore) he_pdl_trigger();
   if (kEarly) {
     if (!wait()) return false;  // the QKV kernel (per-op) or stage (monokernel) is done; its writes are visible
     if (kTriggerAfter) he_pdl_trigger();
     // (Wait::kFlow: the newest row's words are polled only where its tile is staged, below — the rest of the block
     // stages q and scores its tiles meanwhile; the same values in the same places, so the same sums.)
-    if (!Wait::kFlow && wid < ntile) load(wid, kFresh);
+    if (kHeld && !Wait::kFlow && wid < ntile) load(wid, kFresh);
   }
   const float qscale = he_rsqrt((float)HD) * kLog2e;
   for (int i = t; i < G * HD / 2; i += nt) {
@@ -568,11 +581,11 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   for (int tile = wid; tile < ntile; tile += nw) {
     // Only the warp whose first tile holds the newest row enters the fresh load: its polls of that row's LL words are
     // ~1,000 instructions of code (one poll loop per 16-byte vector) that every other warp would walk branch by branch.
-    if constexpr (Wait::kFlow && kEarly)
+    if constexpr (Wait::kFlow && kHeld)
       if (tile == wid && HE_UNLIKELY(holds_fresh(wid))) load(wid, kFresh);
     stage();
     he_sync_warp();
-    if constexpr (Wait::kFlow && kEarly)  // the newest row's words have all landed (profile builds: attn_fresh)
+    if constexpr (Wait::kFlow && kHeld)  // the newest row's words have all landed (profile builds: attn_fresh)
       if (tile == wid && holds_fresh(wid)) HE_ATTN_MARK_WARP(5);
     // The next tile's rows fly under this one's products. Its load polls the newest row's LL words only where the
     // tile holds that row (kFlow, kEarly: one tile per split); everywhere else a load with no poll code (session 47,
@@ -580,7 +593,7 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
     if (tile + nw < ntile) {
       const int nx = tile + nw;
       // (the test written out, not holds_fresh(nx): through the lambda clang's gfx942 build spills 22 more VGPRs)
-      if (Wait::kFlow && kEarly && HE_UNLIKELY(fresh >= nx * kAmKeys && fresh < (nx + 1) * kAmKeys)) load(nx, kAll);
+      if (Wait::kFlow && kHeld && HE_UNLIKELY(fresh >= nx * kAmKeys && fresh < (nx + 1) * kAmKeys)) load(nx, kAll);
       else load(nx, kAll, false);
     }
     HeMmaAcc sc;
@@ -710,6 +723,39 @@ HE_ATTN_KERNEL(7)
 HE_ATTN_KERNEL(8)
 #undef HE_ATTN_KERNEL
 
+// Head g's partials (ph) folded into the running (M, L, o) of dim d: splits [0, ns), kCombineBatch a round trip
+// (all 3·kCombineBatch loads of a batch issued before any is used), each batch merged in split order — the loop of
+// he_attention_combine below, for he_attention_combine_fresh. (he_attention_combine keeps its own copy: calling this
+// instead, NVVM scheduled the whole default monokernel anew, 48,752 → 48,576 SASS instructions; the measured build
+// stays as it was.)
+HE_INLINE void he_attn_fold(const float* ph, int ns, int d, int hd, float& M, float& L, float& o) {
+  for (int s0 = 0; s0 < ns; s0 += kCombineBatch) {
+    float v[kCombineBatch], ms[kCombineBatch], ls[kCombineBatch];
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) {
+      const float* e = ph + (s0 + b) * (hd + 2);
+      const bool ok = s0 + b < ns;
+      v[b] = ok ? e[d] : 0.f;
+      ms[b] = ok ? e[hd] : he_neg_inf();
+      ls[b] = ok ? e[hd + 1] : 0.f;  // empty splits (l = 0) hold stale values: skipped below
+    }
+    float Mb = M;
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b)
+      if (ls[b] > 0.f) Mb = he_fmax(Mb, ms[b]);
+    const float a = (M == he_neg_inf()) ? 0.f : he_exp2(M - Mb);
+    L *= a;
+    o *= a;
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) {
+      const float w = ls[b] > 0.f ? he_exp2(ms[b] - Mb) : 0.f;
+      L += w * ls[b];
+      o += ls[b] > 0.f ? w * v[b] : 0.f;  // not w · v: an empty split's stale o may be NaN/inf
+    }
+    M = Mb;
+  }
+}
+
 // out[h] = Σ_s 2^(m_s − M) o_s / Σ_s 2^(m_s − M) l_s  over non-empty splits (l_s > 0).
 // One thread per output value (head g of the heads combined here, dim d). Splits are taken kCombineBatch at a
 // time: all 3·kCombineBatch loads of a batch (o_s[d], m_s, l_s) are issued before any is used (one L2
@@ -759,8 +805,80 @@ HE_INLINE void he_attention_combine(const float* pr, int nh_here, int nsplit, in
   }
 }
 
+// HE_ATTN_FRESH_COMBINE's source of the newest row: head h's q[d] as the split reads it (before the log2(e)/sqrt(hd)
+// scale) and dim d of row `row` of KV head kvh's K (when wk) and V, as floats. HeAttnFreshPlain: plain loads, after
+// the kernel or barrier that wrote them (the per-op kernels; the monokernel's barrier builds). decode.hip's
+// MkFlowFresh polls the QKV stage's LL words instead (MK_QFLOW).
+struct HeAttnFreshPlain {
+  const float* q;  // this token's [nh][hd]
+  const he_kv* k_cache;
+  const he_kv* v_cache;
+  int max_ctx;
+  HE_INLINE void fetch(int h, int kvh, int row, int d, int hd, bool wk, float& qv, float& kv, float& vv) const {
+    const he_i64 c = ((he_i64)kvh * max_ctx + row) * hd + d;
+    qv = q[(he_i64)h * hd + d];
+    kv = wk ? he_kvlo_to_f32(k_cache[c]) : 0.f;
+    vv = wk ? he_kvlo_to_f32(v_cache[c]) : 0.f;
+  }
+};
+
+// he_attention_combine with the newest row (seq − 1) added: the splits left it out (HE_ATTN_FRESH_COMBINE). h0: the
+// first of the nh_here heads combined here, all of one KV group of G heads; stage: (nh_here + 2)·hd floats of
+// shared memory (q · scale of every head here, then the row's K and V). Every thread of the block calls it (a block
+// barrier inside). A thread's part of the row and its partials are in flight together: one round trip.
+// The row's score for head g is Σ_d (q_d · scale) · k_d as one FMA chain in dim order — the same in every thread,
+// on both paths and at any warp width (the split's matrix-core sum of q's hi / lo halves is not needed for it) —
+// and it joins the splits' (M, L, o) as one more online-softmax state: (s, 1, v).
+template <class Fresh>
+HE_INLINE void he_attention_combine_fresh(const float* pr, int nh_here, int nsplit, int seq, int hd, float* out, int h0,
+                                          int G, float* stage, const Fresh& fresh) {
+  hd = he_attn_hd(hd);
+  const int t = he_thread_idx(), nt = he_block_dim(), n = nh_here * hd;
+  const int hs = nsplit * (hd + 2);
+  const int ns = he_attn_splits(seq, nsplit);
+  const float qscale = he_rsqrt((float)hd) * kLog2e;
+  float* qs = stage;
+  float* ks = stage + n;
+  float* vs = ks + hd;
+  for (int i0 = 0; i0 < n; i0 += nt) {  // every thread takes every round: the barrier below
+    const int i = i0 + t;
+    const bool act = i < n;
+    const int g = act ? i / hd : 0, d = act ? i % hd : 0;
+    // the row's values requested first (round 0 stages them all), then the partials: the fold's loads are issued
+    // before its first use, and the stores below wait for the row's loads alone, which return first
+    float qv = 0.f, kv = 0.f, vv = 0.f;
+    if (i0 == 0 && act) fresh.fetch(h0 + g, h0 / G, seq - 1, d, hd, i < hd, qv, kv, vv);
+    float M = he_neg_inf(), L = 0.f, o = 0.f;
+    if (act) he_attn_fold(pr + (he_i64)g * hs, ns, d, hd, M, L, o);
+    if (i0 == 0) {
+      if (act) {
+        qs[i] = qv * qscale;
+        if (i < hd) ks[i] = kv, vs[i] = vv;
+      }
+      for (int j = t + nt; j < n; j += nt) {  // values past the first round's (nh_here·hd > the block)
+        float qj, kj, vj;
+        fresh.fetch(h0 + j / hd, h0 / G, seq - 1, j % hd, hd, j < hd, qj, kj, vj);
+        qs[j] = qj * qscale;
+        if (j < hd) ks[j] = kj, vs[j] = vj;
+      }
+      he_sync_block();
+    }
+    if (!act) continue;
+    const float* qg = qs + g * hd;
+    float s = 0.f;
+    for (int c = 0; c < hd; ++c) s = he_fma(qg[c], ks[c], s);
+    const float Mb = he_fmax(M, s);
+    const float a = (M == he_neg_inf()) ? 0.f : he_exp2(M - Mb), w = he_exp2(s - Mb);
+    out[(he_i64)g * hd + d] = he_fma(o, a, w * vs[d]) / he_fma(L, a, w);
+  }
+}
+
+// fresh != 0 (a module built with HE_ATTN_FRESH_COMBINE, after attention_split): the splits left out each token's
+// newest row, so the combine adds it from q and the caches (the prefill's splits, attention_prefill.hip, cover
+// every row: 0).
 HE_KERNEL(256) attention_combine(const float* partial, const int* pos_p, int nsplit,
-                                 int nh, int hd, float* __restrict__ out, int early_pos) {
+                                 int nh, int hd, float* __restrict__ out, int early_pos, const float* q,
+                                 const he_kv* k_cache, const he_kv* v_cache, int nkv, int max_ctx, int fresh) {
   // The next kernel (the O-proj) may launch at once and request its weights during the splits: on this path
   // that measured faster than launching it after them (docs/perf-log.md v33), unlike the monokernel's v24.
   he_pdl_trigger_top();
@@ -770,8 +888,19 @@ HE_KERNEL(256) attention_combine(const float* partial, const int* pos_p, int nsp
   he_pdl_wait();  // port.h: everything below reads or writes step data
   he_pdl_trigger_late();
   if (!early_pos) seq = he_ld_step(pos_p) + tq + 1;
-  he_attention_combine(partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2), 1, nsplit, seq, hd,
-                       out + ((he_i64)tq * nh + h) * hd);
+  const float* pr = partial + ((he_i64)tq * nh + h) * nsplit * (hd + 2);
+  float* o = out + ((he_i64)tq * nh + h) * hd;
+#if HE_ATTN_FRESH_COMBINE
+  __shared__ float stage[3 * 8 * kWarpSize];  // (1 + 2)·hd floats, hd ≤ 8·kWarpSize (ops.attention)
+  if (fresh) {
+    he_attention_combine_fresh(pr, 1, nsplit, seq, hd, o, h, nh / nkv, stage,
+                               HeAttnFreshPlain{q + (he_i64)tq * nh * hd, k_cache, v_cache, max_ctx});
+    return;
+  }
+#else
+  (void)q, (void)k_cache, (void)v_cache, (void)nkv, (void)max_ctx, (void)fresh;
+#endif
+  he_attention_combine(pr, 1, nsplit, seq, hd, o);
 }
 // ---- decode: split + combine in one kernel ----------------------------------------------------------------
 // One query token (T = 1). The (kv head, split) blocks of attention_split; then the last of a KV head's nsplit
@@ -785,6 +914,19 @@ HE_KERNEL(256) attention_combine(const float* partial, const int* pos_p, int nsp
 // Not instantiated in the monokernel's module (HE_IN_MONOKERNEL, monokernel/decode.hip): it runs the split
 // body itself, and with these kernels beside it NVVM compiled its code differently (12,000 SASS lines moved).
 #ifndef HE_IN_MONOKERNEL
+// The last split block's combine of its KV head's G heads (HE_ATTN_FRESH_COMBINE: with the newest row, staged in the
+// split's shared memory, free again after he_arrive_last's barriers).
+template <int kG>
+HE_INLINE void he_attn_decode_combine(const float* q, const he_kv* k_cache, const he_kv* v_cache, const float* partial,
+                                      float* out, int seq, int kvh, int nsplit, int hd, int max_ctx, float* smem) {
+  const float* pr = partial + (he_i64)kvh * kG * nsplit * (hd + 2);
+  float* o = out + (he_i64)kvh * kG * hd;
+  if constexpr (kAttnFreshCombine)
+    he_attention_combine_fresh(pr, kG, nsplit, seq, hd, o, kvh * kG, kG, smem,
+                               HeAttnFreshPlain{q, k_cache, v_cache, max_ctx});
+  else
+    he_attention_combine(pr, kG, nsplit, seq, hd, o);
+}
 #define HE_ATTN_DECODE_KERNEL(g)                                                                            \
   HE_KERNEL(256) attention_decode_g##g(const float* q, const he_kv* k_cache,                                \
                                        const he_kv* v_cache, float* __restrict__ partial,                   \
@@ -805,8 +947,8 @@ HE_KERNEL(256) attention_combine(const float* partial, const int* pos_p, int nsp
                                                nh, nkv, hd, max_ctx, he_attn_smem);                         \
     }                                                                                                       \
     if (he_arrive_last(count + kvh, (he_u32)nsplit))                                                        \
-      he_attention_combine(partial + (he_i64)kvh * (g) * nsplit * (hd + 2), (g), nsplit, seq, hd,           \
-                           out + (he_i64)kvh * (g) * hd);                                                   \
+      he_attn_decode_combine<g>(q, k_cache, v_cache, partial, out, seq, kvh, nsplit, hd, max_ctx,           \
+                                he_attn_smem);                                                              \
   }
 HE_ATTN_DECODE_KERNEL(1)
 HE_ATTN_DECODE_KERNEL(2)
