@@ -425,6 +425,9 @@ case "$MODE" in
     left=$((${S43_S:-570} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default $((left < 75 ? left : 75)) ;;
   # (s43q — session 43's MK_QKV_POS A/B, mk_sweep 0/38 and its same-bits test — removed with it.)
   # (s44 — session 44's MK_O_RES_EARLY / MK_BAL A/B, mk_sweep 0/37/38/39 at 1K, same-bits, bench, profile — removed with them.)
+  benchonly)  # the decode bench of record alone (1K / 8K / 32K, both paths, JSON + PNG) in this environment: a follow-up
+              # call on a warm machine
+    bench ${BENCH_S:-150} ;;
   s48)  # session 48: the newest row added by the combine (attention_decode.hip HE_ATTN_FRESH_COMBINE, opt-in: mk_sweep 38).
          # On an H200 first the decode bench of record (1K / 8K / 32K, both paths: issue 4's figure). Then mk_sweep 0,38,0,38
          # at 1K / 8K / 32K in one process; the op tests of the new combine and the same-bits and 1B-preset monokernel tests
