@@ -433,7 +433,7 @@ case "$MODE" in
          # at 1K / 8K / 32K in one process; the op tests of the new combine and the same-bits and 1B-preset monokernel tests
          # with it on both paths; its 1K stage profile; the GPU engine tests while the call (${S48_S:-560} s) has time.
          # Builds: precompile_mk.py 1b-f3 1b-f3-fc 1b-1k-profile 1b-1k-fc-profile.
-    case "$GPU_NAME" in *H200*) bench 150 ;; esac
+    case "$GPU_NAME" in *H200*) [ "${S48_BENCH:-1}" = 1 ] && bench 150 ;; esac  # S48_BENCH=0: not (a short call)
     ONLY=${ONLY:-0,38,0,38} mk_sweep_ab mk_sweep ${S48_AB_S:-210}
     run ops_fc 70 env HIPENGINE_ATTN_FRESH_COMBINE=1 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k fresh_combine
     same_bits 110 HIPENGINE_ATTN_FRESH_COMBINE=1
