@@ -430,13 +430,14 @@ case "$MODE" in
     bench ${BENCH_S:-150} ;;
   s48)  # session 48: the newest row added by the combine (attention_decode.hip HE_ATTN_FRESH_COMBINE, opt-in: mk_sweep 38).
          # On an H200 first the decode bench of record (1K / 8K / 32K, both paths: issue 4's figure). Then mk_sweep 0,38,0,38
-         # at 1K / 8K / 32K in one process; the op tests of the new combine and the same-bits and 1B-preset monokernel tests
-         # with it on both paths; its 1K stage profile; the GPU engine tests while the call (${S48_S:-560} s) has time.
+         # at 1K / 8K / 32K in one process; the same-bits and 1B-preset monokernel tests with it on both paths, the op tests
+         # of the new combine; its 1K stage profile; the GPU engine tests while the call (${S48_S:-560} s) has time.
          # Builds: precompile_mk.py 1b-f3 1b-f3-fc 1b-1k-profile 1b-1k-fc-profile.
     case "$GPU_NAME" in *H200*) [ "${S48_BENCH:-1}" = 1 ] && bench 150 ;; esac  # S48_BENCH=0: not (a short call)
     ONLY=${ONLY:-0,38,0,38} mk_sweep_ab mk_sweep ${S48_AB_S:-210}
-    run ops_fc 70 env HIPENGINE_ATTN_FRESH_COMBINE=1 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k fresh_combine
     same_bits 110 HIPENGINE_ATTN_FRESH_COMBINE=1
+    left=$((${S48_S:-560} - SECONDS)); [ $left -gt 20 ] && run ops_fc $((left < 80 ? left : 80)) \
+      env HIPENGINE_ATTN_FRESH_COMBINE=1 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k fresh_combine
     left=$((${S48_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_fc 45 HIPENGINE_ATTN_FRESH_COMBINE=1
     left=$((${S48_S:-560} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   s47)  # session 47: the fresh-row guard the default (session 46's HE_ATTN_FRESH_GUARD=2, measured +4.3 / +3.2% at 8K / 32K)
