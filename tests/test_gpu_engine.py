@@ -851,7 +851,7 @@ class EmulatedRuntime:
         T = grid[1]
         P = self._f32(partial, T * nh * nsplit * (hd + 2)).reshape(T, nh, nsplit, hd + 2).astype(np.float64)
         m, l, o = P[..., hd], P[..., hd + 1], P[..., :hd]
-        if fresh:  # the newest row of each token, which the splits left out: one more (m, l, o) state (1, 1, v)
+        if fresh:  # the newest row of each token, which the splits left out: one more (m, l, o) state (s, 1, v)
             p0, G = int(self.view(pos, np.int32, 1)[0]), nh // nkv
             K = self._kv_dec(self.view(kc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd)
             V = self._kv_dec(self.view(vc, np.uint16, nkv * max_ctx * hd)).reshape(nkv, max_ctx, hd)
@@ -994,14 +994,16 @@ def test_executor_wiring_matches_reference(emulated, kind, one_kernel, tmp_path,
     gpu.close()
 
 
-@pytest.mark.parametrize("one_kernel", ["0", "1"])
-def test_fresh_combine_wiring_matches_reference(emulated, one_kernel, tmp_path, monkeypatch):
+@pytest.mark.parametrize("one_kernel,prefill_mma", [("0", "1"), ("1", "1"), ("1", "0")])
+def test_fresh_combine_wiring_matches_reference(emulated, one_kernel, prefill_mma, tmp_path, monkeypatch):
     """HIPENGINE_ATTN_FRESH_COMBINE=1 (attention_decode.hip HE_ATTN_FRESH_COMBINE) on the per-op path: the decode
     splits leave each token's newest row out and the combine adds it from q and the caches (attention_combine's
     `fresh` argument, or the one-kernel form's last split block); the prefill's matrix-core splits cover every row
-    (fresh 0) — prefill and decode logits as the reference's, greedy tokens equal."""
+    (fresh 0), its split kernels without them (HIPENGINE_PREFILL_MMA=0) leave each token's newest row out as well —
+    prefill and decode logits as the reference's, greedy tokens equal."""
     monkeypatch.setenv("HIPENGINE_ATTN_FRESH_COMBINE", "1")
     monkeypatch.setenv("HIPENGINE_ATTN_ONE_KERNEL", one_kernel)
+    monkeypatch.setenv("HIPENGINE_PREFILL_MMA", prefill_mma)
     from hipengine.loader import load_model
     from hipengine.reference import ReferenceBackend
     from tiny_models import save_tiny_model
