@@ -1251,14 +1251,13 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         if (og) {
           const float* pr = p.partial + (he_i64)oop.g * MK_ATTN_G * p.nsplit * (p.hd + 2);
           if constexpr (kAttnFreshCombine) {  // + the newest row, which the splits left out (staged after att)
-            float* stage = he_mk_smem + MK_ATTN_G * p.hd;
 #if MK_QFLOW
-            he_attention_combine_fresh(pr, MK_ATTN_G, p.nsplit, pos + 1, p.hd, he_mk_smem, oop.g * MK_ATTN_G, MK_ATTN_G,
-                                       stage, MkFlowFresh{{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd}});
+            const MkFlowFresh row{{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd}};
 #else
-            he_attention_combine_fresh(pr, MK_ATTN_G, p.nsplit, pos + 1, p.hd, he_mk_smem, oop.g * MK_ATTN_G, MK_ATTN_G,
-                                       stage, HeAttnFreshPlain{p.q, L.k_cache, L.v_cache, p.max_ctx});
+            const HeAttnFreshPlain row{p.q, L.k_cache, L.v_cache, p.max_ctx};
 #endif
+            he_attention_combine_fresh(pr, MK_ATTN_G, p.nsplit, pos + 1, p.hd, he_mk_smem, oop.g * MK_ATTN_G, MK_ATTN_G,
+                                       he_mk_smem + MK_ATTN_G * p.hd, row);
           } else {
             he_attention_combine(pr, MK_ATTN_G, p.nsplit, pos + 1, p.hd, he_mk_smem);
           }
