@@ -432,7 +432,7 @@ case "$MODE" in
          # On an H200 first the decode bench of record (1K / 8K / 32K, both paths: issue 4's figure). Then mk_sweep 0,38,0,38
          # at 1K / 8K / 32K in one process; the same-bits and 1B-preset monokernel tests with it on both paths, the op tests
          # of the new combine; its 1K stage profile; the GPU engine tests while the call (${S48_S:-560} s) has time.
-         # Builds: precompile_mk.py 1b-f3 1b-f3-fc 1b-1k-profile 1b-1k-fc-profile.
+         # Builds (at ae9e953, before FC was the default): precompile_mk.py 1b-f3 1b-f3-fc 1b-1k-profile 1b-1k-fc-profile.
     case "$GPU_NAME" in *H200*) [ "${S48_BENCH:-1}" = 1 ] && bench 150 ;; esac  # S48_BENCH=0: not (a short call)
     ONLY=${ONLY:-0,38,0,38} mk_sweep_ab mk_sweep ${S48_AB_S:-210}
     same_bits 110 HIPENGINE_ATTN_FRESH_COMBINE=1

@@ -680,7 +680,11 @@ def attn_mma(arch: str | None, hd: int) -> bool:
     return ATTN_MMA_DEFAULT if forced is None else forced
 
 
-ATTN_FRESH_COMBINE_DEFAULT = False  # session 48: measured before it becomes the default (docs/perf-log.md)
+# Session 48's change, the default since session 49: on one H100 in one process, alternated twice, tokens equal, the
+# monokernel +3.3 / +3.5% at 1K, +3.2 / +2.6% at 8K, +0.6 / +1.5% at 32K (monokernel_fresh_combine_ab_h100_s49.json);
+# the bench of record on that machine +3.1 / +2.1 / +1.5% for the monokernel, −1.0 / −0.7 / +0.2% per-op
+# (monokernel_decode_h100_s49_{default,fresh_combine}.json; docs/perf-log.md session 49).
+ATTN_FRESH_COMBINE_DEFAULT = True
 
 
 def attn_fresh_combine() -> bool:
