@@ -743,7 +743,7 @@ struct MkFlowFresh {
 // bits), from the splits' LL words. Every thread of the block calls it (block barriers inside); after it, mk_flow_fail
 // says whether a poll failed. stage: (G + 2)·hd + 2·G·ns floats of shared memory, apart from out.
 //  1. Each split's (m, l) words — the gate: a split's merge writes them with its o words — and, for the fresh row, q,
-//     K and V words: all of a thread's polled together. An empty split (he_attn_split_n: 0 rows) is not read: it
+//     K and V words: all of a thread's polled together. An empty split (past he_attn_rowed's) is not read: it
 //     stages (−inf, 0), which the fold skips as it skips a written empty split.
 //  2. Each (head, dim): its splits' o words, kCombineBatch a round trip (only the non-empty ones), folded in split
 //     order (he_attn_fold_batch).
@@ -755,6 +755,7 @@ static_assert(kCombineBatch % kMkPartPoll == 0, "whole sets of o words per batch
 HE_INLINE void mk_combine_ll(const MkParams& p, const MkFlowWait& f, int kvh, int seq, float* out, float* stage) {
   constexpr int G = MK_ATTN_G, HD = HE_ATTN_HD, nt = kMkThreads;
   const int t = he_thread_idx(), nsplit = p.nsplit, ns = he_attn_splits(seq, nsplit), nml = 2 * G * ns;
+  const int ne = he_attn_rowed(seq, nsplit, p.chunk);  // splits [0, ne) have rows, [ne, ns) are empty
   const he_u64* pr = f.part + (he_i64)kvh * G * nsplit * (HD + 2);
   float* qs = stage;        // [G][HD] the fresh row's q · log2(e)/sqrt(hd) per head
   float* ks = qs + G * HD;  // [HD] its K
@@ -763,8 +764,7 @@ HE_INLINE void mk_combine_ll(const MkParams& p, const MkFlowWait& f, int kvh, in
   const int n1 = kAttnFreshCombine && G * HD > nml ? G * HD : nml;
   for (int j = t; j < n1; j += nt) {  // 1.
     const int g = j / (2 * ns), sp = (j >> 1) % ns;
-    int start;
-    const bool ml = j < nml && he_attn_split_n(seq, sp, nsplit, p.chunk, start) != 0;
+    const bool ml = j < nml && sp < ne;
     const bool fr = kAttnFreshCombine && j < G * HD, wk = fr && j < HD;
     const he_u64* mw = pr + ((he_i64)g * nsplit + sp) * (HD + 2) + HD + (j & 1);
     const he_u64* qw = f.ll + (he_i64)(kvh * G) * HD + j;      // head kvh·G + j / HD, dim j % HD
@@ -787,10 +787,8 @@ HE_INLINE void mk_combine_ll(const MkParams& p, const MkFlowWait& f, int kvh, in
     const float* mg = mls + 2 * g * ns;
     float M = he_neg_inf(), L = 0.f, o = 0.f;
     for (int s0 = 0; s0 < ns; s0 += kCombineBatch) {
-      he_u32 want = 0;
-#pragma unroll
-      for (int b = 0; b < kCombineBatch; ++b)
-        if (s0 + b < ns && mg[2 * (s0 + b) + 1] > 0.f) want |= 1u << b;
+      const int nb = ne - s0;  // splits of this batch with rows
+      const he_u32 want = nb >= kCombineBatch ? (1u << kCombineBatch) - 1u : nb > 0 ? (1u << nb) - 1u : 0u;
       float v[kCombineBatch], ms[kCombineBatch], ls[kCombineBatch];
 #pragma unroll
       for (int h = 0; h < kCombineBatch; h += kMkPartPoll) {
@@ -1210,7 +1208,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   const HeWaitCtx w{p.bar, p.host + kMkHost_status, p.timeout_ns, p.poll_sleep_ns};
   const int nb = he_grid_dim();
   const bool lead = he_block_idx() == 0;
-  he_u32 epoch = 0, attn_done = 0;
+  he_u32 epoch = 0;
+  [[maybe_unused]] he_u32 attn_done = 0;  // (unused by MK_PART_LL: no split counter)
 #if MK_QFLOW
   he_u32 flow_ep = 0;  // the LL words' epoch: one per layer of the launch
   if (he_thread_idx() == 0) mk_flow_fail = 0;

@@ -148,7 +148,7 @@ struct HeAttnTrigger {
 // the newest row come as LL words the split polls itself (q2, kv8), so no block barrier stands before the split.
 // Every wait type also says how the split writes its partial (put: word i of `partial`): HeAttnPlainQ's plain
 // stores; kPartLL (decode.hip MkFlowWait in an MK_PART_LL build): LL words the combine polls, and an empty split
-// writes nothing (the combine knows which splits are empty: he_attn_split_n).
+// writes nothing (the combine knows which splits are empty: he_attn_rowed).
 struct HeAttnPlainQ {
   static constexpr bool kFlow = false, kPartLL = false;
   // q[i], q[i + 1]
@@ -179,6 +179,12 @@ HE_INLINE int he_attn_split_n(int seq, int split, int nsplit, int chunk, int& st
   if (kAttnFreshCombine && n != 0 && start + n == seq) --n;  // the newest row is the combine's
   return n;
 }
+// The splits with rows under the plan: the first he_attn_rowed(seq, nsplit, chunk) (those starting before the last row
+// the splits take); the rest of he_attn_splits(seq, nsplit) are empty.
+HE_INLINE int he_attn_rowed(int seq, int nsplit, int chunk) {
+  const int c = he_attn_len(seq, nsplit, chunk), rows = kAttnFreshCombine ? seq - 1 : seq;
+  return (rows + c - 1) / c;
+}
 template <int kG, bool kEarly, bool kTrigger, class Wait>
 HE_INLINE int he_attn_split_rows(int seq, int kvh, int split, int nsplit, int chunk, int hd, float* partial,
                                  int& start, int& n, const Wait& wait) {
@@ -187,11 +193,12 @@ HE_INLINE int he_attn_split_rows(int seq, int kvh, int split, int nsplit, int ch
   if (HeAttnTrigger<kEarly, kTrigger>::before) he_pdl_trigger();
   if (kEarly && !wait()) return -1;  // partial is step data
   if (HeAttnTrigger<kEarly, kTrigger>::after) he_pdl_trigger();
-  if constexpr (Wait::kPartLL) return 0;  // the combine skips it unread
-  for (int g = he_thread_idx(); g < kG; g += kAttnThreads) {
-    float* pr = partial + ((he_i64)(kvh * kG + g) * nsplit + split) * (hd + 2);
-    pr[hd] = he_neg_inf();
-    pr[hd + 1] = 0.f;
+  if constexpr (!Wait::kPartLL) {  // (LL words: the combine skips it unread)
+    for (int g = he_thread_idx(); g < kG; g += kAttnThreads) {
+      float* pr = partial + ((he_i64)(kvh * kG + g) * nsplit + split) * (hd + 2);
+      pr[hd] = he_neg_inf();
+      pr[hd + 1] = 0.f;
+    }
   }
   return 0;
 }
@@ -840,7 +847,8 @@ struct HeAttnFreshPlain {
 };
 
 // The splits' (M, L, o) of head g, dim d with the newest row merged in, normalised: qg is the head's q · scale, ks / vs
-// the row (the stage of he_attention_combine_fresh).
+// the row (the stage of he_attention_combine_fresh, whose loop writes the same arithmetic out; decode.hip's
+// mk_combine_ll calls this).
 HE_INLINE float he_attn_fresh_out(const float* qg, const float* ks, const float* vs, int d, int hd, float M, float L,
                                   float o) {
   float s = 0.f;
@@ -891,7 +899,14 @@ HE_INLINE void he_attention_combine_fresh(const float* pr, int nh_here, int nspl
       }
       he_sync_block();
     }
-    if (act) out[(he_i64)g * hd + d] = he_attn_fresh_out(qs + g * hd, ks, vs, d, hd, M, L, o);
+    // he_attn_fresh_out's arithmetic, written out: calling it, NVVM scheduled the measured default monokernel anew
+    if (!act) continue;
+    const float* qg = qs + g * hd;
+    float s = 0.f;
+    for (int c = 0; c < hd; ++c) s = he_fma(qg[c], ks[c], s);
+    const float Mb = he_fmax(M, s);
+    const float a = (M == he_neg_inf()) ? 0.f : he_exp2(M - Mb), w = he_exp2(s - Mb);
+    out[(he_i64)g * hd + d] = he_fma(o, a, w * vs[d]) / he_fma(L, a, w);
   }
 }
 
