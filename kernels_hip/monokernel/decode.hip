@@ -663,18 +663,22 @@ struct MkFlowWait {
     }
   }
 #if MK_PART_LL
-  // words p[j · stride] for the bits j of `want` (v[j] of the others left as they are); the same passes as poll_at
+  // words p[j · stride] for the bits j of `want` (v[j] of the others left as they are). Unlike poll_at, every pass loads
+  // them all again, so no value is carried from one pass to the next: for words that are normally there at the first
+  // pass (the combine's o words, after its gate) — carried, the loop kept 16 more registers live and ptxas spilled
+  // 314 / 428 B instead of 146 / 308 in the fresh-combine build.
   template <int N>
   HE_INLINE void poll_mask(const he_u64* p, int stride, he_u32 want, he_u64 (&v)[N]) const {
-#pragma unroll
-    for (int j = 0; j < N; ++j)
-      if (want >> j & 1u) v[j] = *(const volatile he_u64*)(p + (he_i64)j * stride);
     he_u64 t0 = 0;
     for (int polls = 0;; ++polls) {
+      bool all = true;
 #pragma unroll
       for (int j = 0; j < N; ++j)
-        if (mk_ll_epoch(v[j]) == epoch) want &= ~(1u << j);
-      if (want == 0) return;
+        if (want >> j & 1u) {
+          v[j] = *(const volatile he_u64*)(p + (he_i64)j * stride);
+          all = all && mk_ll_epoch(v[j]) == epoch;
+        }
+      if (all) return;
       if (polls % kPollsPerClock == 0) {
         if (polls == 0) {
           t0 = he_clock_ns();
@@ -687,9 +691,6 @@ struct MkFlowWait {
           return;
         }
       }
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-        if (want >> j & 1u) v[j] = *(const volatile he_u64*)(p + (he_i64)j * stride);
     }
   }
 #endif
@@ -747,9 +748,9 @@ struct MkFlowFresh {
 //     stages (−inf, 0), which the fold skips as it skips a written empty split.
 //  2. Each (head, dim): its splits' o words, kCombineBatch a round trip (only the non-empty ones), folded in split
 //     order (he_attn_fold_batch).
-// o words polled at once (a round trip each set with any to poll): 16 kept 64-bit words in flight through the poll loop,
-// 16 registers more than the plain combine's 32-bit loads, and ptxas spilled 294 / 472 B (106 / 200 in the default
-// build); 8 spill 118 / 236. A 1K cache's plan has 8 splits (one set), 8K / 32K's 16 (two, one after the other).
+// o words polled at once (a round trip each set with any to poll): 16 keep 64-bit words in flight, 16 registers more
+// than the plain combine's 32-bit loads — ptxas spilled 346 / 468 B in the fresh-combine build against 8's 146 / 308 (the
+// default build: 18 / 52). A 1K cache's plan has 8 splits (one set), 8K / 32K's 16 (two, one after the other).
 constexpr int kMkPartPoll = 8;
 static_assert(kCombineBatch % kMkPartPoll == 0, "whole sets of o words per batch");
 HE_INLINE void mk_combine_ll(const MkParams& p, const MkFlowWait& f, int kvh, int seq, float* out, float* stage) {
