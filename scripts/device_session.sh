@@ -428,15 +428,8 @@ case "$MODE" in
   benchonly)  # the decode bench of record alone (1K / 8K / 32K, both paths, JSON + PNG) in this environment: a follow-up
               # call on a warm machine
     bench ${BENCH_S:-150} ;;
-  s49)  # session 49: the splits' partials as LL words (decode.hip MK_PART_LL, opt-in: mk_sweep 39) — mk_sweep 0,39,0,39 at
-         # 1K / 8K / 32K in one process, the same-bits and 1B-preset monokernel tests with it, its 1K stage profile and the
-         # default's, then the GPU engine tests while the call (${S49_S:-560} s) has time. Builds: precompile_mk.py 1b-f3
-         # 1b-f3-pll 1b-1k-profile 1b-1k-pll-profile.
-    ONLY=${ONLY:-0,39,0,39} mk_sweep_ab mk_sweep ${S49_AB_S:-210}
-    same_bits 110 HIPENGINE_MK_PART_LL=1
-    left=$((${S49_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_pll 45 HIPENGINE_MK_PART_LL=1
-    left=$((${S49_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default 45
-    left=$((${S49_S:-560} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+  # (s49 — session 49's MK_PART_LL A/B: mk_sweep 0/39 at 1K / 8K / 32K, its same-bits tests and both 1K profiles — removed
+  # with it.)
   s48)  # session 48: the newest row added by the combine (attention_decode.hip HE_ATTN_FRESH_COMBINE, opt-in: mk_sweep 38).
          # On an H200 first the decode bench of record (1K / 8K / 32K, both paths: issue 4's figure). Then mk_sweep 0,38,0,38
          # at 1K / 8K / 32K in one process; the same-bits and 1B-preset monokernel tests with it on both paths, the op tests
@@ -514,7 +507,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s49|s48|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s48|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

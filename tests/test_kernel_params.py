@@ -36,7 +36,7 @@ def test_no_arguments_and_a_wrong_one():
 
 def test_monokernel_launch_passes_the_block_by_value():
     """decode.hip declares `monokernel_decode(const MkParams p)`; the host launches with the ctypes block
-    itself (400 bytes, the C layout), not a device pointer to a copy."""
+    itself (392 bytes, the C layout), not a device pointer to a copy."""
     from hipengine.gpu.runtime import KERNELS_DIR
 
     assert "monokernel_decode(const MkParams p)" in (KERNELS_DIR / mk.SOURCE).read_text()
@@ -47,5 +47,5 @@ def test_monokernel_launch_passes_the_block_by_value():
     be._block = mk.MkParams(d=2048, n_layers=16)
     be._start()
     (args, kw), = calls
-    assert args[3] == [be._block] and ctypes.sizeof(args[3][0]) == 400
+    assert args[3] == [be._block] and ctypes.sizeof(args[3][0]) == 392
     assert kw["cooperative"] is True and kw["shared"] == 44160

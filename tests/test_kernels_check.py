@@ -318,17 +318,3 @@ def test_fresh_combine_builds_compile(tmp_path, monkeypatch):
         "decode_fc_q_flow.hip": mk + '#define MK_O_GROUP 1\n#define MK_QFLOW 1\n#include "monokernel/decode.hip"\n',
         "decode_fc_o_group.hip": mk + '#define MK_O_GROUP 1\n#include "monokernel/decode.hip"\n',
         "decode_fc_tp.hip": mk + '#define MK_TP 1\n#include "monokernel/decode.hip"\n'})
-
-
-def test_part_ll_builds_compile(tmp_path, monkeypatch):
-    """The splits' partials as LL words polled by the grouped O-proj's combine (decode.hip MK_PART_LL, an MK_QFLOW
-    build: monokernel.part_ll_decide), with the newest row in the combine (the default) and in its split, lean and as
-    a profile build, compile warnings-as-errors for gfx942 and sm_90."""
-    base = ("#define MK_O_GROUP 1\n#define MK_QFLOW 1\n#define MK_PART_LL 1\n#define HE_ATTN_HD 64\n"
-            "#define HE_ATTN_MMA 1\n")
-    lean = "#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n#define HE_COLD_HINTS 1\n"
-    _check_units(tmp_path, monkeypatch, {
-        "decode_part_ll_fc.hip": base + lean + '#define HE_ATTN_FRESH_COMBINE 1\n#include "monokernel/decode.hip"\n',
-        "decode_part_ll.hip": base + lean + '#include "monokernel/decode.hip"\n',
-        "decode_part_ll_profile.hip": base + '#define HE_ATTN_FRESH_COMBINE 1\n#define MK_PROFILE 1\n'
-                                      '#include "monokernel/decode.hip"\n'})

@@ -149,7 +149,6 @@ PARAM_FIELDS = [
     ("head_c2", "float"),           # the screen's bound on the dequantised rows' norms
     ("screen", "he_i32"),           # 1: greedy steps of a generation take the screened head (MK_HEAD_SCREEN builds)
     ("flow_ll", "he_u64*"),         # [q_dim + 2 kv_dim] the QKV rows as LL words (MK_QFLOW builds: decode.hip), or null
-    ("part_ll", "he_u64*"),         # [nh, nsplit, hd + 2] the split partials as LL words (MK_PART_LL builds), or null
 ]
 
 STATE_FIELDS = [
@@ -316,8 +315,6 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         defines["MK_O_GROUP"] = 1
         if q_flow:
             defines["MK_QFLOW"] = 1
-            if part_ll_asked():
-                defines["MK_PART_LL"] = 1
     defines.update(extra_defines())
     return {"defines": defines, "options": opts or None}
 
@@ -455,28 +452,6 @@ def q_flow_decide(cfg, arch: str | None, o_group: bool, tp: bool) -> bool:
     if why and setting:
         raise UnsupportedError(f"HIPENGINE_MK_QFLOW=1: the LL-fed attention does not apply here ({why})")
     return why is None
-
-
-# MK_PART_LL (decode.hip, an MK_QFLOW build): the attention splits' partials as LL words the grouped O-proj's combine
-# polls, no split counter on the attention -> O-proj chain. Opt-in until measured (docs/perf-log.md, session 49).
-PART_LL_DEFAULT = False
-
-
-def part_ll_asked() -> bool:
-    """HIPENGINE_MK_PART_LL: 1 asks for the LL-word partials wherever the build is MK_QFLOW, 0 keeps the split
-    counter, unset: PART_LL_DEFAULT."""
-    setting = O._env_switch("HIPENGINE_MK_PART_LL")
-    return PART_LL_DEFAULT if setting is None else setting
-
-
-def part_ll_decide(q_flow: bool) -> bool:
-    """MK_PART_LL where the build is MK_QFLOW, if asked; asked for with 1 where MK_QFLOW is off, one clear error."""
-    if not part_ll_asked():
-        return False
-    if not q_flow and O._env_switch("HIPENGINE_MK_PART_LL"):
-        raise UnsupportedError("HIPENGINE_MK_PART_LL=1: the LL-word partials need the LL-fed attention (MK_QFLOW), "
-                               "which this build does not use")
-    return q_flow
 
 
 def o_group_on() -> bool | None:
@@ -813,9 +788,7 @@ class MonokernelBackend(GpuBackend):
                         O.attention_shared_bytes(G, cfg.head_dim, rt.warp_size, mma),   # attention (ops.attention)
                         4 * ((cfg.vocab_size + 31) // 32),                               # sampling history bitmap
                         O.mlp_shared_bytes(cfg.hidden_size, rt.warp_size, rt.vendor == "nvidia", THREADS)
-                        if self.fused_mlp else 0,
-                        # the grouped O-proj's combine: att, the newest row's stage, MK_PART_LL's (m, l) per split
-                        4 * (2 * G * cfg.head_dim + 2 * cfg.head_dim + 2 * G * self.mk_nsplit) if self.o_group else 0)
+                        if self.fused_mlp else 0)
         if self.head_screen:  # the staged input, its int16 copy and the warps' slots (ops/head_screen.hip)
             from .head_screen import smem_bytes
 
@@ -848,7 +821,6 @@ class MonokernelBackend(GpuBackend):
         self.q_regs, self.warp_max, self.fine = self._build_class()
         self.o_group = self._o_group_wanted()
         self.q_flow = q_flow_decide(cfg, rt.arch, self.o_group, self.mk_tp or bool(self.ll_local))
-        self.part_ll = part_ll_decide(self.q_flow)
         self.module = rt.compile(SOURCE, **compile_args(rt.vendor, self.w_f16, cfg.num_heads // cfg.num_kv_heads,
                                                         self.kv_f16, cfg.head_dim, tp=self.mk_tp, q_regs=self.q_regs,
                                                         max_context=self.max_context, arch=rt.arch,
@@ -894,11 +866,6 @@ class MonokernelBackend(GpuBackend):
         self.flow_words = cfg.q_dim + 2 * cfg.num_kv_heads * cfg.head_dim
         self.flow_ll = rt.malloc_fine_grained(8 * self.flow_words)
         self._bufs.append(self.flow_ll)
-        # MK_PART_LL's partials (fine-grained as flow_ll): the monokernel's split plan, not the per-op one
-        self.part_words = cfg.num_heads * self.mk_nsplit * (cfg.head_dim + 2) if self.part_ll else 0
-        self.part_ll_buf = rt.malloc_fine_grained(8 * self.part_words) if self.part_ll else None
-        if self.part_ll_buf is not None:
-            self._bufs.append(self.part_ll_buf)
         self.cand = self._buf(8 * rt.num_sms * max(self.occupancy, 1))
         self.screen_lo = self._buf(4 * self.grid) if self.head_screen else None
         self.eos_buf = self._buf(4 * MAX_EOS)
@@ -936,8 +903,7 @@ class MonokernelBackend(GpuBackend):
             head_q=self.head_q.ptr if self.head_q is not None else 0,
             head_meta=self.head_meta.ptr if self.head_meta is not None else 0,
             screen_lo=self.screen_lo.ptr if self.screen_lo is not None else 0, head_c2=float(self.head_c2),
-            screen=int(self.head_screen), flow_ll=self.flow_ll.ptr if self.q_flow else 0,
-            part_ll=self.part_ll_buf.ptr if self.part_ll_buf is not None else 0)
+            screen=int(self.head_screen), flow_ll=self.flow_ll.ptr if self.q_flow else 0)
 
     def _ll_on(self) -> bool:
         return self.tp_world > 1 or bool(self.ll_local)
@@ -980,8 +946,6 @@ class MonokernelBackend(GpuBackend):
         rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 2), stream=s)
         if self.q_flow:  # the LL words' epochs count from 1 in every launch
             rt.memset(self.flow_ll, 0, 8 * self.flow_words, stream=s)
-        if self.part_ll_buf is not None:  # (the same epochs)
-            rt.memset(self.part_ll_buf, 0, 8 * self.part_words, stream=s)
         if self.o_group:  # the O-proj's fixed-point shares start from zero (the kernel clears them after each use)
             rt.memset(self.x_fx, 0, 8 * self.config.hidden_size, stream=s)
         s.synchronize()  # the host words below are read by the kernel: reset them with nothing in flight

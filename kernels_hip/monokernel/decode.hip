@@ -247,9 +247,8 @@ struct MkParams {
   float head_c2;
   he_i32 screen;
   he_u64* flow_ll;
-  he_u64* part_ll;
 };
-static_assert(sizeof(MkParams) == 400, "MkParams size (Python table)");
+static_assert(sizeof(MkParams) == 392, "MkParams size (Python table)");
 MK_OFFSET_CHECK(MkParams, layers, 0)
 MK_OFFSET_CHECK(MkParams, embed, 8)
 MK_OFFSET_CHECK(MkParams, lm_head, 16)
@@ -315,7 +314,6 @@ MK_OFFSET_CHECK(MkParams, screen_lo, 368)
 MK_OFFSET_CHECK(MkParams, head_c2, 376)
 MK_OFFSET_CHECK(MkParams, screen, 380)
 MK_OFFSET_CHECK(MkParams, flow_ll, 384)
-MK_OFFSET_CHECK(MkParams, part_ll, 392)
 enum MkHostWord { kMkHost_write_idx = 0, kMkHost_status = 1, kMkHost_finish = 2, kMkHost_cancel = 3, kMkHost_n_out = 4, kMkHost_pos = 5, kMkHost_pad0 = 6, kMkHost_pad1 = 7 };
 enum MkMode { kMkModeEmbedFirst = 1, kMkModeOneStep = 2 };
 enum MkFinish { kMkFinish_stop = 1, kMkFinish_length = 2, kMkFinish_cancelled = 3, kMkFinish_context = 4 };
@@ -425,7 +423,6 @@ extern "C" __global__ void monokernel_layout(he_u64* out) {
   out[97] = (he_u64)((const char*)&vMkParams.head_c2 - (const char*)&vMkParams);
   out[98] = (he_u64)((const char*)&vMkParams.screen - (const char*)&vMkParams);
   out[99] = (he_u64)((const char*)&vMkParams.flow_ll - (const char*)&vMkParams);
-  out[100] = (he_u64)((const char*)&vMkParams.part_ll - (const char*)&vMkParams);
 }
 // END GENERATED
 
@@ -555,20 +552,6 @@ constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of colu
 #endif
 static_assert(!MK_QFLOW || (MK_O_GROUP && !MK_QK_NORM && !MK_ATTN_EARLY && kAttnMma),
               "MK_QFLOW: the grouped O-proj, no q/k norms, the matrix-core split");
-// MK_PART_LL=1 (an MK_QFLOW build; hipengine/gpu/monokernel.py part_ll_asked, HIPENGINE_MK_PART_LL): the attention
-// splits write their partials as LL words {f32 bits, epoch} into p.part_ll (he_attn_merge_warps through MkFlowWait::put;
-// an empty split writes nothing) and the grouped O-proj's blocks poll them (mk_combine_ll) instead of waiting for the
-// KV head's split counter: off the chain go the split block's barrier, its release fence (the partial's stores
-// acknowledged), the counter's add, and the combine's load of the partials after the counter is seen — about two L2
-// round trips per layer. Session 35's MK_ATTN_LL lost 19-26% keeping the counters (relaxed) and polling each stale
-// word alone, one round trip after another; here nothing counts, the gate is each split's (m, l) words — a few per
-// thread, polled all at once — and the o words are loaded once that gate has seen their split's merge. Epochs: flow_ep
-// (one per layer); reuse as flow_ll's (layer l + 1's splits write after the down(l) barrier, which every combine of
-// layer l precedes). Same loads, same sums: the same bits as the per-op path.
-#ifndef MK_PART_LL
-#define MK_PART_LL 0
-#endif
-static_assert(!MK_PART_LL || MK_QFLOW, "MK_PART_LL: the LL-fed attention (MK_QFLOW), whose epochs it shares");
 #if MK_QFLOW
 // The block's poll failed (timeout or another block's error): the kernel ends after the split (mk_attention_flow).
 __shared__ int mk_flow_fail;
@@ -602,23 +585,12 @@ struct MkQkvFlow : HeMvQkv {
 // Polls re-load only the words not yet there, all at once (one round trip per pass); a poll that outlives the
 // timeout reports kStatusCounterTimeout, and one that sees another block's error stops: both set mk_flow_fail.
 struct MkFlowWait {
-  static constexpr bool kFlow = true, kPartLL = MK_PART_LL != 0;
+  static constexpr bool kFlow = true;
   HeWaitCtx w;
   const he_u64* ll;
   he_u32 epoch;
   int q_dim, kv_dim;
-#if MK_PART_LL
-  he_u64* part;  // p.part_ll: the splits' partials as LL words, laid out as p.partial's floats
-#endif
   HE_INLINE bool operator()() const { return true; }  // nothing to wait for as a block: the words are polled
-  // the split's partial (ops/attention_decode.hip HeAttnPlainQ::put): LL words in an MK_PART_LL build
-  HE_INLINE void put(float* partial, he_i64 i, float v) const {
-#if MK_PART_LL
-    ((volatile he_u64*)part)[i] = ((he_u64)epoch << 32) | he_f32_as_u32(v);
-#else
-    partial[i] = v;
-#endif
-  }
   // words p[0 .. N)
   template <int N>
   HE_INLINE void poll(const he_u64* p, he_u64 (&v)[N]) const {
@@ -662,38 +634,6 @@ struct MkFlowWait {
         if (mk_ll_epoch(v[j]) != epoch) v[j] = *(const volatile he_u64*)at[j];
     }
   }
-#if MK_PART_LL
-  // words p[j · stride] for the bits j of `want` (v[j] of the others left as they are). Unlike poll_at, every pass loads
-  // them all again, so no value is carried from one pass to the next: for words that are normally there at the first
-  // pass (the combine's o words, after its gate) — carried, the loop kept 16 more registers live and ptxas spilled
-  // 314 / 428 B instead of 146 / 308 in the fresh-combine build.
-  template <int N>
-  HE_INLINE void poll_mask(const he_u64* p, int stride, he_u32 want, he_u64 (&v)[N]) const {
-    he_u64 t0 = 0;
-    for (int polls = 0;; ++polls) {
-      bool all = true;
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-        if (want >> j & 1u) {
-          v[j] = *(const volatile he_u64*)(p + (he_i64)j * stride);
-          all = all && mk_ll_epoch(v[j]) == epoch;
-        }
-      if (all) return;
-      if (polls % kPollsPerClock == 0) {
-        if (polls == 0) {
-          t0 = he_clock_ns();
-        } else if (he_aborted(w)) {
-          mk_flow_fail = 1;
-          return;
-        } else if (he_clock_ns() - t0 > w.timeout_ns) {
-          he_report_error(w, kStatusCounterTimeout);
-          mk_flow_fail = 1;
-          return;
-        }
-      }
-    }
-  }
-#endif
   HE_INLINE void q2(const float*, he_i64 i, float& a, float& b) const {
     he_u64 v[2];
     poll(ll + i, v);
@@ -707,20 +647,6 @@ struct MkFlowWait {
     return he_vec16{two(0), two(2), two(4), two(6)};
   }
 };
-
-// The wait of this layer's LL words (epoch flow_ep).
-HE_INLINE MkFlowWait mk_flow_wait(const MkParams& p, const HeWaitCtx& w, he_u32 flow_ep) {
-  MkFlowWait f;
-  f.w = w;
-  f.ll = p.flow_ll;
-  f.epoch = flow_ep;
-  f.q_dim = p.nh * p.hd;
-  f.kv_dim = p.nkv * p.hd;
-#if MK_PART_LL
-  f.part = p.part_ll;
-#endif
-  return f;
-}
 
 // HE_ATTN_FRESH_COMBINE's source of the newest row in the grouped O-proj's combine (ops/attention_decode.hip
 // HeAttnFreshPlain's interface): head h's q[d] and dim d of KV head kvh's K (when wk) and V row, from the QKV stage's
@@ -737,82 +663,6 @@ struct MkFlowFresh {
     vv = he_kvlo_to_f32((he_u32)v[2]);
   }
 };
-
-#if MK_PART_LL
-// MK_PART_LL's combine of KV head kvh's G heads into out[G][hd] (ops/attention_decode.hip he_attention_combine, or
-// he_attention_combine_fresh in a HE_ATTN_FRESH_COMBINE build: the same loads folded in the same order, so the same
-// bits), from the splits' LL words. Every thread of the block calls it (block barriers inside); after it, mk_flow_fail
-// says whether a poll failed. stage: (G + 2)·hd + 2·G·ns floats of shared memory, apart from out.
-//  1. Each split's (m, l) words — the gate: a split's merge writes them with its o words — and, for the fresh row, q,
-//     K and V words: all of a thread's polled together. An empty split (past he_attn_rowed's) is not read: it
-//     stages (−inf, 0), which the fold skips as it skips a written empty split.
-//  2. Each (head, dim): its splits' o words, kCombineBatch a round trip (only the non-empty ones), folded in split
-//     order (he_attn_fold_batch).
-// o words polled at once (a round trip each set with any to poll): 16 keep 64-bit words in flight, 16 registers more
-// than the plain combine's 32-bit loads — ptxas spilled 346 / 468 B in the fresh-combine build against 8's 146 / 308 (the
-// default build: 18 / 52). A 1K cache's plan has 8 splits (one set), 8K / 32K's 16 (two, one after the other).
-constexpr int kMkPartPoll = 8;
-static_assert(kCombineBatch % kMkPartPoll == 0, "whole sets of o words per batch");
-HE_INLINE void mk_combine_ll(const MkParams& p, const MkFlowWait& f, int kvh, int seq, float* out, float* stage) {
-  constexpr int G = MK_ATTN_G, HD = HE_ATTN_HD, nt = kMkThreads;
-  const int t = he_thread_idx(), nsplit = p.nsplit, ns = he_attn_splits(seq, nsplit), nml = 2 * G * ns;
-  const int ne = he_attn_rowed(seq, nsplit, p.chunk);  // splits [0, ne) have rows, [ne, ns) are empty
-  const he_u64* pr = f.part + (he_i64)kvh * G * nsplit * (HD + 2);
-  float* qs = stage;        // [G][HD] the fresh row's q · log2(e)/sqrt(hd) per head
-  float* ks = qs + G * HD;  // [HD] its K
-  float* vs = ks + HD;      // [HD] its V
-  float* mls = vs + HD;     // [G][ns] (m, l)
-  const int n1 = kAttnFreshCombine && G * HD > nml ? G * HD : nml;
-  for (int j = t; j < n1; j += nt) {  // 1.
-    const int g = j / (2 * ns), sp = (j >> 1) % ns;
-    const bool ml = j < nml && sp < ne;
-    const bool fr = kAttnFreshCombine && j < G * HD, wk = fr && j < HD;
-    const he_u64* mw = pr + ((he_i64)g * nsplit + sp) * (HD + 2) + HD + (j & 1);
-    const he_u64* qw = f.ll + (he_i64)(kvh * G) * HD + j;      // head kvh·G + j / HD, dim j % HD
-    const he_u64* kw = f.ll + f.q_dim + (he_i64)kvh * HD + j;  // dim j (j < HD)
-    const he_u64* any = fr ? qw : mw;
-    const he_u64* const at[4] = {any, wk ? kw : any, wk ? kw + f.kv_dim : any, ml ? mw : any};
-    he_u64 v[4];
-    if (ml || fr) f.poll_at(at, v);
-    if (j < nml) mls[j] = ml ? he_u32_as_f32((he_u32)v[3]) : ((j & 1) ? 0.f : he_neg_inf());
-    if (fr) {
-      qs[j] = he_u32_as_f32((he_u32)v[0]) * (he_rsqrt((float)HD) * kLog2e);
-      if (wk) ks[j] = he_kvlo_to_f32((he_u32)v[1]), vs[j] = he_kvlo_to_f32((he_u32)v[2]);
-    }
-  }
-  he_sync_block();
-  if (mk_flow_fail) return;
-  for (int i = t; i < G * HD; i += nt) {  // 2.
-    const int g = i / HD, d = i % HD;
-    const he_u64* ph = pr + (he_i64)g * nsplit * (HD + 2) + d;
-    const float* mg = mls + 2 * g * ns;
-    float M = he_neg_inf(), L = 0.f, o = 0.f;
-    for (int s0 = 0; s0 < ns; s0 += kCombineBatch) {
-      const int nb = ne - s0;  // splits of this batch with rows
-      const he_u32 want = nb >= kCombineBatch ? (1u << kCombineBatch) - 1u : nb > 0 ? (1u << nb) - 1u : 0u;
-      float v[kCombineBatch], ms[kCombineBatch], ls[kCombineBatch];
-#pragma unroll
-      for (int h = 0; h < kCombineBatch; h += kMkPartPoll) {
-        he_u64 w[kMkPartPoll];
-        f.poll_mask(ph + (he_i64)(s0 + h) * (HD + 2), HD + 2, (want >> h) & ((1u << kMkPartPoll) - 1u), w);
-#pragma unroll
-        for (int b = 0; b < kMkPartPoll; ++b) v[h + b] = (want >> (h + b) & 1u) ? he_u32_as_f32((he_u32)w[b]) : 0.f;
-      }
-#pragma unroll
-      for (int b = 0; b < kCombineBatch; ++b) {
-        const bool ok = want >> b & 1u;
-        ms[b] = ok ? mg[2 * (s0 + b)] : he_neg_inf();
-        ls[b] = ok ? mg[2 * (s0 + b) + 1] : 0.f;
-      }
-      he_attn_fold_batch(v, ms, ls, M, L, o);
-    }
-    if constexpr (kAttnFreshCombine)
-      out[g * HD + d] = he_attn_fresh_out(qs + g * HD, ks, vs, d, HD, M, L, o);
-    else
-      out[g * HD + d] = o / L;
-  }
-}
-#endif
 #endif
 
 // ---- stage profile (-DMK_PROFILE=1 builds only) -----------------------------------------------------------
@@ -1091,10 +941,8 @@ HE_INLINE bool mk_attention_flow(const MkParams& p, const MkLayer& L, int pos, f
     he_attention_split_block<MK_ATTN_G, true>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
                                               p.chunk, p.nh, p.nkv, p.hd, p.max_ctx, smem, wait);
     if (it == first) prof.work(kProfAttnSplit);
-    if constexpr (!MK_PART_LL) {  // (MK_PART_LL: the LL words need no count)
-      he_sync_block();
-      if (he_thread_idx() == 0) he_arrive_add(p.attn_count + kvh, 1u);
-    }
+    he_sync_block();
+    if (he_thread_idx() == 0) he_arrive_add(p.attn_count + kvh, 1u);
     he_sync_block();  // shared memory is reused by the next item
     if (mk_flow_fail) return false;
   }
@@ -1209,8 +1057,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   const HeWaitCtx w{p.bar, p.host + kMkHost_status, p.timeout_ns, p.poll_sleep_ns};
   const int nb = he_grid_dim();
   const bool lead = he_block_idx() == 0;
-  he_u32 epoch = 0;
-  [[maybe_unused]] he_u32 attn_done = 0;  // (unused by MK_PART_LL: no split counter)
+  he_u32 epoch = 0, attn_done = 0;
 #if MK_QFLOW
   he_u32 flow_ep = 0;  // the LL words' epoch: one per layer of the launch
   if (he_thread_idx() == 0) mk_flow_fail = 0;
@@ -1369,7 +1216,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // stage, so the kernel reloads its parameters after it instead of keeping them live (spilled) across it.
       if (kAttnMma) he_compiler_fence();
 #if MK_QFLOW
-      if (!mk_attention_flow(p, L, pos, he_mk_smem, prof, mk_flow_wait(p, w, flow_ep)))
+      if (!mk_attention_flow(p, L, pos, he_mk_smem, prof, MkFlowWait{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd}))
         return;
 #else
       if constexpr (kMkAttnEarly) {
@@ -1397,16 +1244,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
                              og ? (he_block_idx() % per) * rows + he_warp_id() * G::kWarpRows : p.d, p.x_fx,
                              he_block_idx() < per ? p.x : nullptr};
         he_mvg_fill<kMkOCols>(oop, s);
-#if MK_PART_LL
-        prof.work(kProfAttn);  // no counter: the combine polls the splits' words (the profile's wait ends after it)
-        if (og) {
-          mk_combine_ll(p, mk_flow_wait(p, w, flow_ep), oop.g, pos + 1, he_mk_smem, he_mk_smem + kMkOCols);
-          he_sync_block();
-          if (mk_flow_fail) return;  // a poll timed out or saw another block's error
-        }
-        prof.done(kProfAttn);
-        if (og) he_mvg_finish<kMkF16, kMkOCols>(oop, s, he_mk_smem);
-#else
         attn_done += (he_u32)p.nsplit;
         prof.work(kProfAttn);
         if (og && !he_block_wait_geq(w, p.attn_count + oop.g, attn_done)) return;
@@ -1415,7 +1252,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
           const float* pr = p.partial + (he_i64)oop.g * MK_ATTN_G * p.nsplit * (p.hd + 2);
           if constexpr (kAttnFreshCombine) {  // + the newest row, which the splits left out (staged after att)
 #if MK_QFLOW
-            const MkFlowFresh row{mk_flow_wait(p, w, flow_ep)};
+            const MkFlowFresh row{{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd}};
 #else
             const HeAttnFreshPlain row{p.q, L.k_cache, L.v_cache, p.max_ctx};
 #endif
@@ -1430,7 +1267,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
 #endif
           he_mvg_finish<kMkF16, kMkOCols>(oop, s, he_mk_smem);
         }
-#endif
         s.p = HeMvPos{he_mv_first(), 0, false};  // the stream goes on with gate/up's first pair
         arrive(kProfO);
         he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);

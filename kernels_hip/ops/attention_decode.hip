@@ -146,17 +146,13 @@ struct HeAttnTrigger {
 // Every wait type also says where the split reads the step's q and its newest K/V row: HeAttnPlainQ's plain loads
 // of q and the cache (both paths' default). kFlow (the monokernel's MK_QFLOW build, decode.hip MkFlowWait): q and
 // the newest row come as LL words the split polls itself (q2, kv8), so no block barrier stands before the split.
-// Every wait type also says how the split writes its partial (put: word i of `partial`): HeAttnPlainQ's plain
-// stores; kPartLL (decode.hip MkFlowWait in an MK_PART_LL build): LL words the combine polls, and an empty split
-// writes nothing (the combine knows which splits are empty: he_attn_rowed).
 struct HeAttnPlainQ {
-  static constexpr bool kFlow = false, kPartLL = false;
+  static constexpr bool kFlow = false;
   // q[i], q[i + 1]
   HE_INLINE void q2(const float* q, he_i64 i, float& a, float& b) const {
     a = q[i];
     b = q[i + 1];
   }
-  HE_INLINE void put(float* partial, he_i64 i, float v) const { partial[i] = v; }
   // (a kFlow wait also has kv8(kvh, is_v, c): dims [c, c + 8) of KV head kvh's newest K or V row, as the cache
   // holds them)
 };
@@ -171,43 +167,30 @@ struct HeAttnPdlWait : HeAttnPlainQ {
 // has none (it starts past seq): the block then marks the split empty for the combine (m = −inf, l = 0), after
 // the trigger and wait its kernel's place asks for, and the split body returns; 1 when it has rows; −1 when that
 // wait failed. Both split bodies start here.
-// The rows [start, start + n) of split `split` (n = 0: it has none).
-HE_INLINE int he_attn_split_n(int seq, int split, int nsplit, int chunk, int& start) {
-  chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
-  start = split * chunk;
-  int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
-  if (kAttnFreshCombine && n != 0 && start + n == seq) --n;  // the newest row is the combine's
-  return n;
-}
-// The splits with rows under the plan: the first he_attn_rowed(seq, nsplit, chunk) (those starting before the last row
-// the splits take); the rest of he_attn_splits(seq, nsplit) are empty.
-HE_INLINE int he_attn_rowed(int seq, int nsplit, int chunk) {
-  const int c = he_attn_len(seq, nsplit, chunk), rows = kAttnFreshCombine ? seq - 1 : seq;
-  return (rows + c - 1) / c;
-}
 template <int kG, bool kEarly, bool kTrigger, class Wait>
 HE_INLINE int he_attn_split_rows(int seq, int kvh, int split, int nsplit, int chunk, int hd, float* partial,
                                  int& start, int& n, const Wait& wait) {
-  n = he_attn_split_n(seq, split, nsplit, chunk, start);
+  chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
+  start = split * chunk;
+  n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
+  if (kAttnFreshCombine && n != 0 && start + n == seq) --n;  // the newest row is the combine's
   if (n != 0) return 1;
   if (HeAttnTrigger<kEarly, kTrigger>::before) he_pdl_trigger();
   if (kEarly && !wait()) return -1;  // partial is step data
   if (HeAttnTrigger<kEarly, kTrigger>::after) he_pdl_trigger();
-  if constexpr (!Wait::kPartLL) {  // (LL words: the combine skips it unread)
-    for (int g = he_thread_idx(); g < kG; g += kAttnThreads) {
-      float* pr = partial + ((he_i64)(kvh * kG + g) * nsplit + split) * (hd + 2);
-      pr[hd] = he_neg_inf();
-      pr[hd + 1] = 0.f;
-    }
+  for (int g = he_thread_idx(); g < kG; g += kAttnThreads) {
+    float* pr = partial + ((he_i64)(kvh * kG + g) * nsplit + split) * (hd + 2);
+    pr[hd] = he_neg_inf();
+    pr[hd + 1] = 0.f;
   }
   return 0;
 }
 
 // The block's warps' states (o[hd], m, l per head; warp w's head g at ws + w·wstride + g·(hd + 2)) merged in
 // warp order (deterministic) into the split's partial; one thread per (head, dim). Both split bodies end here.
-template <int kG, class Wait>
+template <int kG>
 HE_INLINE void he_attn_merge_warps(const float* ws, int wstride, float* partial, int kvh, int split, int nsplit,
-                                   int hd, const Wait& wait) {
+                                   int hd) {
   constexpr int G = kG, nt = kAttnThreads, nw = kAttnWarps;
   for (int i = he_thread_idx(); i < G * hd; i += nt) {
     const int g = i / hd, d = i % hd;
@@ -220,9 +203,9 @@ HE_INLINE void he_attn_merge_warps(const float* ws, int wstride, float* partial,
       acc += st[d] * sc;
       L += st[hd + 1] * sc;
     }
-    const he_i64 e = ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
-    wait.put(partial, e + d, acc);
-    if (d == 0) { wait.put(partial, e + hd, M); wait.put(partial, e + hd + 1, L); }
+    float* pr = partial + ((he_i64)(kvh * G + g) * nsplit + split) * (hd + 2);
+    pr[d] = acc;
+    if (d == 0) { pr[hd] = M; pr[hd + 1] = L; }
   }
 }
 
@@ -436,7 +419,7 @@ HE_INLINE bool he_attention_split_fma(const float* q, const he_kv* k_cache,
   }
   he_sync_block();
   HE_ATTN_MARK(2);  // warps' states in shared memory
-  he_attn_merge_warps<kG>(ws, G * (hd + 2), partial, kvh, split, nsplit, hd, wait);
+  he_attn_merge_warps<kG>(ws, G * (hd + 2), partial, kvh, split, nsplit, hd);
   return true;
 }
 
@@ -682,7 +665,7 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   }
   he_sync_block();
   HE_ATTN_MARK(2);  // warps' states in shared memory
-  he_attn_merge_warps<kG>((const float*)wbase, kAmWarpBytes / 4, partial, kvh, split, nsplit, HD, wait);
+  he_attn_merge_warps<kG>((const float*)wbase, kAmWarpBytes / 4, partial, kvh, split, nsplit, HD);
   return true;
 }
 
@@ -745,26 +728,6 @@ HE_ATTN_KERNEL(8)
 // he_attention_combine below, for he_attention_combine_fresh. (he_attention_combine keeps its own copy: calling this
 // instead, NVVM scheduled the whole default monokernel anew, 48,752 → 48,576 SASS instructions; the measured build
 // stays as it was.)
-// One batch of kCombineBatch splits' (o, m, l) folded into (M, L, o) in split order. A split left out of the batch
-// (past ns, or empty: l = 0) adds nothing whatever its o and m, so a reader that skips empty splits and one that
-// reads their l = 0 get the same bits.
-HE_INLINE void he_attn_fold_batch(const float (&v)[kCombineBatch], const float (&ms)[kCombineBatch],
-                                  const float (&ls)[kCombineBatch], float& M, float& L, float& o) {
-  float Mb = M;
-#pragma unroll
-  for (int b = 0; b < kCombineBatch; ++b)
-    if (ls[b] > 0.f) Mb = he_fmax(Mb, ms[b]);
-  const float a = (M == he_neg_inf()) ? 0.f : he_exp2(M - Mb);
-  L *= a;
-  o *= a;
-#pragma unroll
-  for (int b = 0; b < kCombineBatch; ++b) {
-    const float w = ls[b] > 0.f ? he_exp2(ms[b] - Mb) : 0.f;
-    L += w * ls[b];
-    o += ls[b] > 0.f ? w * v[b] : 0.f;  // not w · v: an empty split's stale o may be NaN/inf
-  }
-  M = Mb;
-}
 HE_INLINE void he_attn_fold(const float* ph, int ns, int d, int hd, float& M, float& L, float& o) {
   for (int s0 = 0; s0 < ns; s0 += kCombineBatch) {
     float v[kCombineBatch], ms[kCombineBatch], ls[kCombineBatch];
@@ -776,7 +739,20 @@ HE_INLINE void he_attn_fold(const float* ph, int ns, int d, int hd, float& M, fl
       ms[b] = ok ? e[hd] : he_neg_inf();
       ls[b] = ok ? e[hd + 1] : 0.f;  // empty splits (l = 0) hold stale values: skipped below
     }
-    he_attn_fold_batch(v, ms, ls, M, L, o);
+    float Mb = M;
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b)
+      if (ls[b] > 0.f) Mb = he_fmax(Mb, ms[b]);
+    const float a = (M == he_neg_inf()) ? 0.f : he_exp2(M - Mb);
+    L *= a;
+    o *= a;
+#pragma unroll
+    for (int b = 0; b < kCombineBatch; ++b) {
+      const float w = ls[b] > 0.f ? he_exp2(ms[b] - Mb) : 0.f;
+      L += w * ls[b];
+      o += ls[b] > 0.f ? w * v[b] : 0.f;  // not w · v: an empty split's stale o may be NaN/inf
+    }
+    M = Mb;
   }
 }
 
@@ -846,18 +822,6 @@ struct HeAttnFreshPlain {
   }
 };
 
-// The splits' (M, L, o) of head g, dim d with the newest row merged in, normalised: qg is the head's q · scale, ks / vs
-// the row (the stage of he_attention_combine_fresh, whose loop writes the same arithmetic out; decode.hip's
-// mk_combine_ll calls this).
-HE_INLINE float he_attn_fresh_out(const float* qg, const float* ks, const float* vs, int d, int hd, float M, float L,
-                                  float o) {
-  float s = 0.f;
-  for (int c = 0; c < hd; ++c) s = he_fma(qg[c], ks[c], s);
-  const float Mb = he_fmax(M, s);
-  const float a = (M == he_neg_inf()) ? 0.f : he_exp2(M - Mb), w = he_exp2(s - Mb);
-  return he_fma(o, a, w * vs[d]) / he_fma(L, a, w);
-}
-
 // he_attention_combine with the newest row (seq − 1) added: the splits left it out (HE_ATTN_FRESH_COMBINE). h0: the
 // first of the nh_here heads combined here, all of one KV group of G heads; stage: (nh_here + 2)·hd floats of
 // shared memory (q · scale of every head here, then the row's K and V). Every thread of the block calls it (a block
@@ -899,7 +863,6 @@ HE_INLINE void he_attention_combine_fresh(const float* pr, int nh_here, int nspl
       }
       he_sync_block();
     }
-    // he_attn_fresh_out's arithmetic, written out: calling it, NVVM scheduled the measured default monokernel anew
     if (!act) continue;
     const float* qg = qs + g * hd;
     float s = 0.f;
