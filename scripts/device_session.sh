@@ -428,20 +428,19 @@ case "$MODE" in
   benchonly)  # the decode bench of record alone (1K / 8K / 32K, both paths, JSON + PNG) in this environment: a follow-up
               # call on a warm machine
     bench ${BENCH_S:-150} ;;
+  s50)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure)
+         # with the fresh combine the default (session 49), then mk_sweep 0,38,0,38 at 1K / 8K / 32K (the fresh combine
+         # against the newest row in its split: its figure on this card), the default's 1K stage profile, the same-bits
+         # and 1B-preset monokernel tests, and the GPU engine tests while the call (${S50_S:-560} s) has time. A short call:
+         # S50_AB_S=0 skips the sweep. Builds: precompile_mk.py 1b-f3 1b-f3-nofc 1b-1k-profile.
+    bench ${BENCH_S:-150}
+    [ "${S50_AB_S:-200}" -gt 0 ] && ONLY=${ONLY:-0,38,0,38} mk_sweep_ab mk_sweep ${S50_AB_S:-200}
+    left=$((${S50_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default 45
+    left=$((${S50_S:-560} - SECONDS)); [ $left -gt 100 ] && same_bits 100
+    left=$((${S50_S:-560} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   # (s49 — session 49's MK_PART_LL A/B: mk_sweep 0/39 at 1K / 8K / 32K, its same-bits tests and both 1K profiles — removed
-  # with it.)
-  s48)  # session 48: the newest row added by the combine (attention_decode.hip HE_ATTN_FRESH_COMBINE, opt-in: mk_sweep 38).
-         # On an H200 first the decode bench of record (1K / 8K / 32K, both paths: issue 4's figure). Then mk_sweep 0,38,0,38
-         # at 1K / 8K / 32K in one process; the same-bits and 1B-preset monokernel tests with it on both paths, the op tests
-         # of the new combine; its 1K stage profile; the GPU engine tests while the call (${S48_S:-560} s) has time.
-         # Builds (at ae9e953, before FC was the default): precompile_mk.py 1b-f3 1b-f3-fc 1b-1k-profile 1b-1k-fc-profile.
-    case "$GPU_NAME" in *H200*) [ "${S48_BENCH:-1}" = 1 ] && bench 150 ;; esac  # S48_BENCH=0: not (a short call)
-    ONLY=${ONLY:-0,38,0,38} mk_sweep_ab mk_sweep ${S48_AB_S:-210}
-    same_bits 110 HIPENGINE_ATTN_FRESH_COMBINE=1
-    left=$((${S48_S:-560} - SECONDS)); [ $left -gt 20 ] && run ops_fc $((left < 80 ? left : 80)) \
-      env HIPENGINE_ATTN_FRESH_COMBINE=1 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k fresh_combine
-    left=$((${S48_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_fc 45 HIPENGINE_ATTN_FRESH_COMBINE=1
-    left=$((${S48_S:-560} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+  # with it. s48 — session 48's first measurement of the fresh combine, then opt-in (on ae9e953: the bench on an H200,
+  # mk_sweep 0/38, its same-bits and op tests, its profile, engine tests) — done in session 49: s50 is its successor.)
   s47)  # session 47: the fresh-row guard the default (session 46's HE_ATTN_FRESH_GUARD=2, measured +4.3 / +3.2% at 8K / 32K)
          # — the decode bench of record (1K / 8K / 32K, both paths; on an H200 it is issue 4's figure), the same-bits and
          # 1B-preset monokernel tests, the default's 1K stage profile (the split's q / newest-row marks), then the GPU
@@ -507,7 +506,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s48|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s50|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
