@@ -136,6 +136,9 @@ VARIANTS = [  # name, build env, runtime attrs
      {"HIPENGINE_ATTN_FRESH_COMBINE": "0"}, {}),
     # (session 49's MK_PART_LL — the splits' partials as LL words the grouped O-proj's combine polled, no split counter:
     # −1.5 to −2.4 / −3.2 to −3.8 / −3.5% at 1K / 8K / 32K on an H100 — was variant 39, removed.)
+    # session 49: gate/up's second pair of rows prefetched into L2 by the grouped O-proj's blocks once their group's splits
+    # are done (decode.hip MK_GU_L2_LATE; values unchanged)
+    ("gate/up's 2nd pair into L2 after the splits (MK_GU_L2_LATE=1)", {"HIPENGINE_MK_DEFINES": "MK_GU_L2_LATE=1"}, {}),
     # (session 45's MK_KV_EARLY=128 — each split block's cache rows copied into shared memory by two bulk copies after its
     # QKV prologue, read there by the split: −2.3% at 1K on an H100 — was variant 38, removed.)
     # (session 45's HE_STREAM_EVICT_FIRST=1 — the weight stream's loads with an L2 evict-first policy: +0.4 / −1.1 / −0.7%

@@ -527,6 +527,21 @@ static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetch
 // gate/up prologue reads it alone, the down-proj's residual rows read it, write x and clear it (zero again before
 // the next layer's O-proj, two barriers later). No heads-combined counter, no att in global memory. tp = 1,
 // fine = 3, the two-stage bf16 MLP only. Measured: docs/perf-log.md session 36.
+// MK_GU_L2_LATE=K (session 49, opt-in: mk_sweep 39; default 0): the grouped O-proj's blocks, once their group's splits
+// are all done (the split counter's wait), ask L2 for every warp's 2nd .. (K+1)-th gate/up unit — rows u + S .. u + K·S
+// of W_gate and W_up, S the stream's unit stride, u the warp's first unit — by bulk prefetch (fire and forget; no
+// registers; none on AMD). Session 34's MK_GU_L2 asked for the same rows while the splits ran and lost 2-5%: bytes moved
+// during the splits slow them. After them HBM carries only the O-proj's remaining chain (L2 round trips: the combine,
+// the O-proj on weights already in registers) and, after the O barrier's arrival, gate/up's first pair: about 3 µs per
+// layer at 1K with HBM mostly idle. The question: does gate/up, its second pair then read from L2, gain more than the
+// chain loses to the bytes (session 35: bytes during the combine chain cost it about half their HBM time)? Values do
+// not change.
+#ifndef MK_GU_L2_LATE
+#define MK_GU_L2_LATE 0
+#endif
+static_assert(MK_GU_L2_LATE >= 0 && MK_GU_L2_LATE <= kWarpSize / 2, "MK_GU_L2_LATE: gate/up units per warp (a lane a row)");
+static_assert(!MK_GU_L2_LATE || (MK_O_GROUP && !MK_MLP_PACKED && !MK_FUSED_MLP),
+              "MK_GU_L2_LATE: the grouped O-proj's wait, the bf16 two-stage MLP's rows");
 static_assert(!(MK_O_GROUP && (MK_TP || MK_FUSED_MLP || MK_MLP_PACKED || MK_FINE2 || MK_GU_L2)),
               "MK_O_GROUP: tp = 1, fine = 3, the two-stage bf16 MLP");
 #if MK_O_GROUP
@@ -971,6 +986,16 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
   }
 }
 
+// MK_GU_L2_LATE's prefetch (above): lanes 2k and 2k + 1 of each warp ask for the gate and the up row of unit
+// u + (k + 1)·S, k < MK_GU_L2_LATE (4 KiB each at d = 2,048).
+HE_INLINE void mk_gu_prefetch_late(const MkParams& p, const MkLayer& L) {
+  const int lane = he_lane_id();
+  if (lane >= 2 * MK_GU_L2_LATE) return;
+  const int u = he_mv_first() + (lane / 2 + 1) * he_mv_stride();
+  if (u < p.ffn)
+    he_prefetch_l2_bulk(((lane & 1) ? L.w_up : L.w_gate) + (he_i64)u * p.d, (he_u32)p.d * (he_u32)sizeof(he_u16));
+}
+
 // ---- greedy token selection spread over the grid ----------------------------------------------------------
 // Every block arg-maxes a contiguous slice of the logits and publishes its candidate; the last block to
 // arrive (acq_rel counter at device scope, sync.h) reduces the candidates and leads this token (emission,
@@ -1248,6 +1273,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         prof.work(kProfAttn);
         if (og && !he_block_wait_geq(w, p.attn_count + oop.g, attn_done)) return;
         prof.done(kProfAttn);
+        if constexpr (MK_GU_L2_LATE > 0)
+          if (og) mk_gu_prefetch_late(p, L);  // the group's splits are done: gate/up's next rows into L2
         if (og) {
           const float* pr = p.partial + (he_i64)oop.g * MK_ATTN_G * p.nsplit * (p.hd + 2);
           if constexpr (kAttnFreshCombine) {  // + the newest row, which the splits left out (staged after att)
