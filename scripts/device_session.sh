@@ -429,7 +429,7 @@ case "$MODE" in
               # call on a warm machine
     bench ${BENCH_S:-150} ;;
   s50)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure)
-         # with the fresh combine the default (session 49), then mk_sweep 0,38,39,0,38,39 at 1K / 8K / 32K in one process
+         # with the fresh combine the default (session 49), then mk_sweep 0,38,39,40 twice at 1K / 8K / 32K in one process
          # (the fresh combine against the newest row in its split: its figure on this card; 39 / 40: MK_GU_L2_LATE=1 / 2,
          # gate/up's next pair(s) into L2 after the splits), the 1K stage profiles of the default and of 39, then the GPU
          # engine tests while the call (${S50_S:-560} s) has time. A short call: S50_BENCH=0, ONLY=0,39,40,0,39,40.

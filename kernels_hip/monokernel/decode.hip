@@ -527,6 +527,13 @@ static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetch
 // gate/up prologue reads it alone, the down-proj's residual rows read it, write x and clear it (zero again before
 // the next layer's O-proj, two barriers later). No heads-combined counter, no att in global memory. tp = 1,
 // fine = 3, the two-stage bf16 MLP only. Measured: docs/perf-log.md session 36.
+static_assert(!(MK_O_GROUP && (MK_TP || MK_FUSED_MLP || MK_MLP_PACKED || MK_FINE2 || MK_GU_L2)),
+              "MK_O_GROUP: tp = 1, fine = 3, the two-stage bf16 MLP");
+#if MK_O_GROUP
+static_assert(HE_ATTN_HD > 0, "MK_O_GROUP: the build's head_dim (HE_ATTN_HD, ops.attention_defines) sizes Wo's groups");
+constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of columns of Wo
+#endif
+
 // MK_GU_L2_LATE=K (session 49, opt-in: mk_sweep 39; default 0): the grouped O-proj's blocks, once their group's splits
 // are all done (the split counter's wait), ask L2 for every warp's 2nd .. (K+1)-th gate/up unit — rows u + S .. u + K·S
 // of W_gate and W_up, S the stream's unit stride, u the warp's first unit — by bulk prefetch (fire and forget; no
@@ -542,12 +549,6 @@ static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetch
 static_assert(MK_GU_L2_LATE >= 0 && MK_GU_L2_LATE <= kWarpSize / 2, "MK_GU_L2_LATE: gate/up units per warp (a lane a row)");
 static_assert(!MK_GU_L2_LATE || (MK_O_GROUP && !MK_MLP_PACKED && !MK_FUSED_MLP),
               "MK_GU_L2_LATE: the grouped O-proj's wait, the bf16 two-stage MLP's rows");
-static_assert(!(MK_O_GROUP && (MK_TP || MK_FUSED_MLP || MK_MLP_PACKED || MK_FINE2 || MK_GU_L2)),
-              "MK_O_GROUP: tp = 1, fine = 3, the two-stage bf16 MLP");
-#if MK_O_GROUP
-static_assert(HE_ATTN_HD > 0, "MK_O_GROUP: the build's head_dim (HE_ATTN_HD, ops.attention_defines) sizes Wo's groups");
-constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of columns of Wo
-#endif
 
 // MK_QFLOW=1 (tp = 1, the grouped O-proj, no q/k norms, the matrix-core split; hipengine/gpu/monokernel.py
 // q_flow_decide): no grid barrier between QKV and attention. The QKV epilogue also writes each q / k / v value it
