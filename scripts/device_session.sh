@@ -429,13 +429,14 @@ case "$MODE" in
               # call on a warm machine
     bench ${BENCH_S:-150} ;;
   s50)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure)
-         # with the fresh combine the default (session 49), then mk_sweep 0,38,39,40 twice at 1K / 8K / 32K in one process
+         # with the fresh combine the default (session 49), then mk_sweep 0,38,39,40,41 twice at 1K / 8K / 32K in one process
          # (the fresh combine against the newest row in its split: its figure on this card; 39 / 40: MK_GU_L2_LATE=1 / 2,
-         # gate/up's next pair(s) into L2 after the splits), the 1K stage profiles of the default and of 39, then the GPU
-         # engine tests while the call (${S50_S:-560} s) has time. A short call: S50_BENCH=0, ONLY=0,39,40,0,39,40.
-         # Builds: precompile_mk.py 1b-f3 1b-f3-nofc 1b-f3-gulate 1b-f3-gulate2 1b-1k-profile 1b-1k-gulate-profile.
+         # gate/up's next pair(s) into L2 after the splits; 41: =1 after the group's combine), the 1K stage profiles of the
+         # default and of 39, then the GPU engine tests while the call (${S50_S:-560} s) has time. A short call:
+         # S50_BENCH=0, ONLY=0,39,41,0,39,41. Builds: precompile_mk.py 1b-f3 1b-f3-nofc 1b-f3-gulate 1b-f3-gulate2
+         # 1b-f3-gulate-at1 1b-1k-profile 1b-1k-gulate-profile.
     [ "${S50_BENCH:-1}" = 1 ] && bench ${BENCH_S:-150}
-    ONLY=${ONLY:-0,38,39,40,0,38,39,40} mk_sweep_ab mk_sweep ${S50_AB_S:-300}
+    ONLY=${ONLY:-0,38,39,40,41,0,38,39,40,41} mk_sweep_ab mk_sweep ${S50_AB_S:-330}
     left=$((${S50_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default 45
     left=$((${S50_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_gulate 45 HIPENGINE_MK_DEFINES=MK_GU_L2_LATE=1
     left=$((${S50_S:-560} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;

@@ -141,6 +141,8 @@ VARIANTS = [  # name, build env, runtime attrs
     ("gate/up's 2nd pair into L2 after the splits (MK_GU_L2_LATE=1)", {"HIPENGINE_MK_DEFINES": "MK_GU_L2_LATE=1"}, {}),
     ("gate/up's 2nd and 3rd pairs into L2 after the splits (MK_GU_L2_LATE=2)", {"HIPENGINE_MK_DEFINES": "MK_GU_L2_LATE=2"},
      {}),
+    ("gate/up's 2nd pair into L2 after the group's combine (MK_GU_L2_LATE=1, MK_GU_L2_LATE_AT=1)",
+     {"HIPENGINE_MK_DEFINES": "MK_GU_L2_LATE=1,MK_GU_L2_LATE_AT=1"}, {}),
     # (session 45's MK_KV_EARLY=128 — each split block's cache rows copied into shared memory by two bulk copies after its
     # QKV prologue, read there by the split: −2.3% at 1K on an H100 — was variant 38, removed.)
     # (session 45's HE_STREAM_EVICT_FIRST=1 — the weight stream's loads with an L2 evict-first policy: +0.4 / −1.1 / −0.7%

@@ -546,7 +546,13 @@ constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of colu
 #ifndef MK_GU_L2_LATE
 #define MK_GU_L2_LATE 0
 #endif
+// MK_GU_L2_LATE_AT: where — 0, right after the group's counter is seen (before the combine); 1, after the combine (its
+// partial loads then queue behind none of the rows, which start ≈ 0.7 µs later).
+#ifndef MK_GU_L2_LATE_AT
+#define MK_GU_L2_LATE_AT 0
+#endif
 static_assert(MK_GU_L2_LATE >= 0 && MK_GU_L2_LATE <= kWarpSize / 2, "MK_GU_L2_LATE: gate/up units per warp (a lane a row)");
+static_assert(MK_GU_L2_LATE_AT == 0 || MK_GU_L2_LATE_AT == 1, "MK_GU_L2_LATE_AT: before (0) or after (1) the combine");
 static_assert(!MK_GU_L2_LATE || (MK_O_GROUP && !MK_MLP_PACKED && !MK_FUSED_MLP),
               "MK_GU_L2_LATE: the grouped O-proj's wait, the bf16 two-stage MLP's rows");
 
@@ -1274,7 +1280,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         prof.work(kProfAttn);
         if (og && !he_block_wait_geq(w, p.attn_count + oop.g, attn_done)) return;
         prof.done(kProfAttn);
-        if constexpr (MK_GU_L2_LATE > 0)
+        if constexpr (MK_GU_L2_LATE > 0 && MK_GU_L2_LATE_AT == 0)
           if (og) mk_gu_prefetch_late(p, L);  // the group's splits are done: gate/up's next rows into L2
         if (og) {
           const float* pr = p.partial + (he_i64)oop.g * MK_ATTN_G * p.nsplit * (p.hd + 2);
@@ -1293,6 +1299,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
 #if MK_QFLOW
           if (kAttnFreshCombine && mk_flow_fail) return;  // a poll timed out or saw another block's error
 #endif
+          if constexpr (MK_GU_L2_LATE > 0 && MK_GU_L2_LATE_AT == 1) mk_gu_prefetch_late(p, L);  // (after the combine)
           he_mvg_finish<kMkF16, kMkOCols>(oop, s, he_mk_smem);
         }
         s.p = HeMvPos{he_mv_first(), 0, false};  // the stream goes on with gate/up's first pair
