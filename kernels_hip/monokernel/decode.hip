@@ -972,6 +972,11 @@ HE_INLINE bool mk_attention_flow(const MkParams& p, const MkLayer& L, int pos, f
 }
 #endif
 
+// Gate/up unit u's gate row (up = 0) or up row (1) asked of L2 (MK_GU_L2 / MK_GU_L2_LATE).
+HE_INLINE void mk_gu_row_prefetch(const MkParams& p, const MkLayer& L, int u, int up) {
+  he_prefetch_l2_bulk((up ? L.w_up : L.w_gate) + (he_i64)u * p.d, (he_u32)p.d * (he_u32)sizeof(he_u16));
+}
+
 // MK_GU_L2's prefetch (above): rows 2j (gate) and 2j + 1 (up) of unit S + j, j < units, in 32-row groups (one row
 // per lane), group g by idle warp g mod (idle warps); MK_GU_L2_GAP > 0: group g not before g x GAP cycles after entry.
 HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
@@ -980,7 +985,6 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
   const int stride = nb * he_num_warps();
   const int units = (p.ffn < (MK_GU_L2 + 1) * stride ? p.ffn : (MK_GU_L2 + 1) * stride) - stride;
   const int groups = (2 * units + kWarpSize - 1) / kWarpSize, idle = (nb - items) * he_num_warps();
-  const he_u32 bytes = (he_u32)p.d * (he_u32)sizeof(he_u16);
   [[maybe_unused]] const he_u64 t0 = he_cycles();
   for (int g = (he_block_idx() - items) * he_num_warps() + he_warp_id(); g < groups; g += idle) {
     if constexpr (MK_GU_L2_GAP > 0) {
@@ -989,7 +993,7 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
       }
     }
     const int j = g * kWarpSize + he_lane_id();
-    if (j < 2 * units) he_prefetch_l2_bulk(((j & 1) ? L.w_up : L.w_gate) + (he_i64)(stride + (j >> 1)) * p.d, bytes);
+    if (j < 2 * units) mk_gu_row_prefetch(p, L, stride + (j >> 1), j & 1);
   }
 }
 
@@ -999,8 +1003,7 @@ HE_INLINE void mk_gu_prefetch_late(const MkParams& p, const MkLayer& L) {
   const int lane = he_lane_id();
   if (lane >= 2 * MK_GU_L2_LATE) return;
   const int u = he_mv_first() + (lane / 2 + 1) * he_mv_stride();
-  if (u < p.ffn)
-    he_prefetch_l2_bulk(((lane & 1) ? L.w_up : L.w_gate) + (he_i64)u * p.d, (he_u32)p.d * (he_u32)sizeof(he_u16));
+  if (u < p.ffn) mk_gu_row_prefetch(p, L, u, lane & 1);
 }
 
 // ---- greedy token selection spread over the grid ----------------------------------------------------------
@@ -1280,9 +1283,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         prof.work(kProfAttn);
         if (og && !he_block_wait_geq(w, p.attn_count + oop.g, attn_done)) return;
         prof.done(kProfAttn);
-        if constexpr (MK_GU_L2_LATE > 0 && MK_GU_L2_LATE_AT == 0)
-          if (og) mk_gu_prefetch_late(p, L);  // the group's splits are done: gate/up's next rows into L2
         if (og) {
+          if constexpr (MK_GU_L2_LATE > 0 && MK_GU_L2_LATE_AT == 0) mk_gu_prefetch_late(p, L);  // the splits are done
           const float* pr = p.partial + (he_i64)oop.g * MK_ATTN_G * p.nsplit * (p.hd + 2);
           if constexpr (kAttnFreshCombine) {  // + the newest row, which the splits left out (staged after att)
 #if MK_QFLOW
