@@ -136,13 +136,10 @@ VARIANTS = [  # name, build env, runtime attrs
      {"HIPENGINE_ATTN_FRESH_COMBINE": "0"}, {}),
     # (session 49's MK_PART_LL — the splits' partials as LL words the grouped O-proj's combine polled, no split counter:
     # −1.5 to −2.4 / −3.2 to −3.8 / −3.5% at 1K / 8K / 32K on an H100 — was variant 39, removed.)
-    # session 49: gate/up's second pair of rows prefetched into L2 by the grouped O-proj's blocks once their group's splits
-    # are done (decode.hip MK_GU_L2_LATE; values unchanged)
-    ("gate/up's 2nd pair into L2 after the splits (MK_GU_L2_LATE=1)", {"HIPENGINE_MK_DEFINES": "MK_GU_L2_LATE=1"}, {}),
-    ("gate/up's 2nd and 3rd pairs into L2 after the splits (MK_GU_L2_LATE=2)", {"HIPENGINE_MK_DEFINES": "MK_GU_L2_LATE=2"},
-     {}),
-    ("gate/up's 2nd pair into L2 after the group's combine (MK_GU_L2_LATE=1, MK_GU_L2_LATE_AT=1)",
-     {"HIPENGINE_MK_DEFINES": "MK_GU_L2_LATE=1,MK_GU_L2_LATE_AT=1"}, {}),
+    # (session 49's MK_GU_L2_LATE — gate/up's next rows prefetched into L2 by the grouped O-proj's blocks once their
+    # group's splits were done: =1 −3.3 / −2.4 / −1.2%, =2 −3.8 / −3.4 / −2.3%, =1 after the group's combine −2.8 /
+    # −1.0 / −1.9% at 1K / 8K / 32K on an H100 in session 50 (the O-proj +2.1 µs per layer, gate/up −1.1) — were
+    # variants 39-41, removed.)
     # (session 45's MK_KV_EARLY=128 — each split block's cache rows copied into shared memory by two bulk copies after its
     # QKV prologue, read there by the split: −2.3% at 1K on an H100 — was variant 38, removed.)
     # (session 45's HE_STREAM_EVICT_FIRST=1 — the weight stream's loads with an L2 evict-first policy: +0.4 / −1.1 / −0.7%

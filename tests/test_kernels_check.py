@@ -318,14 +318,3 @@ def test_fresh_combine_builds_compile(tmp_path, monkeypatch):
         "decode_fc_q_flow.hip": mk + '#define MK_O_GROUP 1\n#define MK_QFLOW 1\n#include "monokernel/decode.hip"\n',
         "decode_fc_o_group.hip": mk + '#define MK_O_GROUP 1\n#include "monokernel/decode.hip"\n',
         "decode_fc_tp.hip": mk + '#define MK_TP 1\n#include "monokernel/decode.hip"\n'})
-
-
-def test_gu_l2_late_build_compiles(tmp_path, monkeypatch):
-    """Gate/up's next rows prefetched into L2 once the group's splits are done (decode.hip MK_GU_L2_LATE, opt-in:
-    mk_sweep 39-41), before and after the group's combine: the q-flow build with it compiles warnings-as-errors for
-    gfx942 (where the prefetch is nothing) and sm_90 (cp.async.bulk.prefetch.L2)."""
-    base = ("#define MK_O_GROUP 1\n#define MK_QFLOW 1\n#define HE_ATTN_HD 64\n#define HE_ATTN_MMA 1\n"
-            "#define HE_ATTN_FRESH_COMBINE 1\n#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n#define MK_GU_L2_LATE 1\n")
-    _check_units(tmp_path, monkeypatch, {
-        f"decode_gu_l2_late_at{at}.hip": base + f"#define MK_GU_L2_LATE_AT {at}\n#include \"monokernel/decode.hip\"\n"
-        for at in (0, 1)})

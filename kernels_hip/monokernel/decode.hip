@@ -534,28 +534,6 @@ static_assert(HE_ATTN_HD > 0, "MK_O_GROUP: the build's head_dim (HE_ATTN_HD, ops
 constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of columns of Wo
 #endif
 
-// MK_GU_L2_LATE=K (session 49, opt-in: mk_sweep 39; default 0): the grouped O-proj's blocks, once their group's splits
-// are all done (the split counter's wait), ask L2 for every warp's 2nd .. (K+1)-th gate/up unit — rows u + S .. u + K·S
-// of W_gate and W_up, S the stream's unit stride, u the warp's first unit — by bulk prefetch (fire and forget; no
-// registers; none on AMD). Session 34's MK_GU_L2 asked for the same rows while the splits ran and lost 2-5%: bytes moved
-// during the splits slow them. After them HBM carries only the O-proj's remaining chain (L2 round trips: the combine,
-// the O-proj on weights already in registers) and, after the O barrier's arrival, gate/up's first pair: about 3 µs per
-// layer at 1K with HBM mostly idle. The question: does gate/up, its second pair then read from L2, gain more than the
-// chain loses to the bytes (session 35: bytes during the combine chain cost it about half their HBM time)? Values do
-// not change.
-#ifndef MK_GU_L2_LATE
-#define MK_GU_L2_LATE 0
-#endif
-// MK_GU_L2_LATE_AT: where — 0, right after the group's counter is seen (before the combine); 1, after the combine (its
-// partial loads then queue behind none of the rows, which start ≈ 0.7 µs later).
-#ifndef MK_GU_L2_LATE_AT
-#define MK_GU_L2_LATE_AT 0
-#endif
-static_assert(MK_GU_L2_LATE >= 0 && MK_GU_L2_LATE <= kWarpSize / 2, "MK_GU_L2_LATE: gate/up units per warp (a lane a row)");
-static_assert(MK_GU_L2_LATE_AT == 0 || MK_GU_L2_LATE_AT == 1, "MK_GU_L2_LATE_AT: before (0) or after (1) the combine");
-static_assert(!MK_GU_L2_LATE || (MK_O_GROUP && !MK_MLP_PACKED && !MK_FUSED_MLP),
-              "MK_GU_L2_LATE: the grouped O-proj's wait, the bf16 two-stage MLP's rows");
-
 // MK_QFLOW=1 (tp = 1, the grouped O-proj, no q/k norms, the matrix-core split; hipengine/gpu/monokernel.py
 // q_flow_decide): no grid barrier between QKV and attention. The QKV epilogue also writes each q / k / v value it
 // computes as an LL word {payload, epoch} into p.flow_ll (row r of the stacked matrix at word r: q as f32 bits, k and
@@ -972,7 +950,7 @@ HE_INLINE bool mk_attention_flow(const MkParams& p, const MkLayer& L, int pos, f
 }
 #endif
 
-// Gate/up unit u's gate row (up = 0) or up row (1) asked of L2 (MK_GU_L2 / MK_GU_L2_LATE).
+// Gate/up unit u's gate row (up = 0) or up row (1) asked of L2 (MK_GU_L2).
 HE_INLINE void mk_gu_row_prefetch(const MkParams& p, const MkLayer& L, int u, int up) {
   he_prefetch_l2_bulk((up ? L.w_up : L.w_gate) + (he_i64)u * p.d, (he_u32)p.d * (he_u32)sizeof(he_u16));
 }
@@ -995,15 +973,6 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
     const int j = g * kWarpSize + he_lane_id();
     if (j < 2 * units) mk_gu_row_prefetch(p, L, stride + (j >> 1), j & 1);
   }
-}
-
-// MK_GU_L2_LATE's prefetch (above): lanes 2k and 2k + 1 of each warp ask for the gate and the up row of unit
-// u + (k + 1)·S, k < MK_GU_L2_LATE (4 KiB each at d = 2,048).
-HE_INLINE void mk_gu_prefetch_late(const MkParams& p, const MkLayer& L) {
-  const int lane = he_lane_id();
-  if (lane >= 2 * MK_GU_L2_LATE) return;
-  const int u = he_mv_first() + (lane / 2 + 1) * he_mv_stride();
-  if (u < p.ffn) mk_gu_row_prefetch(p, L, u, lane & 1);
 }
 
 // ---- greedy token selection spread over the grid ----------------------------------------------------------
@@ -1284,7 +1253,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         if (og && !he_block_wait_geq(w, p.attn_count + oop.g, attn_done)) return;
         prof.done(kProfAttn);
         if (og) {
-          if constexpr (MK_GU_L2_LATE > 0 && MK_GU_L2_LATE_AT == 0) mk_gu_prefetch_late(p, L);  // the splits are done
           const float* pr = p.partial + (he_i64)oop.g * MK_ATTN_G * p.nsplit * (p.hd + 2);
           if constexpr (kAttnFreshCombine) {  // + the newest row, which the splits left out (staged after att)
 #if MK_QFLOW
@@ -1301,7 +1269,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
 #if MK_QFLOW
           if (kAttnFreshCombine && mk_flow_fail) return;  // a poll timed out or saw another block's error
 #endif
-          if constexpr (MK_GU_L2_LATE > 0 && MK_GU_L2_LATE_AT == 1) mk_gu_prefetch_late(p, L);  // (after the combine)
           he_mvg_finish<kMkF16, kMkOCols>(oop, s, he_mk_smem);
         }
         s.p = HeMvPos{he_mv_first(), 0, false};  // the stream goes on with gate/up's first pair
