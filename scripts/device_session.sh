@@ -428,14 +428,15 @@ case "$MODE" in
   benchonly)  # the decode bench of record alone (1K / 8K / 32K, both paths, JSON + PNG) in this environment: a follow-up
               # call on a warm machine
     bench ${BENCH_S:-150} ;;
-  s50b)  # session 50's second call: MK_ARRIVE_L2 (the next stage's second pair into L2 at each grid barrier's arrival) —
-          # mk_sweep 0,39,40,41,42,43 twice at 1K / 8K / 32K in one process (masks 1 / 2 / 4 / 7 / 15; tokens compared),
-          # then the 1K stage profiles of the default and of mask 7 while the call (${S50B_S:-400} s) has time.
-          # A short call: ONLY=0,42,0,42. Builds: precompile_mk.py 1b-f3 1b-f3-al1 1b-f3-al2 1b-f3-al4 1b-f3-al7
-          # 1b-f3-al15 1b-1k-profile 1b-1k-al7-profile.
-    ONLY=${ONLY:-0,39,40,41,42,43,0,39,40,41,42,43} mk_sweep_ab mk_sweep ${S50B_AB_S:-300}
-    left=$((${S50B_S:-400} - SECONDS)); [ $left -gt 45 ] && prof1k mkprof_default 40
-    left=$((${S50B_S:-400} - SECONDS)); [ $left -gt 45 ] && prof1k mkprof_al7 40 HIPENGINE_MK_DEFINES=MK_ARRIVE_L2=7 ;;
+  s50c)  # session 50's third call: MK_START_L2 (the next stage's second pair into L2 as each grid barrier opens) —
+          # mk_sweep 0,39,40,41,42 twice at 1K / 8K / 32K in one process (masks 1 / 2 / 4 / 7; tokens compared), then
+          # the 1K stage profiles of the default and of mask 7 while the call (${S50C_S:-330} s) has time. A short call:
+          # ONLY=0,42,0,42. Builds: precompile_mk.py 1b-f3 1b-f3-sl1 1b-f3-sl2 1b-f3-sl4 1b-f3-sl7 1b-1k-profile
+          # 1b-1k-sl7-profile.
+    ONLY=${ONLY:-0,39,40,41,42,0,39,40,41,42} mk_sweep_ab mk_sweep ${S50C_AB_S:-240}
+    left=$((${S50C_S:-330} - SECONDS)); [ $left -gt 45 ] && prof1k mkprof_default 40
+    left=$((${S50C_S:-330} - SECONDS)); [ $left -gt 45 ] && prof1k mkprof_sl7 40 HIPENGINE_MK_DEFINES=MK_START_L2=7 ;;
+  # (s50b — session 50's MK_ARRIVE_L2 A/B, mk_sweep 0/39-43 and its profile — removed with it.)
   s50)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure)
          # with the fresh combine the default (session 49), then mk_sweep 0,38,39,40,41 twice at 1K / 8K / 32K in one process
          # (the fresh combine against the newest row in its split: its figure on this card; 39 / 40: MK_GU_L2_LATE=1 / 2,
@@ -516,7 +517,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s50b|s50|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s50c|s50|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

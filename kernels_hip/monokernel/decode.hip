@@ -511,23 +511,22 @@ static_assert(MK_GU_L2 >= 0, "MK_GU_L2: gate/up units per warp to prefetch");
 static_assert(MK_GU_L2_GAP >= 0 && (MK_GU_L2 > 0 || MK_GU_L2_GAP == 0), "MK_GU_L2_GAP paces MK_GU_L2's rows");
 static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetches the bf16 gate/up stage's rows");
 
-// MK_ARRIVE_L2=mask (session 50, opt-in: mk_sweep 39-42; default 0): at a grid barrier's arrival, right after a warp
-// requests the next stage's first pair into its registers (he_mv_fill_next), it also asks L2 for the pair after it —
-// kRows rows x 2B columns, 4 KiB per row, by bulk prefetch (fire and forget: no registers, none on AMD). Bit 1:
-// gate/up's, at the O barrier; 2: down's, at the gate/up barrier; 4: the next layer's QKV, at the down barrier (not the
-// LM head's after the last layer); 8: the next step's QKV, at the LM head's barrier. Why: a stage's first pair lands
-// while the block waits, but its second is requested only after the prologue (the input's RMSNorm, L2 round trips) and
-// the first pair's consume, so each stage restarts with HBM idle for about that long — about 1-2 µs per stage at 1K on
-// an H100 (session 50's profile: 49.2 µs per layer against 39.6 of bytes); from L2 the refills arrive sooner. Unlike
-// MK_GU_L2 / MK_GU_L2_LATE (sessions 34 / 50: −2 to −5%), the bytes go out after the stage's own work and the block's
-// arrival, where no chain of this block waits on HBM but the barrier's poll (an L2 word) and the next prologue's input
-// (written by other blocks: in L2); the last blocks still streaming the stage share HBM with them, as they do with the
-// fills. Values do not change.
-#ifndef MK_ARRIVE_L2
-#define MK_ARRIVE_L2 0
+// MK_START_L2=mask (session 50, opt-in: mk_sweep 39-42; default 0): when a grid barrier opens, before the next stage's
+// prologue, each warp asks L2 for the pair after the first one it holds — kRows rows x 2B columns, 4 KiB per row, by
+// bulk prefetch (fire and forget: no registers, none on AMD). Bit 1: gate/up's, after the O barrier; 2: down's, after
+// the gate/up barrier; 4: the next layer's QKV, after the down barrier (not the LM head's after the last layer); 8: the
+// next step's QKV, after the LM head's barrier. Why: the first pair lands before the barrier opens (the poll returns
+// behind it), but the second is requested only after the prologue (the input's RMSNorm: L2 round trips) and the first
+// pair's consume, so HBM idles at each stage's start. Session 50's MK_ARRIVE_L2 asked for the same bytes at the arrival
+// instead and lost 1-5%: they shared HBM with the first fill, which the barrier's exit waits for (exit − arrival
+// doubled in gate/up's profile), while the stage's work after the barrier shrank by up to 1.5 µs per layer. Issued
+// after the exit they delay no fill; the question is whether the prologue's L2 reads and the stage's own refills lose
+// to them. Values do not change.
+#ifndef MK_START_L2
+#define MK_START_L2 0
 #endif
-static_assert(MK_ARRIVE_L2 >= 0 && MK_ARRIVE_L2 < 16, "MK_ARRIVE_L2: a mask of the four barriers' next stages");
-static_assert(!(MK_ARRIVE_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_ARRIVE_L2: the bf16 two-stage MLP's streams");
+static_assert(MK_START_L2 >= 0 && MK_START_L2 < 16, "MK_START_L2: a mask of the four barriers' next stages");
+static_assert(!(MK_START_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_START_L2: the bf16 two-stage MLP's streams");
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
@@ -993,11 +992,11 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
   }
 }
 
-// MK_ARRIVE_L2's prefetch (above): s.p is op's first pair, just requested; lane r < kRows asks L2 for row r of the
+// MK_START_L2's prefetch (above): s.p is op's first pair, just requested; lane r < kRows asks L2 for row r of the
 // pair after it (the unit's next 2B columns, else the warp's next unit).
 template <int kBit, class Op, int kRows>
-HE_INLINE void mk_arrive_l2(const Op& op, const HeMvStream<kRows>& s) {
-  if constexpr ((MK_ARRIVE_L2 & kBit) != 0) {
+HE_INLINE void mk_start_l2(const Op& op, const HeMvStream<kRows>& s) {
+  if constexpr ((MK_START_L2 & kBit) != 0) {
     HeMvPos n = s.p;
     n.c0 += 2 * kMatvecBatch;
     if (n.c0 >= op.in) {
@@ -1315,8 +1314,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         s.p = HeMvPos{he_mv_first(), 0, false};  // the stream goes on with gate/up's first pair
         arrive(kProfO);
         he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
-        mk_arrive_l2<1>(mk_gate_up_op(p, L, p.x), s);
         if (!wait(kProfO)) return;
+        mk_start_l2<1>(mk_gate_up_op(p, L, p.x), s);
       }
 #else
       he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
@@ -1366,8 +1365,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       he_mv_finish<kMkF16, kMkDefer>(mk_gate_up_op(p, L, gx), s, he_mk_smem, scratch, mk_down_op(p, L, ep_d + 1));
       arrive(kProfGateUp);
       he_mv_fill_next(mk_down_op(p, L, ep_d + 1), s);
-      mk_arrive_l2<2>(mk_down_op(p, L, ep_d + 1), s);
       if (!wait(kProfGateUp)) return;
+      mk_start_l2<2>(mk_down_op(p, L, ep_d + 1), s);
       ++ep_d;
       if (l + 1 < p.n_layers)
         he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_qkv_op(p, p.layers[l + 1], pos, p.x));
@@ -1375,13 +1374,10 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         he_mv_finish<kMkF16, kMkDeferOD>(mk_down_op(p, L, ep_d), s, he_mk_smem, scratch, mk_head_op(p, p.x, screen));
       if (kMkDeferOD && !tp) {
         arrive(kProfDown);
-        if (l + 1 < p.n_layers) {
-          he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-          mk_arrive_l2<4>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-        } else {
-          he_mv_fill_next(mk_head_op(p, p.x, screen), s);
-        }
+        if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+        else he_mv_fill_next(mk_head_op(p, p.x, screen), s);
         if (!wait(kProfDown)) return;
+        if (l + 1 < p.n_layers) mk_start_l2<4>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
       }
@@ -1406,8 +1402,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
 #endif
     arrive(kProfHead);
     he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
-    mk_arrive_l2<8>(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     if (!wait(kProfHead)) return;
+    mk_start_l2<8>(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     pos += 1;
     steps += 1;
     if (p.mode & kMkModeOneStep) break;
