@@ -428,14 +428,17 @@ case "$MODE" in
   benchonly)  # the decode bench of record alone (1K / 8K / 32K, both paths, JSON + PNG) in this environment: a follow-up
               # call on a warm machine
     bench ${BENCH_S:-150} ;;
-  s50c)  # session 50's third call: MK_START_L2 (the next stage's second pair into L2 as each grid barrier opens) —
-          # mk_sweep 0,39,40,41,42 twice at 1K / 8K / 32K in one process (masks 1 / 2 / 4 / 7; tokens compared), then
-          # the 1K stage profiles of the default and of mask 7 while the call (${S50C_S:-330} s) has time. A short call:
-          # ONLY=0,42,0,42. Builds: precompile_mk.py 1b-f3 1b-f3-sl1 1b-f3-sl2 1b-f3-sl4 1b-f3-sl7 1b-1k-profile
-          # 1b-1k-sl7-profile.
-    ONLY=${ONLY:-0,39,40,41,42,0,39,40,41,42} mk_sweep_ab mk_sweep ${S50C_AB_S:-240}
-    left=$((${S50C_S:-330} - SECONDS)); [ $left -gt 45 ] && prof1k mkprof_default 40
-    left=$((${S50C_S:-330} - SECONDS)); [ $left -gt 45 ] && prof1k mkprof_sl7 40 HIPENGINE_MK_DEFINES=MK_START_L2=7 ;;
+  s51)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure)
+         # with MK_START_L2=4 the default (session 50: the next layer's QKV second pair into L2 as the down barrier opens),
+         # then mk_sweep 0,39 three times at 1K / 8K / 32K in one process (39: without it, the default before), the
+         # default's 1K stage profile, then the GPU engine tests while the call (${S51_S:-480} s) has time. A short call:
+         # S51_BENCH=0. Builds: precompile_mk.py 1b-f3 1b-f3-sl0 1b-1k-profile.
+    [ "${S51_BENCH:-1}" = 1 ] && bench ${BENCH_S:-150}
+    ONLY=${ONLY:-0,39,0,39,0,39} mk_sweep_ab mk_sweep ${S51_AB_S:-170}
+    left=$((${S51_S:-480} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default 45
+    left=$((${S51_S:-480} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+  # (s50c — session 50's MK_START_L2 A/B: mk_sweep 0 / masks 1, 2, 4, 7 and the profiles of the default and of 7 —
+  # done: mask 4 became the default, s51 is its successor.)
   # (s50b — session 50's MK_ARRIVE_L2 A/B, mk_sweep 0/39-43 and its profile — removed with it.)
   s50)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure)
          # with the fresh combine the default (session 49), then mk_sweep 0,38,39,40,41 twice at 1K / 8K / 32K in one process
@@ -517,7 +520,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s50c|s50|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s51|s50|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -144,15 +144,13 @@ VARIANTS = [  # name, build env, runtime attrs
     # first pair's request; mask 1 gate/up, 2 down, 4 the next QKV, 7 all three, 15 and the next step's QKV: −2.8 /
     # −1.9 / −0.9 / −4.6 / −3.9% at 1K, −1.5 / −1.4 / +0.1 / −3.8 / −4.1% at 8K on an H100 (the exits wait for the
     # first fill, which shared HBM with them) — were variants 39-43, removed.)
-    # session 50: when each grid barrier opens, before the next stage's prologue, the stage's second pair asked of L2
-    # (decode.hip MK_START_L2, a mask: 1 gate/up after the O barrier, 2 down after the gate/up barrier, 4 the next
-    # layer's QKV after the down barrier, 8 the next step's QKV after the LM head's; values unchanged)
-    ("gate/up's 2nd pair into L2 as the O barrier opens (MK_START_L2=1)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=1"}, {}),
-    ("down's 2nd pair into L2 as the gate/up barrier opens (MK_START_L2=2)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=2"},
-     {}),
-    ("QKV's 2nd pair into L2 as the down barrier opens (MK_START_L2=4)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, {}),
-    ("the three layer stages' 2nd pairs into L2 as they start (MK_START_L2=7)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=7"},
-     {}),
+    # session 50: when the down barrier opens, the next layer's QKV second pair asked of L2 (decode.hip MK_START_L2=4,
+    # the default since: +0.6 / +1.0% at 1K, +2.3 / 0.0% at 8K, +1.2 / +1.1% at 32K on an H100); 39 is the build
+    # without it, the default before. Values unchanged: tokens must equal variant 0's. (Its other bits were
+    # variants 40-42: gate/up's pair after the O barrier −1.8 / −2.1% at 1K, down's after the gate/up barrier −0.2 /
+    # −0.9%, all three −0.9 / −1.2% — not kept.)
+    ("no stage's 2nd pair into L2 as its barrier opens (MK_START_L2=0; the default before session 50)",
+     {"HIPENGINE_MK_DEFINES": "MK_START_L2=0"}, {}),
     # (session 45's MK_KV_EARLY=128 — each split block's cache rows copied into shared memory by two bulk copies after its
     # QKV prologue, read there by the split: −2.3% at 1K on an H100 — was variant 38, removed.)
     # (session 45's HE_STREAM_EVICT_FIRST=1 — the weight stream's loads with an L2 evict-first policy: +0.4 / −1.1 / −0.7%

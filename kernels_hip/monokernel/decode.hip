@@ -511,22 +511,22 @@ static_assert(MK_GU_L2 >= 0, "MK_GU_L2: gate/up units per warp to prefetch");
 static_assert(MK_GU_L2_GAP >= 0 && (MK_GU_L2 > 0 || MK_GU_L2_GAP == 0), "MK_GU_L2_GAP paces MK_GU_L2's rows");
 static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetches the bf16 gate/up stage's rows");
 
-// MK_START_L2=mask (session 50, opt-in: mk_sweep 39-42; default 0): when a grid barrier opens, before the next stage's
-// prologue, each warp asks L2 for the pair after the first one it holds — kRows rows x 2B columns, 4 KiB per row, by
-// bulk prefetch (fire and forget: no registers, none on AMD). Bit 1: gate/up's, after the O barrier; 2: down's, after
-// the gate/up barrier; 4: the next layer's QKV, after the down barrier (not the LM head's after the last layer); 8: the
-// next step's QKV, after the LM head's barrier. Why: the first pair lands before the barrier opens (the poll returns
-// behind it), but the second is requested only after the prologue (the input's RMSNorm: L2 round trips) and the first
-// pair's consume, so HBM idles at each stage's start. Session 50's MK_ARRIVE_L2 asked for the same bytes at the arrival
-// instead and lost 1-5%: they shared HBM with the first fill, which the barrier's exit waits for (exit − arrival
-// doubled in gate/up's profile), while the stage's work after the barrier shrank by up to 1.5 µs per layer. Issued
-// after the exit they delay no fill; the question is whether the prologue's L2 reads and the stage's own refills lose
-// to them. Values do not change.
+// MK_START_L2=mask (session 50; default 4): when a grid barrier opens, before the next stage's prologue, each warp asks
+// L2 for the pair after the first one it holds — kRows rows x 2B columns, 4 KiB per row, by bulk prefetch (fire and
+// forget: no registers, none on AMD). Bit 1: gate/up's, after the O barrier; 2: down's, after the gate/up barrier; 4:
+// the next layer's QKV, after the down barrier (not the LM head's after the last layer); 8: the next step's QKV, after
+// the LM head's barrier. Why: the first pair lands before the barrier opens (the poll returns behind it), but the
+// second is requested only after the prologue (the input's RMSNorm: L2 round trips) and the first pair's consume, so
+// HBM idles at each stage's start. Measured on an H100 (docs/perf-log.md session 50): bit 4 alone +0.6 / +1.0% at 1K,
+// +2.3 / 0.0% at 8K, +1.2 / +1.1% at 32K — the default; bit 1 lost (−1.8 / −2.1% at 1K), bit 2 (−0.2 / −0.9%) and all
+// three together (−0.9 / −1.2%): their stages' work got shorter, their totals did not (why is not established). The
+// same bytes asked for at the barrier's arrival (session 50's MK_ARRIVE_L2) lost 1-5%: they shared HBM with the first
+// fill, which the barrier's exit waits for. Values do not change.
 #ifndef MK_START_L2
-#define MK_START_L2 0
+#define MK_START_L2 4
 #endif
 static_assert(MK_START_L2 >= 0 && MK_START_L2 < 16, "MK_START_L2: a mask of the four barriers' next stages");
-static_assert(!(MK_START_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_START_L2: the bf16 two-stage MLP's streams");
+static_assert(!((MK_START_L2 & 3) && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_START_L2: the bf16 two-stage MLP's streams");
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
