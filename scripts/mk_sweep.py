@@ -151,6 +151,13 @@ VARIANTS = [  # name, build env, runtime attrs
     # −0.9%, all three −0.9 / −1.2% — not kept.)
     ("no stage's 2nd pair into L2 as its barrier opens (MK_START_L2=0; the default before session 50)",
      {"HIPENGINE_MK_DEFINES": "MK_START_L2=0"}, {}),
+    # ... and the default's bit with the other QKV stage's (8: the next step's, after the LM head's barrier) and the LM
+    # head's (16: after the last layer's down barrier), prepared in session 50, not measured there
+    ("+ the next step's QKV 2nd pair into L2 after the LM head's barrier (MK_START_L2=12)",
+     {"HIPENGINE_MK_DEFINES": "MK_START_L2=12"}, {}),
+    ("+ the LM head's 2nd pair into L2 after the last down barrier (MK_START_L2=20)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=20"},
+     {}),
+    ("+ both (MK_START_L2=28)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=28"}, {}),
     # (session 45's MK_KV_EARLY=128 — each split block's cache rows copied into shared memory by two bulk copies after its
     # QKV prologue, read there by the split: −2.3% at 1K on an H100 — was variant 38, removed.)
     # (session 45's HE_STREAM_EVICT_FIRST=1 — the weight stream's loads with an L2 evict-first policy: +0.4 / −1.1 / −0.7%

@@ -514,18 +514,19 @@ static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetch
 // MK_START_L2=mask (session 50; default 4): when a grid barrier opens, before the next stage's prologue, each warp asks
 // L2 for the pair after the first one it holds — kRows rows x 2B columns, 4 KiB per row, by bulk prefetch (fire and
 // forget: no registers, none on AMD). Bit 1: gate/up's, after the O barrier; 2: down's, after the gate/up barrier; 4:
-// the next layer's QKV, after the down barrier (not the LM head's after the last layer); 8: the next step's QKV, after
-// the LM head's barrier. Why: the first pair lands before the barrier opens (the poll returns behind it), but the
-// second is requested only after the prologue (the input's RMSNorm: L2 round trips) and the first pair's consume, so
-// HBM idles at each stage's start. Measured on an H100 (docs/perf-log.md session 50): bit 4 alone +0.6 / +1.0% at 1K,
-// +2.3 / 0.0% at 8K, +1.2 / +1.1% at 32K — the default; bit 1 lost (−1.8 / −2.1% at 1K), bit 2 (−0.2 / −0.9%) and all
-// three together (−0.9 / −1.2%): their stages' work got shorter, their totals did not (why is not established). The
-// same bytes asked for at the barrier's arrival (session 50's MK_ARRIVE_L2) lost 1-5%: they shared HBM with the first
-// fill, which the barrier's exit waits for. Values do not change.
+// the next layer's QKV, after the down barrier; 8: the next step's QKV, after the LM head's barrier; 16: the LM head's
+// (int8 rows when screened), after the last layer's down barrier. Why: the first pair lands before the barrier opens
+// (the poll returns behind it), but the second is requested only after the prologue (the input's RMSNorm: L2 round
+// trips) and the first pair's consume, so HBM idles at each stage's start. Measured on an H100 (docs/perf-log.md
+// session 50): bit 4 alone +0.6 / +1.0% at 1K, +2.3 / 0.0% at 8K, +1.2 / +1.1% at 32K — the default; bit 1 lost (−1.8 /
+// −2.1% at 1K), bit 2 (−0.2 / −0.9%) and all three together (−0.9 / −1.2%): their stages' work got shorter, their
+// totals did not (why is not established). The same bytes asked for at the barrier's arrival (session 50's
+// MK_ARRIVE_L2) lost 1-5%: they shared HBM with the first fill, which the barrier's exit waits for. Values do not
+// change.
 #ifndef MK_START_L2
 #define MK_START_L2 4
 #endif
-static_assert(MK_START_L2 >= 0 && MK_START_L2 < 16, "MK_START_L2: a mask of the four barriers' next stages");
+static_assert(MK_START_L2 >= 0 && MK_START_L2 < 32, "MK_START_L2: a mask of the barriers' next stages");
 static_assert(!((MK_START_L2 & 3) && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_START_L2: the bf16 two-stage MLP's streams");
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
@@ -1378,6 +1379,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         else he_mv_fill_next(mk_head_op(p, p.x, screen), s);
         if (!wait(kProfDown)) return;
         if (l + 1 < p.n_layers) mk_start_l2<4>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+        else mk_start_l2<16>(mk_head_op(p, p.x, screen), s);
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
       }
