@@ -146,9 +146,9 @@ VARIANTS = [  # name, build env, runtime attrs
     # first fill, which shared HBM with them) — were variants 39-43, removed.)
     # session 50: when the down barrier opens, the next layer's QKV second pair asked of L2 (decode.hip MK_START_L2=4,
     # the default since: +0.6 / +1.0% at 1K, +2.3 / 0.0% at 8K, +1.2 / +1.1% at 32K on an H100); 39 is the build
-    # without it, the default before. Values unchanged: tokens must equal variant 0's. (Its other bits were
-    # variants 40-42: gate/up's pair after the O barrier −1.8 / −2.1% at 1K, down's after the gate/up barrier −0.2 /
-    # −0.9%, all three −0.9 / −1.2% — not kept.)
+    # without it, the default before. Values unchanged: tokens must equal variant 0's. (Its other bits, measured as
+    # variants 39-42 on d32548a: gate/up's pair after the O barrier −1.8 / −2.1% at 1K, down's after the gate/up
+    # barrier −0.2 / −0.9%, all three −0.9 / −1.2% — not kept.)
     ("no stage's 2nd pair into L2 as its barrier opens (MK_START_L2=0; the default before session 50)",
      {"HIPENGINE_MK_DEFINES": "MK_START_L2=0"}, {}),
     # ... and the default's bit with the other QKV stage's (8: the next step's, after the LM head's barrier) and the LM
