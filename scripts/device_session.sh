@@ -430,14 +430,15 @@ case "$MODE" in
     bench ${BENCH_S:-150} ;;
   s51)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure)
          # with MK_START_L2=4 the default (session 50: the next layer's QKV second pair into L2 as the down barrier opens),
-         # then mk_sweep 0,39,40,41,42 twice at 1K / 8K / 32K in one process (39: without it, the default before; 40 / 41
-         # / 42: with the next step's QKV / the LM head / both), the default's 1K stage profile, then the GPU engine tests
-         # while the call (${S51_S:-520} s) has time. A short call: S51_BENCH=0 ONLY=0,39,0,39. Builds: precompile_mk.py
-         # 1b-f3 1b-f3-sl0 1b-f3-sl12 1b-f3-sl20 1b-f3-sl28 1b-1k-profile.
+         # then mk_sweep 0,39-44 twice at 1K / 8K / 32K in one process (39: without it, the default before; 40 / 41 / 42:
+         # with the next step's QKV / the LM head / both; 43 / 44: masks 7 / 5 with half the bytes), the default's 1K
+         # stage profile, then the GPU engine tests while the call (${S51_S:-560} s) has time. A short call: S51_BENCH=0
+         # ONLY=0,39,43,0,39,43. Builds: precompile_mk.py 1b-f3 1b-f3-sl0 1b-f3-sl12 1b-f3-sl20 1b-f3-sl28 1b-f3-sl7h
+         # 1b-f3-sl5h 1b-1k-profile.
     [ "${S51_BENCH:-1}" = 1 ] && bench ${BENCH_S:-150}
-    ONLY=${ONLY:-0,39,40,41,42,0,39,40,41,42} mk_sweep_ab mk_sweep ${S51_AB_S:-250}
-    left=$((${S51_S:-520} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default 45
-    left=$((${S51_S:-520} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+    ONLY=${ONLY:-0,39,40,41,42,43,44,0,39,40,41,42,43,44} mk_sweep_ab mk_sweep ${S51_AB_S:-320}
+    left=$((${S51_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default 45
+    left=$((${S51_S:-560} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   # (s50c — session 50's MK_START_L2 A/B: mk_sweep 0 / masks 1, 2, 4, 7 and the profiles of the default and of 7 —
   # done: mask 4 became the default, s51 is its successor.)
   # (s50b — session 50's MK_ARRIVE_L2 A/B, mk_sweep 0/39-43 and its profile — removed with it.)

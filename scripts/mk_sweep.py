@@ -158,6 +158,12 @@ VARIANTS = [  # name, build env, runtime attrs
     ("+ the LM head's 2nd pair into L2 after the last down barrier (MK_START_L2=20)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=20"},
      {}),
     ("+ both (MK_START_L2=28)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=28"}, {}),
+    # ... and the MLP stages' bits again with half the bytes (MK_START_L2_BATCHES=1: the second pair's first batch only;
+    # their full pairs lost in session 50): gate/up, down and QKV; gate/up and QKV (prepared, not measured)
+    ("the three layer stages' 2nd pairs' first batch into L2 (MK_START_L2=7, MK_START_L2_BATCHES=1)",
+     {"HIPENGINE_MK_DEFINES": "MK_START_L2=7,MK_START_L2_BATCHES=1"}, {}),
+    ("gate/up's and QKV's 2nd pairs' first batch into L2 (MK_START_L2=5, MK_START_L2_BATCHES=1)",
+     {"HIPENGINE_MK_DEFINES": "MK_START_L2=5,MK_START_L2_BATCHES=1"}, {}),
     # (session 45's MK_KV_EARLY=128 — each split block's cache rows copied into shared memory by two bulk copies after its
     # QKV prologue, read there by the split: −2.3% at 1K on an H100 — was variant 38, removed.)
     # (session 45's HE_STREAM_EVICT_FIRST=1 — the weight stream's loads with an L2 evict-first policy: +0.4 / −1.1 / −0.7%

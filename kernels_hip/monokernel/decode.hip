@@ -527,6 +527,14 @@ static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetch
 #define MK_START_L2 4
 #endif
 static_assert(MK_START_L2 >= 0 && MK_START_L2 < 32, "MK_START_L2: a mask of the barriers' next stages");
+// MK_START_L2_BATCHES: how much of that pair — 2, all of it (8.4 MB per stage at llama-3.2-1b's gate/up and down, 3.9 MB
+// at QKV, whose second pair only 480 of the 1,056 warps have); 1, its first batch (half). Session 50's losing masks
+// asked for twice the bytes of the winning one: the half form asks whether the size is what they lost to (mk_sweep 43 /
+// 44, prepared in session 50, not measured there).
+#ifndef MK_START_L2_BATCHES
+#define MK_START_L2_BATCHES 2
+#endif
+static_assert(MK_START_L2_BATCHES == 1 || MK_START_L2_BATCHES == 2, "MK_START_L2_BATCHES: one batch or the pair");
 static_assert(!((MK_START_L2 & 3) && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_START_L2: the bf16 two-stage MLP's streams");
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
@@ -994,7 +1002,7 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
 }
 
 // MK_START_L2's prefetch (above): s.p is op's first pair, just requested; lane r < kRows asks L2 for row r of the
-// pair after it (the unit's next 2B columns, else the warp's next unit).
+// pair after it (the unit's next 2B columns, else the warp's next unit; its first B with MK_START_L2_BATCHES=1).
 template <int kBit, class Op, int kRows>
 HE_INLINE void mk_start_l2(const Op& op, const HeMvStream<kRows>& s) {
   if constexpr ((MK_START_L2 & kBit) != 0) {
@@ -1011,7 +1019,8 @@ HE_INLINE void mk_start_l2(const Op& op, const HeMvStream<kRows>& s) {
     const he_u16* row = rp[0];
 #pragma unroll
     for (int r = 1; r < kRows; ++r) row = lane == r ? rp[r] : row;
-    const int cols = op.in - n.c0 < 2 * kMatvecBatch ? op.in - n.c0 : 2 * kMatvecBatch;
+    constexpr int kCols = MK_START_L2_BATCHES * kMatvecBatch;
+    const int cols = op.in - n.c0 < kCols ? op.in - n.c0 : kCols;
     he_prefetch_l2_bulk(row + n.c0, (he_u32)cols * (he_u32)sizeof(he_u16));
   }
 }
