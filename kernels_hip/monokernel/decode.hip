@@ -976,11 +976,6 @@ HE_INLINE bool mk_attention_flow(const MkParams& p, const MkLayer& L, int pos, f
 }
 #endif
 
-// Gate/up unit u's gate row (up = 0) or up row (1) asked of L2 (MK_GU_L2).
-HE_INLINE void mk_gu_row_prefetch(const MkParams& p, const MkLayer& L, int u, int up) {
-  he_prefetch_l2_bulk((up ? L.w_up : L.w_gate) + (he_i64)u * p.d, (he_u32)p.d * (he_u32)sizeof(he_u16));
-}
-
 // MK_GU_L2's prefetch (above): rows 2j (gate) and 2j + 1 (up) of unit S + j, j < units, in 32-row groups (one row
 // per lane), group g by idle warp g mod (idle warps); MK_GU_L2_GAP > 0: group g not before g x GAP cycles after entry.
 HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
@@ -989,6 +984,7 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
   const int stride = nb * he_num_warps();
   const int units = (p.ffn < (MK_GU_L2 + 1) * stride ? p.ffn : (MK_GU_L2 + 1) * stride) - stride;
   const int groups = (2 * units + kWarpSize - 1) / kWarpSize, idle = (nb - items) * he_num_warps();
+  const he_u32 bytes = (he_u32)p.d * (he_u32)sizeof(he_u16);
   [[maybe_unused]] const he_u64 t0 = he_cycles();
   for (int g = (he_block_idx() - items) * he_num_warps() + he_warp_id(); g < groups; g += idle) {
     if constexpr (MK_GU_L2_GAP > 0) {
@@ -997,7 +993,7 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
       }
     }
     const int j = g * kWarpSize + he_lane_id();
-    if (j < 2 * units) mk_gu_row_prefetch(p, L, stride + (j >> 1), j & 1);
+    if (j < 2 * units) he_prefetch_l2_bulk(((j & 1) ? L.w_up : L.w_gate) + (he_i64)(stride + (j >> 1)) * p.d, bytes);
   }
 }
 
@@ -1006,7 +1002,7 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
 template <int kBit, class Op, int kRows>
 HE_INLINE void mk_start_l2(const Op& op, const HeMvStream<kRows>& s) {
   if constexpr ((MK_START_L2 & kBit) != 0) {
-    HeMvPos n = s.p;
+    HeMvPos n = s.p;  // he_mv_advance's step, written out: through it the measured build's SASS changes (+8)
     n.c0 += 2 * kMatvecBatch;
     if (n.c0 >= op.in) {
       n.c0 = 0;
