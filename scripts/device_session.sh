@@ -428,17 +428,14 @@ case "$MODE" in
   benchonly)  # the decode bench of record alone (1K / 8K / 32K, both paths, JSON + PNG) in this environment: a follow-up
               # call on a warm machine
     bench ${BENCH_S:-150} ;;
-  s51)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure)
-         # with MK_START_L2=4 the default (session 50: the next layer's QKV second pair into L2 as the down barrier opens),
-         # then mk_sweep 0,39-44 twice at 1K / 8K / 32K in one process (39: without it, the default before; 40 / 41 / 42:
-         # with the next step's QKV / the LM head / both; 43 / 44: masks 7 / 5 with half the bytes), the default's 1K
-         # stage profile, then the GPU engine tests while the call (${S51_S:-560} s) has time. A short call: S51_BENCH=0
-         # ONLY=0,39,43,0,39,43. Builds: precompile_mk.py 1b-f3 1b-f3-sl0 1b-f3-sl12 1b-f3-sl20 1b-f3-sl28 1b-f3-sl7h
-         # 1b-f3-sl5h 1b-1k-profile.
-    [ "${S51_BENCH:-1}" = 1 ] && bench ${BENCH_S:-150}
-    ONLY=${ONLY:-0,39,40,41,42,43,44,0,39,40,41,42,43,44} mk_sweep_ab mk_sweep ${S51_AB_S:-320}
-    left=$((${S51_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default 45
-    left=$((${S51_S:-560} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+  s52)  # session 51's second call: MK_START_L2_HALF — mk_sweep 0 / 40-42 twice at 1K / 8K / 32K in one process (40: down's
+         # half pair with the default's QKV pair, 41: gate/up's and down's halves, 42: every bit halved, session 51's
+         # best 1K variant), then the decode bench of record if S52_BENCH=1 and the call (${S52_S:-300} s) has time.
+         # Builds: precompile_mk.py 1b-f3 1b-f3-sl6h2 1b-f3-sl7h3 1b-f3-sl7h7.
+    ONLY=${ONLY:-0,40,41,42,0,40,41,42} mk_sweep_ab mk_sweep ${S52_AB_S:-200}
+    left=$((${S52_S:-300} - SECONDS)); [ "${S52_BENCH:-0}" = 1 ] && [ $left -gt 50 ] && bench $left ;;
+  # (s51 — session 51's first call: the bench of record on MK_START_L2=4, mk_sweep 0 / 39-44 (bits 8 and 16, the half
+  # pairs of masks 7 and 5), the 1K profile and the engine tests — done.)
   # (s50c — session 50's MK_START_L2 A/B: mk_sweep 0 / masks 1, 2, 4, 7 and the profiles of the default and of 7 —
   # done: mask 4 became the default, s51 is its successor.)
   # (s50b — session 50's MK_ARRIVE_L2 A/B, mk_sweep 0/39-43 and its profile — removed with it.)
@@ -522,7 +519,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s51|s50|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s52|s50|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

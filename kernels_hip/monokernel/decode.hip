@@ -514,27 +514,28 @@ static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetch
 // MK_START_L2=mask (session 50; default 4): when a grid barrier opens, before the next stage's prologue, each warp asks
 // L2 for the pair after the first one it holds — kRows rows x 2B columns, 4 KiB per row, by bulk prefetch (fire and
 // forget: no registers, none on AMD). Bit 1: gate/up's, after the O barrier; 2: down's, after the gate/up barrier; 4:
-// the next layer's QKV, after the down barrier; 8: the next step's QKV, after the LM head's barrier; 16: the LM head's
-// (int8 rows when screened), after the last layer's down barrier. Why: the first pair lands before the barrier opens
-// (the poll returns behind it), but the second is requested only after the prologue (the input's RMSNorm: L2 round
-// trips) and the first pair's consume, so HBM idles at each stage's start. Measured on an H100 (docs/perf-log.md
-// session 50): bit 4 alone +0.6 / +1.0% at 1K, +2.3 / 0.0% at 8K, +1.2 / +1.1% at 32K — the default; bit 1 lost (−1.8 /
-// −2.1% at 1K), bit 2 (−0.2 / −0.9%) and all three together (−0.9 / −1.2%): their stages' work got shorter, their
-// totals did not (why is not established). The same bytes asked for at the barrier's arrival (session 50's
-// MK_ARRIVE_L2) lost 1-5%: they shared HBM with the first fill, which the barrier's exit waits for. Values do not
-// change.
+// the next layer's QKV, after the down barrier. Why: the first pair lands before the barrier opens (the poll returns
+// behind it), but the second is requested only after the prologue (the input's RMSNorm: L2 round trips) and the first
+// pair's consume, so HBM idles at each stage's start. Measured on an H100 (docs/perf-log.md sessions 50, 51): bit 4
+// alone +0.6 / +1.0% at 1K, +2.3 / 0.0% at 8K, +1.2 / +1.1% at 32K in session 50, +0.3 / +0.4 / +1.4% (four rounds'
+// means) in session 51 — the default; bit 1 lost (−1.8 / −2.1% at 1K), bit 2 (−0.2 / −0.9%) and all three together
+// (−0.9 / −1.2%): their stages' work got shorter, their totals did not (why is not established). Session 51 also
+// measured, and removed, the next step's QKV after the LM head's barrier and the LM head's own pair after the last down
+// barrier (level to −1.9%). The same bytes asked for at the barrier's arrival (session 50's MK_ARRIVE_L2) lost 1-5%:
+// they shared HBM with the first fill, which the barrier's exit waits for. Values do not change.
 #ifndef MK_START_L2
 #define MK_START_L2 4
 #endif
-static_assert(MK_START_L2 >= 0 && MK_START_L2 < 32, "MK_START_L2: a mask of the barriers' next stages");
-// MK_START_L2_BATCHES: how much of that pair — 2, all of it (8.4 MB per stage at llama-3.2-1b's gate/up and down, 3.9 MB
-// at QKV, whose second pair only 480 of the 1,056 warps have); 1, its first batch (half). Session 50's losing masks
-// asked for twice the bytes of the winning one: the half form asks whether the size is what they lost to (mk_sweep 43 /
-// 44, prepared in session 50, not measured there).
-#ifndef MK_START_L2_BATCHES
-#define MK_START_L2_BATCHES 2
+static_assert(MK_START_L2 >= 0 && MK_START_L2 < 8, "MK_START_L2: a mask of the layer's barriers' next stages");
+// MK_START_L2_HALF=mask (a subset of MK_START_L2's bits; default none): those bits ask for their pair's first batch only
+// (2 KiB a row: 4.2 MB at llama-3.2-1b's gate/up and down, 2 MB at QKV, whose second pair only 480 of the 1,056 warps
+// have) instead of the whole pair (8.4 / 3.9 MB). Session 51 (H100, two rounds each in two processes): all three bits
+// halved (mask 7, half 7) +0.6 / +0.1 / +0.4 / +1.0% at 1K against the default, but −1.0 to −1.5% at 32K; gate/up and
+// QKV halved (mask 5, half 5) −0.8 / −1.0% at 1K — so down's half pair is the candidate: mk_sweep 40 / 41.
+#ifndef MK_START_L2_HALF
+#define MK_START_L2_HALF 0
 #endif
-static_assert(MK_START_L2_BATCHES == 1 || MK_START_L2_BATCHES == 2, "MK_START_L2_BATCHES: one batch or the pair");
+static_assert((MK_START_L2_HALF & ~MK_START_L2) == 0, "MK_START_L2_HALF: a subset of MK_START_L2's bits");
 static_assert(!((MK_START_L2 & 3) && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_START_L2: the bf16 two-stage MLP's streams");
 
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
@@ -998,7 +999,7 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
 }
 
 // MK_START_L2's prefetch (above): s.p is op's first pair, just requested; lane r < kRows asks L2 for row r of the
-// pair after it (the unit's next 2B columns, else the warp's next unit; its first B with MK_START_L2_BATCHES=1).
+// pair after it (the unit's next 2B columns, else the warp's next unit; its first B where kBit is in MK_START_L2_HALF).
 template <int kBit, class Op, int kRows>
 HE_INLINE void mk_start_l2(const Op& op, const HeMvStream<kRows>& s) {
   if constexpr ((MK_START_L2 & kBit) != 0) {
@@ -1015,7 +1016,7 @@ HE_INLINE void mk_start_l2(const Op& op, const HeMvStream<kRows>& s) {
     const he_u16* row = rp[0];
 #pragma unroll
     for (int r = 1; r < kRows; ++r) row = lane == r ? rp[r] : row;
-    constexpr int kCols = MK_START_L2_BATCHES * kMatvecBatch;
+    constexpr int kCols = ((MK_START_L2_HALF & kBit) != 0 ? 1 : 2) * kMatvecBatch;
     const int cols = op.in - n.c0 < kCols ? op.in - n.c0 : kCols;
     he_prefetch_l2_bulk(row + n.c0, (he_u32)cols * (he_u32)sizeof(he_u16));
   }
@@ -1384,7 +1385,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         else he_mv_fill_next(mk_head_op(p, p.x, screen), s);
         if (!wait(kProfDown)) return;
         if (l + 1 < p.n_layers) mk_start_l2<4>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-        else mk_start_l2<16>(mk_head_op(p, p.x, screen), s);
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
       }
@@ -1410,7 +1410,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     arrive(kProfHead);
     he_mv_fill_next(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     if (!wait(kProfHead)) return;
-    mk_start_l2<8>(mk_qkv_op(p, p.layers[0], pos + 1, p.x), s);
     pos += 1;
     steps += 1;
     if (p.mode & kMkModeOneStep) break;
