@@ -428,12 +428,14 @@ case "$MODE" in
   benchonly)  # the decode bench of record alone (1K / 8K / 32K, both paths, JSON + PNG) in this environment: a follow-up
               # call on a warm machine
     bench ${BENCH_S:-150} ;;
-  s52)  # session 51's second call: MK_START_L2_HALF — mk_sweep 0 / 40-42 twice at 1K / 8K / 32K in one process (40: down's
-         # half pair with the default's QKV pair, 41: gate/up's and down's halves, 42: every bit halved, session 51's
-         # best 1K variant), then the decode bench of record if S52_BENCH=1 and the call (${S52_S:-300} s) has time.
-         # Builds: precompile_mk.py 1b-f3 1b-f3-sl6h2 1b-f3-sl7h3 1b-f3-sl7h7.
+  s52)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure),
+         # then MK_START_L2_HALF — mk_sweep 0 / 40-42 twice at 1K / 8K / 32K in one process (40: down's half pair with the
+         # default's QKV pair, 41: gate/up's and down's halves, 42: every bit halved, session 51's best 1K variant) — then
+         # the GPU engine tests while the call (${S52_S:-450} s) has time. A short call: S52_BENCH=0 ONLY=0,40,41,0,40,41.
+         # Builds: precompile_mk.py 1b-f3 1b-f3-sl6h2 1b-f3-sl7h3 1b-f3-sl7h7 (session 51's .carry/c52.tar.xz, at df35ce7).
+    [ "${S52_BENCH:-1}" = 1 ] && bench ${BENCH_S:-150}
     ONLY=${ONLY:-0,40,41,42,0,40,41,42} mk_sweep_ab mk_sweep ${S52_AB_S:-200}
-    left=$((${S52_S:-300} - SECONDS)); [ "${S52_BENCH:-0}" = 1 ] && [ $left -gt 50 ] && bench $left ;;
+    left=$((${S52_S:-450} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   # (s51 — session 51's first call: the bench of record on MK_START_L2=4, mk_sweep 0 / 39-44 (bits 8 and 16, the half
   # pairs of masks 7 and 5), the 1K profile and the engine tests — done.)
   # (s50c — session 50's MK_START_L2 A/B: mk_sweep 0 / masks 1, 2, 4, 7 and the profiles of the default and of 7 —
