@@ -439,7 +439,7 @@ case "$MODE" in
   # (s51 — session 51's first call: the bench of record on MK_START_L2=4, mk_sweep 0 / 39-44 (bits 8 and 16, the half
   # pairs of masks 7 and 5), the 1K profile and the engine tests — done.)
   # (s50c — session 50's MK_START_L2 A/B: mk_sweep 0 / masks 1, 2, 4, 7 and the profiles of the default and of 7 —
-  # done: mask 4 became the default, s51 is its successor.)
+  # done: mask 4 became the default; s51, then s52 followed.)
   # (s50b — session 50's MK_ARRIVE_L2 A/B, mk_sweep 0/39-43 and its profile — removed with it.)
   s50)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure)
          # with the fresh combine the default (session 49), then mk_sweep 0,38,39,40,41 twice at 1K / 8K / 32K in one process

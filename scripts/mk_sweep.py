@@ -151,8 +151,8 @@ VARIANTS = [  # name, build env, runtime attrs
     # barrier −0.2 / −0.9%, all three −0.9 / −1.2% — not kept.)
     ("no stage's 2nd pair into L2 as its barrier opens (MK_START_L2=0; the default before session 50)",
      {"HIPENGINE_MK_DEFINES": "MK_START_L2=0"}, {}),
-    # (session 50's bits 8 — the next step's QKV pair after the LM head's barrier — and 16 — the LM head's pair after the last
-    # down barrier —, measured in session 51 with the default's bit 4 on an H100: 12 −0.3 / −0.2% at 1K, +2.2 / +0.4% at
+    # (session 50's bits 8 (the next step's QKV pair after the LM head's barrier) and 16 (the LM head's pair after the last
+    # down barrier), measured in session 51 with the default's bit 4 on an H100: 12 −0.3 / −0.2% at 1K, +2.2 / +0.4% at
     # 8K, +0.1 / +0.2% at 32K; 20 −0.2 / −0.2, −0.3 / −0.4, 0.0 / −0.9%; 28 −0.7 / 0.0, −1.3 / −1.5, −0.9 / −1.9% — were
     # variants 40-42, removed with the bits. And the half-pair form of masks 7 and 5, all bits halved (then
     # MK_START_L2_BATCHES=1): 7 +0.6 / +0.1 / +0.4 / +1.0% at 1K, +1.6 / −0.4 / −0.8 / −1.6% at 8K, −1.5 / −1.3 / −1.0 /
