@@ -433,9 +433,14 @@ case "$MODE" in
          # default's QKV pair, 41: gate/up's and down's halves, 42: every bit halved, session 51's best 1K variant) — then
          # the GPU engine tests while the call (${S52_S:-450} s) has time. A short call: S52_BENCH=0 ONLY=0,40,41,0,40,41.
          # Builds: precompile_mk.py 1b-f3 1b-f3-sl6h2 1b-f3-sl7h3 1b-f3-sl7h7 (session 51's .carry/c52.tar.xz, at df35ce7).
-    [ "${S52_BENCH:-1}" = 1 ] && bench ${BENCH_S:-150}
+         # Session 52: on an H100 (whose bench of record on these kernels is session 51's) the A/B comes first, the
+         # bench after it while the call has time; on an H200 the bench first.
+    case "$GPU_NAME" in *H200*) bench_first=${S52_BENCH:-1} ;; *) bench_first=0 ;; esac
+    [ "$bench_first" = 1 ] && bench ${BENCH_S:-150}
     ONLY=${ONLY:-0,40,41,42,0,40,41,42} mk_sweep_ab mk_sweep ${S52_AB_S:-200}
-    left=$((${S52_S:-450} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+    left=$((${S52_S:-450} - SECONDS))
+    [ "$bench_first" = 0 ] && [ "${S52_BENCH:-1}" = 1 ] && [ $left -gt 60 ] && { bench $((left < 150 ? left - 10 : 150)); left=$((${S52_S:-450} - SECONDS)); }
+    [ $left -gt 40 ] && engine_tests $left ;;
   # (s51 — session 51's first call: the bench of record on MK_START_L2=4, mk_sweep 0 / 39-44 (bits 8 and 16, the half
   # pairs of masks 7 and 5), the 1K profile and the engine tests — done.)
   # (s50c — session 50's MK_START_L2 A/B: mk_sweep 0 / masks 1, 2, 4, 7 and the profiles of the default and of 7 —
