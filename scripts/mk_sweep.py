@@ -157,14 +157,13 @@ VARIANTS = [  # name, build env, runtime attrs
     # variants 40-42, removed with the bits. And the half-pair form of masks 7 and 5, all bits halved (then
     # MK_START_L2_BATCHES=1): 7 +0.6 / +0.1 / +0.4 / +1.0% at 1K, +1.6 / −0.4 / −0.8 / −1.6% at 8K, −1.5 / −1.3 / −1.0 /
     # −1.1% at 32K; 5 −0.8 / −1.0, +0.7 / −0.5, −1.5 / −1.5% — were variants 43 / 44.)
-    # session 51: down's second pair halved (MK_START_L2_HALF: the bits that ask for their pair's first batch only), with
-    # the default's whole QKV pair, then gate/up's halved too; 42 is session 51's mask 7 with every bit halved again.
-    ("+ down's 2nd pair's first batch into L2 after the gate/up barrier (MK_START_L2=6, MK_START_L2_HALF=2)",
-     {"HIPENGINE_MK_DEFINES": "MK_START_L2=6,MK_START_L2_HALF=2"}, {}),
-    ("+ gate/up's and down's 2nd pairs' first batch (MK_START_L2=7, MK_START_L2_HALF=3)",
-     {"HIPENGINE_MK_DEFINES": "MK_START_L2=7,MK_START_L2_HALF=3"}, {}),
-    ("the three layer stages' 2nd pairs' first batch into L2 (MK_START_L2=7, MK_START_L2_HALF=7)",
-     {"HIPENGINE_MK_DEFINES": "MK_START_L2=7,MK_START_L2_HALF=7"}, {}),
+    # (session 51's MK_START_L2_HALF — the bits that ask for their pair's first batch only — measured in session 52 on an
+    # H100 against mask 4 (means of four rounds in two processes; 7 / 3 two in one): down's half pair with the whole QKV
+    # pair (6 / 2) +0.3 / −0.2 / +0.1% at 1K / 8K / 32K, gate/up's and down's halves (7 / 3) +0.7 / −0.9 / −0.4%, every bit halved
+    # (7 / 7) +1.0 / −0.3 / −0.3%, with session 51's rounds of it +0.7 / −0.3 / −0.8% over eight — the short-context
+    # build's default since (monokernel.start_l2_defines); 40-42 were these, 40 is now the mask the long builds keep.)
+    ("the next layer's QKV whole 2nd pair into L2 only (MK_START_L2=4; the long builds' default, the short build's "
+     "before session 52)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, {}),
     # (session 45's MK_KV_EARLY=128 — each split block's cache rows copied into shared memory by two bulk copies after its
     # QKV prologue, read there by the split: −2.3% at 1K on an H100 — was variant 38, removed.)
     # (session 45's HE_STREAM_EVICT_FIRST=1 — the weight stream's loads with an L2 evict-first policy: +0.4 / −1.1 / −0.7%

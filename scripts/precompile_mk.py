@@ -57,11 +57,10 @@ VARIANTS = {  # name: (environment, weight dtypes, groups, precompile keywords)
     # newest row in its split (the default before: mk_sweep 38)
     "1b-f3-nofc": ({"HIPENGINE_ATTN_FRESH_COMBINE": "0"}, (False,), (4,), L1B_F3),
     # session 50: MK_START_L2 (the next layer's QKV second pair into L2 as the down barrier opens, the default since):
-    # the build without MK_START_L2 (mk_sweep 39); session 51: down's half pair (40), gate/up's and down's (41), every
-    # bit's (42) — MK_START_L2_HALF
+    # the build without MK_START_L2 (mk_sweep 39); session 52: mask 4 alone, the short build's default before masks 7 / 7
+    # (mk_sweep 40; the long builds keep it)
     "1b-f3-sl0": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=0"}, (False,), (4,), L1B_F3),
-    **{f"1b-f3-sl{m}h{h}": ({"HIPENGINE_MK_DEFINES": f"MK_START_L2={m},MK_START_L2_HALF={h}"}, (False,), (4,), L1B_F3)
-       for m, h in ((6, 2), (7, 3), (7, 7))},
+    "1b-f3-sl4": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, (False,), (4,), L1B_F3),
     "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,), L1B_TP2),  # the tensor-parallel build (MK_TP=1)
     "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_TP2),
 }

@@ -254,6 +254,30 @@ def test_long_context_build_choice(monkeypatch):
     assert "HE_ATTN_Q_REGS" not in mk.compile_args("nvidia", False, 4)["defines"]
 
 
+def test_start_l2_masks_follow_the_build(monkeypatch):
+    """decode.hip's MK_START_L2 / MK_START_L2_HALF: the short-context build at tp = 1 on NVIDIA asks for every layer
+    stage's half pair (7 / 7, measured there); the long-context build, tensor parallelism, the bf16 two-stage MLP
+    builds (which cannot take bits 1 and 2) and AMD keep decode.hip's default (no define); a sweep's own MK_START_L2 is
+    taken alone, so the kernel's default half (none) goes with it and the subset assert holds."""
+    monkeypatch.delenv("HIPENGINE_MK_DEFINES", raising=False)
+    monkeypatch.delenv("HIPENGINE_MK_LL", raising=False)
+
+    def masks(*a, **k):
+        d = mk.compile_args(*a, **k)["defines"]
+        return d.get("MK_START_L2"), d.get("MK_START_L2_HALF")
+
+    assert masks("nvidia", False, 4, max_context=1024) == (7, 7)
+    assert masks("nvidia", False, 4, q_regs=True, max_context=32768) == (None, None)
+    assert masks("nvidia", False, 4, tp=True) == (None, None)
+    assert masks("nvidia", False, 4, mlp_packed=True) == (None, None)
+    assert masks("nvidia", False, 4, fused_mlp=True) == (None, None)
+    assert masks("amd", False, 4) == (None, None)
+    monkeypatch.setenv("HIPENGINE_MK_DEFINES", "MK_START_L2=0")
+    assert masks("nvidia", False, 4) == (0, None)
+    monkeypatch.setenv("HIPENGINE_MK_DEFINES", "MK_START_L2=6,MK_START_L2_HALF=2")
+    assert masks("nvidia", False, 4) == (6, 2)
+
+
 def test_attention_build_follows_the_cache_size(monkeypatch):
     """The split keeps the warp's running max below ops.ATTN_WARP_MAX_CTX tokens of KV cache and the lane
     group's from there; the monokernel takes the per-op module's attention defines for the same cache, so

@@ -511,27 +511,31 @@ static_assert(MK_GU_L2 >= 0, "MK_GU_L2: gate/up units per warp to prefetch");
 static_assert(MK_GU_L2_GAP >= 0 && (MK_GU_L2 > 0 || MK_GU_L2_GAP == 0), "MK_GU_L2_GAP paces MK_GU_L2's rows");
 static_assert(!(MK_GU_L2 && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_GU_L2 prefetches the bf16 gate/up stage's rows");
 
-// MK_START_L2=mask (session 50; default 4): when a grid barrier opens, before the next stage's prologue, each warp asks
-// L2 for the pair after the first one it holds — kRows rows x 2B columns, 4 KiB per row, by bulk prefetch (fire and
-// forget: no registers, none on AMD). Bit 1: gate/up's, after the O barrier; 2: down's, after the gate/up barrier; 4:
-// the next layer's QKV, after the down barrier. Why: the first pair lands before the barrier opens (the poll returns
-// behind it), but the second is requested only after the prologue (the input's RMSNorm: L2 round trips) and the first
-// pair's consume, so HBM idles at each stage's start. Measured on an H100 (docs/perf-log.md sessions 50, 51): bit 4
-// alone +0.6 / +1.0% at 1K, +2.3 / 0.0% at 8K, +1.2 / +1.1% at 32K in session 50, +0.3 / +0.4 / +1.4% (four rounds'
-// means) in session 51 — the default; bit 1 lost (−1.8 / −2.1% at 1K), bit 2 (−0.2 / −0.9%) and all three together
-// (−0.9 / −1.2%): their stages' work got shorter, their totals did not (why is not established). Session 51 also
-// measured, and removed, the next step's QKV after the LM head's barrier and the LM head's own pair after the last down
-// barrier (level to −1.9%). The same bytes asked for at the barrier's arrival (session 50's MK_ARRIVE_L2) lost 1-5%:
-// they shared HBM with the first fill, which the barrier's exit waits for. Values do not change.
+// MK_START_L2=mask (session 50; default 4 — the host's short-context build 7, with MK_START_L2_HALF=7, since session
+// 52: hipengine/gpu/monokernel.py start_l2_defines): when a grid barrier opens, before the next stage's prologue, each
+// warp asks L2 for the pair after the first one it holds — kRows rows x 2B columns, 4 KiB per row, by bulk prefetch
+// (fire and forget: no registers, none on AMD). Bit 1: gate/up's, after the O barrier; 2: down's, after the gate/up
+// barrier; 4: the next layer's QKV, after the down barrier. Why: the first pair lands before the barrier opens (the
+// poll returns behind it), but the second is requested only after the prologue (the input's RMSNorm: L2 round trips)
+// and the first pair's consume, so HBM idles at each stage's start. Measured on an H100 (docs/perf-log.md sessions 50,
+// 51): bit 4 alone +0.6 / +1.0% at 1K, +2.3 / 0.0% at 8K, +1.2 / +1.1% at 32K in session 50, +0.3 / +0.4 / +1.4% (four
+// rounds' means) in session 51 — the default; bit 1 lost (−1.8 / −2.1% at 1K), bit 2 (−0.2 / −0.9%) and all three
+// together (−0.9 / −1.2%): their stages' work got shorter, their totals did not (why is not established). Session 51
+// also measured, and removed, the next step's QKV after the LM head's barrier and the LM head's own pair after the last
+// down barrier (level to −1.9%). The same bytes asked for at the barrier's arrival (session 50's MK_ARRIVE_L2) lost
+// 1-5%: they shared HBM with the first fill, which the barrier's exit waits for. Values do not change.
 #ifndef MK_START_L2
 #define MK_START_L2 4
 #endif
 static_assert(MK_START_L2 >= 0 && MK_START_L2 < 8, "MK_START_L2: a mask of the layer's barriers' next stages");
-// MK_START_L2_HALF=mask (a subset of MK_START_L2's bits; default none): those bits ask for their pair's first batch only
-// (2 KiB a row: 4.2 MB at llama-3.2-1b's gate/up and down, 2 MB at QKV, whose second pair only 480 of the 1,056 warps
-// have) instead of the whole pair (8.4 / 3.9 MB). Session 51 (H100, two rounds each in two processes): all three bits
-// halved (mask 7, half 7) +0.6 / +0.1 / +0.4 / +1.0% at 1K against the default, but −1.0 to −1.5% at 32K; gate/up and
-// QKV halved (mask 5, half 5) −0.8 / −1.0% at 1K — so down's half pair is the candidate: mk_sweep 40 / 41.
+// MK_START_L2_HALF=mask (a subset of MK_START_L2's bits; default none): those bits ask for their pair's first batch
+// only (2 KiB a row: 4.2 MB at llama-3.2-1b's gate/up and down, 2 MB at QKV, whose second pair only 480 of the 1,056
+// warps have) instead of the whole pair (8.4 / 3.9 MB). Session 51 (H100, two rounds each in two processes): all three
+// bits halved (mask 7, half 7) +0.6 / +0.1 / +0.4 / +1.0% at 1K against the default, but −1.0 to −1.5% at 32K; gate/up
+// and QKV halved (mask 5, half 5) −0.8 / −1.0% at 1K. Session 52 (H100, four rounds in two processes): down's half pair
+// with QKV's whole one (6 / 2) +0.3 / −0.2 / +0.1% at 1K / 8K / 32K, gate/up's and down's halves (7 / 3; two rounds)
+// +0.7 / −0.9 / −0.4%, all three halved (7 / 7) +1.0 / −0.3 / −0.3% — over its eight rounds +0.7% at 1K (every round ≥
+// +0.1%), −0.3 / −0.8% at 8K / 32K: the short-context build's (the host sets it), the long builds keep mask 4.
 #ifndef MK_START_L2_HALF
 #define MK_START_L2_HALF 0
 #endif
