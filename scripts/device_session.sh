@@ -432,19 +432,17 @@ case "$MODE" in
   benchonly)  # the decode bench of record alone (1K / 8K / 32K, both paths, JSON + PNG) in this environment: a follow-up
               # call on a warm machine
     bench ${BENCH_S:-150} ;;
-  s52)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure),
-         # then MK_START_L2_HALF — mk_sweep 0 / 40-42 twice at 1K / 8K / 32K in one process (40: down's half pair with the
-         # default's QKV pair, 41: gate/up's and down's halves, 42: every bit halved, session 51's best 1K variant) — then
-         # the GPU engine tests while the call (${S52_S:-450} s) has time. A short call: S52_BENCH=0 ONLY=0,40,41,0,40,41.
-         # Builds: precompile_mk.py 1b-f3 1b-f3-sl6h2 1b-f3-sl7h3 1b-f3-sl7h7 (session 51's .carry/c52.tar.xz, at df35ce7).
-         # Session 52: on an H100 (whose bench of record on these kernels is session 51's) the A/B comes first, the
-         # bench after it while the call has time; on an H200 the bench first.
-    case "$GPU_NAME" in *H200*) bench_first=${S52_BENCH:-1} ;; *) bench_first=0 ;; esac
-    [ "$bench_first" = 1 ] && bench ${BENCH_S:-150}
-    ONLY=${ONLY:-0,40,41,42,0,40,41,42} mk_sweep_ab mk_sweep ${S52_AB_S:-200}
-    left=$((${S52_S:-450} - SECONDS))
-    [ "$bench_first" = 0 ] && [ "${S52_BENCH:-1}" = 1 ] && [ $left -gt 60 ] && { bench $((left < 150 ? left - 10 : 150)); left=$((${S52_S:-450} - SECONDS)); }
-    [ $left -gt 40 ] && engine_tests $left ;;
+  s53)  # the next session's first call: the decode bench of record on session 52's default (1K / 8K / 32K, both paths; on
+         # an H200 issue 4's figure), then the short build's masks against their neighbours at 1K — mk_sweep 0 / 40-42
+         # twice in one process (40: mask 4, the default before; 41: 3 / 3; 42: 7 / 5) — the default's 1K stage profile,
+         # then the GPU engine tests while the call (${S53_S:-420} s) has time. A short call: S53_BENCH=0.
+         # Builds: precompile_mk.py 1b-f3 1b-f3-sl4 1b-1k-sl3h3 1b-1k-sl7h5 1b-1k-profile (session 52's .carry/c53.tar.xz).
+    [ "${S53_BENCH:-1}" = 1 ] && bench ${BENCH_S:-150}
+    ONLY=${ONLY:-0,40,41,42,0,40,41,42} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep ${S53_AB_S:-150}
+    left=$((${S53_S:-420} - SECONDS)); [ $left -gt 60 ] && prof1k mkprof_default 45
+    left=$((${S53_S:-420} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+  # (s52 — session 52's first call: MK_START_L2_HALF, mk_sweep 0 / 40-42 (6 / 2, 7 / 3, 7 / 7) twice at 1K / 8K / 32K,
+  # the bench (after the A/B on an H100) and the engine tests — done: 7 / 7 became the short build's default.)
   # (s51 — session 51's first call: the bench of record on MK_START_L2=4, mk_sweep 0 / 39-44 (bits 8 and 16, the half
   # pairs of masks 7 and 5), the 1K profile and the engine tests — done.)
   # (s50c — session 50's MK_START_L2 A/B: mk_sweep 0 / masks 1, 2, 4, 7 and the profiles of the default and of 7 —
@@ -530,7 +528,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s52|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s53|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

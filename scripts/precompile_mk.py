@@ -61,6 +61,9 @@ VARIANTS = {  # name: (environment, weight dtypes, groups, precompile keywords)
     # (mk_sweep 40; the long builds keep it)
     "1b-f3-sl0": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=0"}, (False,), (4,), L1B_F3),
     "1b-f3-sl4": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, (False,), (4,), L1B_F3),
+    # session 52: the short build's neighbours at 1K (mk_sweep 41 / 42)
+    **{f"1b-1k-sl{m}h{h}": ({"HIPENGINE_MK_DEFINES": f"MK_START_L2={m},MK_START_L2_HALF={h}"}, (False,), (4,), L1B_1K)
+       for m, h in ((3, 3), (7, 5))},
     "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,), L1B_TP2),  # the tensor-parallel build (MK_TP=1)
     "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_TP2),
 }
