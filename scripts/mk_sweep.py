@@ -157,16 +157,17 @@ VARIANTS = [  # name, build env, runtime attrs
     # variants 40-42, removed with the bits. And the half-pair form of masks 7 and 5, all bits halved (then
     # MK_START_L2_BATCHES=1): 7 +0.6 / +0.1 / +0.4 / +1.0% at 1K, +1.6 / −0.4 / −0.8 / −1.6% at 8K, −1.5 / −1.3 / −1.0 /
     # −1.1% at 32K; 5 −0.8 / −1.0, +0.7 / −0.5, −1.5 / −1.5% — were variants 43 / 44.)
-    # (session 51's MK_START_L2_HALF — the bits that ask for their pair's first batch only — measured in session 52 on an
-    # H100 against mask 4 (means of four rounds in two processes; 7 / 3 two in one): down's half pair with the whole QKV
-    # pair (6 / 2) +0.3 / −0.2 / +0.1% at 1K / 8K / 32K, gate/up's and down's halves (7 / 3) +0.7 / −0.9 / −0.4%, every bit halved
-    # (7 / 7) +1.0 / −0.3 / −0.3%, with session 51's rounds of it +0.7 / −0.3 / −0.8% over eight — the short-context
-    # build's default since (monokernel.start_l2_defines); 40-42 were these, 40 is now the mask the long builds keep.)
+    # (session 51's MK_START_L2_HALF — the bits that ask for their pair's first batch only — measured in session 52 on
+    # an H100 against mask 4 (means of four rounds in two processes; 7 / 3 two in one): down's half pair with the whole
+    # QKV pair (6 / 2) +0.3 / −0.2 / +0.1% at 1K / 8K / 32K, gate/up's and down's halves (7 / 3) +0.7 / −0.9 / −0.4%,
+    # every bit halved (7 / 7) +1.0 / −0.3 / −0.3%, with session 51's rounds of it +0.7 / −0.3 / −0.8% over eight — the
+    # short-context build's default since (monokernel.start_l2_defines); 40-42 were these, 40 is now the mask the long
+    # builds keep.)
     ("the next layer's QKV whole 2nd pair into L2 only (MK_START_L2=4; the long builds' default, the short build's "
      "before session 52)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, {}),
-    # session 52: the short build's masks 7 / 7 against two neighbours, at 1K (the short build's class): without the next
-    # layer's QKV half pair (3 / 3; QKV's whole pair was +0.3% at 1K as mask 4 alone), and down's whole pair instead of its
-    # half (7 / 5; between session 51's 7 / 7 and 5 / 5 down's half was worth +1.3%)
+    # session 52: the short build's masks 7 / 7 against two neighbours, at 1K (the short build's class): without the
+    # next layer's QKV half pair (3 / 3; QKV's whole pair was +0.3% at 1K as mask 4 alone), and down's whole pair
+    # instead of its half (7 / 5; between session 51's 7 / 7 and 5 / 5 down's half was worth +1.3%)
     ("gate/up's and down's half pairs only, no QKV's (MK_START_L2=3, MK_START_L2_HALF=3)",
      {"HIPENGINE_MK_DEFINES": "MK_START_L2=3,MK_START_L2_HALF=3"}, {}),
     ("gate/up's and QKV's half pairs, down's whole (MK_START_L2=7, MK_START_L2_HALF=5)",

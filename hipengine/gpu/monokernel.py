@@ -327,7 +327,7 @@ def start_l2_defines(vendor: str, q_regs: bool, tp: bool, bf16_mlp: bool) -> dic
     """decode.hip's MK_START_L2 / MK_START_L2_HALF for this build: the short-context build (not q_regs_build's) at tp =
     1 on NVIDIA asks L2, as each layer's three grid barriers open, for the first batch of the next stage's second
     pair (masks 7 / 7); every other build keeps decode.hip's default (the next layer's QKV whole second pair only,
-    mask 4). Measured on an H100 against mask 4 in eight rounds over three processes (docs/perf-log.md sessions 51,
+    mask 4). Measured on H100s against mask 4 in eight rounds over four processes (docs/perf-log.md sessions 51,
     52): at 1K +0.1 to +1.3% in every round (+0.7% mean), at 8K −0.3% and at 32K −0.8% (means) — hence the short
     build only. The bf16 two-stage MLP builds (``bf16_mlp``) cannot take bits 1 and 2; tensor parallelism and AMD
     (where the prefetch is nothing) are not measured. Values do not change."""
