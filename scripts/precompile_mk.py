@@ -3,7 +3,7 @@ variants a device session uses, on this CPU machine (NVRTC only), so device time
 Usage: HIPENGINE_CACHE=$PWD/.mkcache python scripts/precompile_mk.py [variant ...]
 Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unroll8, 2blk, 1b, 1b-profile,
 1b-bf16-head, 1b-packed, 1b-packed-profile, 1b-1k-gu-l2, 1b-1k-gu-l2x2, 1b-1k, 1b-1k-profile, 1b-1k-gu-pace148, 1b-1k-gu-pace74,
-1b-1k-gu-x2-pace74, 1b-1k-gu-pace148-profile, 1b-f3, 1b-ogroup, 1b-ogroup-2pass, 1b-plain-o, 1b-1k-ogroup-profile, 1b-f3-qflow, 1b-1k-qflow-profile, 1b-f3-noflow, 1b-1k-ge0, 1b-1k-ge1, 1b-f3-nofc, 1b-f3-sl{0,12,20,28}, 1b-f3-sl{7,5}h, 1b-tp, 1b-tp-profile (from 1b on: llama-3.2-1b only,
+1b-1k-gu-x2-pace74, 1b-1k-gu-pace148-profile, 1b-f3, 1b-ogroup, 1b-ogroup-2pass, 1b-plain-o, 1b-1k-ogroup-profile, 1b-f3-qflow, 1b-1k-qflow-profile, 1b-f3-noflow, 1b-1k-ge0, 1b-1k-ge1, 1b-f3-nofc, 1b-f3-sl0, 1b-f3-sl4, 1b-1k-sl3h3, 1b-1k-sl7h5, 1b-tp, 1b-tp-profile (from 1b on: llama-3.2-1b only,
 bf16, group 4; -tp: the LL exchange build, MK_TP=1; -1k-: the 1K cache class only).
 Compile-time experiments: set HIPENGINE_MK_DEFINES for the run (it is part of the build)."""
 from __future__ import annotations

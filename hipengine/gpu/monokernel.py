@@ -316,7 +316,7 @@ def compile_args(vendor: str, f16: bool, group: int, kv_f16: bool = False, head_
         if q_flow:
             defines["MK_QFLOW"] = 1
     extra = extra_defines()
-    if not extra.keys() & {"MK_START_L2", "MK_START_L2_HALF"}:  # a sweep's own MK_START_L2 (half: decode.hip's)
+    if not extra.keys() & {"MK_START_L2", "MK_START_L2_HALF"}:  # a sweep naming either mask gets only what it names
         defines.update(start_l2_defines(vendor, q_regs, bool(defines.get("MK_TP")),
                                         bool(defines["MK_FUSED_MLP"] or defines.get("MK_MLP_PACKED"))))
     defines.update(extra)
