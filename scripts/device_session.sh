@@ -432,6 +432,17 @@ case "$MODE" in
   benchonly)  # the decode bench of record alone (1K / 8K / 32K, both paths, JSON + PNG) in this environment: a follow-up
               # call on a warm machine
     bench ${BENCH_S:-150} ;;
+  s53h)  # session 53's health call: every single-GPU test file on today's kernels — the monokernel's full GPU tests (not
+          # run whole since session 39), the op tests, the head screen's, the runtime's and the default model's — then
+          # the engine tests while the call (${S53H_S:-540} s) has time; S53H_BENCH=1 (an H200: issue 4's figure) runs
+          # the decode bench of record first. Builds: the bench's from .carry/c53.tar.xz; the tests compile their own.
+    [ "${S53H_BENCH:-0}" = 1 ] && bench ${BENCH_S:-150}
+    mk_tests
+    ops_tests
+    run screen_tests 90 $PY -m pytest tests/test_head_screen.py tests/test_runtime_gpu.py -q -rs
+    left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 60 ] && run default_model $((left < 90 ? left : 90)) \
+      $PY -m pytest tests/test_gpu_default_model.py -q -rs
+    left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   s53)  # the next session's first call: the decode bench of record on session 52's default (1K / 8K / 32K, both paths; on
          # an H200 issue 4's figure), then the short build's masks against their neighbours at 1K — mk_sweep 0 / 40-42
          # twice in one process (40: mask 4, the default before; 41: 3 / 3; 42: 7 / 5) — the default's 1K stage profile,
@@ -528,7 +539,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s53|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s53|s53h|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
