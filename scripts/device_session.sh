@@ -443,15 +443,22 @@ case "$MODE" in
     left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 60 ] && run default_model $((left < 90 ? left : 90)) \
       $PY -m pytest tests/test_gpu_default_model.py -q -rs
     left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
-  s53)  # the next session's first call: the decode bench of record on session 52's default (1K / 8K / 32K, both paths; on
-         # an H200 issue 4's figure), then the short build's masks against their neighbours at 1K — mk_sweep 0 / 40-42
-         # twice in one process (40: mask 4, the default before; 41: 3 / 3; 42: 7 / 5) — the default's 1K stage profile,
-         # then the GPU engine tests while the call (${S53_S:-420} s) has time. A short call: S53_BENCH=0.
-         # Builds: precompile_mk.py 1b-f3 1b-f3-sl4 1b-1k-sl3h3 1b-1k-sl7h5 1b-1k-profile (session 52's .carry/c53.tar.xz).
-    [ "${S53_BENCH:-1}" = 1 ] && bench ${BENCH_S:-150}
-    ONLY=${ONLY:-0,40,41,42,0,40,41,42} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep ${S53_AB_S:-150}
-    left=$((${S53_S:-420} - SECONDS)); [ $left -gt 60 ] && prof1k mkprof_default 45
-    left=$((${S53_S:-420} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+  s54)  # the next session's first call: session 53's MK_KV_L2 (the splits' K/V rows asked of L2 as the down barrier opens)
+         # at 1K — mk_sweep 0 / 41 alternated three times in one process, tokens compared — then both 1K stage profiles
+         # (the splits' q / loop marks are the question), its same-bits and 1B-preset monokernel tests, and the engine tests
+         # while the call (${S54_S:-480} s) has time. On an H200 (or with S54_BENCH=1) the decode bench of record first:
+         # issue 4's figure. Builds: precompile_mk.py 1b-f3 1b-1k-kvl2 1b-1k-kvl2-profile 1b-1k-profile (.carry/c54.tar.xz).
+    if [ "${S54_BENCH:-}" = 1 ] || { [ -z "${S54_BENCH:-}" ] && echo "$GPU_NAME" | grep -q H200; }; then
+      bench ${BENCH_S:-150}
+    fi
+    ONLY=${ONLY:-0,41,0,41,0,41} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep ${S54_AB_S:-170}
+    left=$((${S54_S:-480} - SECONDS)); [ $left -gt 60 ] && prof1k mkprof_kvl2 45 HIPENGINE_MK_DEFINES=MK_KV_L2=1
+    left=$((${S54_S:-480} - SECONDS)); [ $left -gt 60 ] && prof1k mkprof_default 45
+    left=$((${S54_S:-480} - SECONDS)); [ $left -gt 60 ] && same_bits $((left < 130 ? left : 130)) HIPENGINE_MK_DEFINES=MK_KV_L2=1
+    left=$((${S54_S:-480} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+  # (s53 — session 53's first call: the bench of record on session 52's default, mk_sweep 0 / 40-42 at 1K (masks 4, 3 / 3,
+  # 7 / 5 against 7 / 7: −0.3, +0.1, −0.6%), the 1K profile and the engine tests — done. s53h — every single-GPU test
+  # file on those kernels; the op tests need a call of their own.)
   # (s52 — session 52's first call: MK_START_L2_HALF, mk_sweep 0 / 40-42 (6 / 2, 7 / 3, 7 / 7) twice at 1K / 8K / 32K,
   # the bench (after the A/B on an H100) and the engine tests — done: 7 / 7 became the short build's default.)
   # (s51 — session 51's first call: the bench of record on MK_START_L2=4, mk_sweep 0 / 39-44 (bits 8 and 16, the half
@@ -539,7 +546,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s53|s53h|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s54|s53h|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

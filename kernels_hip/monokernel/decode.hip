@@ -542,6 +542,18 @@ static_assert(MK_START_L2 >= 0 && MK_START_L2 < 8, "MK_START_L2: a mask of the l
 static_assert((MK_START_L2_HALF & ~MK_START_L2) == 0, "MK_START_L2_HALF: a subset of MK_START_L2's bits");
 static_assert(!((MK_START_L2 & 3) && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_START_L2: the bf16 two-stage MLP's streams");
 
+// MK_KV_L2=1 (session 53, an experiment; default 0): as the down barrier opens, each block that runs an attention split
+// asks L2 for the K and V rows its split of the next layer will read (token selection's barrier for layer 0: the
+// first step of a launch goes without), 4 KiB per bulk prefetch by its last warp (fire and forget; nothing on AMD).
+// Why: session 53's 1K profile (H100) has the split's first q poll back only 1.86 µs after the split starts, behind
+// its own 32 KiB of K/V requested from HBM (an SM's loads return in issue order), on the layer's critical path
+// (QKV → splits → the groups' O-proj → the O barrier); the cache rows do not depend on the step, and from L2 they
+// come back in about half that. Unlike the prefetches of the attention → O window (sessions 34, 35, 50: the chain
+// lengthened), these 2 MB per layer go out at the start of QKV, ahead of the chain. Values do not change.
+#ifndef MK_KV_L2
+#define MK_KV_L2 0
+#endif
+
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -1002,6 +1014,31 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
   }
 }
 
+// MK_KV_L2's prefetch (above): this block's split item of layer L at `pos` (mk_attention_flow's assignment, the first
+// item where a block has several), the rows he_attn_split_rows gives it (the newest excluded where the combine adds
+// it), K then V in 4 KiB pieces, one per lane of the block's last warp.
+HE_INLINE void mk_kv_l2(const MkParams& p, const MkLayer& L, int pos) {
+  if constexpr (MK_KV_L2 != 0) {
+    const int items = p.nkv * p.nsplit, nb = he_grid_dim();
+    const int it = items <= nb ? he_block_idx() - (nb - items) : he_block_idx();
+    if (it < 0 || it >= items || he_warp_id() != he_num_warps() - 1) return;
+    const int kvh = it / p.nsplit, split = it % p.nsplit, seq = pos + 1;
+    const int chunk = he_attn_len(seq, p.nsplit, p.chunk), start = split * chunk;
+    int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
+    if (kAttnFreshCombine && n != 0 && start + n == seq) --n;
+    constexpr he_u32 kPiece = 4096;
+    const he_u32 bytes = (he_u32)n * (he_u32)p.hd * (he_u32)sizeof(he_kv);
+    const int pieces = (int)((bytes + kPiece - 1) / kPiece);
+    const he_i64 row0 = ((he_i64)kvh * p.max_ctx + start) * p.hd;
+    for (int j = he_lane_id(); j < 2 * pieces; j += kWarpSize) {
+      const bool v = j >= pieces;
+      const he_u32 off = (he_u32)(v ? j - pieces : j) * kPiece;
+      he_prefetch_l2_bulk((const char*)((v ? L.v_cache : L.k_cache) + row0) + off,
+                          bytes - off < kPiece ? bytes - off : kPiece);
+    }
+  }
+}
+
 // MK_START_L2's prefetch (above): s.p is op's first pair, just requested; lane r < kRows asks L2 for row r of the
 // pair after it (the unit's next 2B columns, else the warp's next unit; its first B where kBit is in MK_START_L2_HALF).
 template <int kBit, class Op, int kRows>
@@ -1229,6 +1266,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         he_store_release_system(p.host + kMkHost_write_idx, (he_u32)(n_out + 1));
       }
       if (!he_grid_wait(w, epoch, nb)) return;
+      mk_kv_l2(p, p.layers[0], pos);
       prof.done(kProfSelect);
       n_out += 1;
       hist_len = hist_len < p.max_ctx ? hist_len + 1 : hist_len;
@@ -1389,6 +1427,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         else he_mv_fill_next(mk_head_op(p, p.x, screen), s);
         if (!wait(kProfDown)) return;
         if (l + 1 < p.n_layers) mk_start_l2<4>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+        if (l + 1 < p.n_layers) mk_kv_l2(p, p.layers[l + 1], pos);
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
       }
