@@ -547,9 +547,10 @@ static_assert(!((MK_START_L2 & 3) && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_START
 // first step of a launch goes without), 4 KiB per bulk prefetch by its last warp (fire and forget; nothing on AMD).
 // Why: session 53's 1K profile (H100) has the split's first q poll back only 1.86 µs after the split starts, behind
 // its own 32 KiB of K/V requested from HBM (an SM's loads return in issue order), on the layer's critical path
-// (QKV → splits → the groups' O-proj → the O barrier); the cache rows do not depend on the step, and from L2 they
-// come back in about half that. Unlike the prefetches of the attention → O window (sessions 34, 35, 50: the chain
-// lengthened), these 2 MB per layer go out at the start of QKV, ahead of the chain. Values do not change.
+// (QKV → splits → the groups' O-proj → the O barrier); the cache rows do not depend on the step, and L2 hits should
+// come back sooner (predicted −0.6 to −1.0 µs per layer; docs/perf-log.md session 53). Unlike the prefetches of the
+// attention → O window (sessions 34, 35, 50: the chain lengthened), these 2 MB per layer go out at the start of QKV,
+// ahead of the chain. Values do not change.
 #ifndef MK_KV_L2
 #define MK_KV_L2 0
 #endif
