@@ -970,6 +970,13 @@ HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
   return true;
 }
 
+// This block's first attention split item of the layer (items = nkv x nsplit, one per block from the grid's end where
+// they fit, else grid-strided from block 0); negative: none. mk_attention_flow runs them, mk_kv_l2 prefetches the first.
+HE_INLINE int mk_split_first(const MkParams& p) {
+  const int items = p.nkv * p.nsplit, nb = he_grid_dim();
+  return items <= nb ? he_block_idx() - (nb - items) : he_block_idx();
+}
+
 #if MK_QFLOW
 // mk_attention of the MK_QFLOW build: every item polls its words (the split body's kEarly path, with a wait that
 // returns at once), and the items of one round go to the grid's last blocks (the first ones stream the QKV stage's
@@ -978,8 +985,7 @@ HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
 // build differently — 16 / 44 B of stack / spill loads against 24 / 48; apart, its SASS stays as measured.)
 HE_INLINE bool mk_attention_flow(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof,
                                  const MkFlowWait& wait) {
-  const int items = p.nkv * p.nsplit, nb = he_grid_dim();
-  const int first = items <= nb ? he_block_idx() - (nb - items) : he_block_idx();
+  const int items = p.nkv * p.nsplit, nb = he_grid_dim(), first = mk_split_first(p);
   for (int it = first < 0 ? items : first; it < items; it += nb) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
     he_attention_split_block<MK_ATTN_G, true>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
@@ -1015,18 +1021,15 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
   }
 }
 
-// MK_KV_L2's prefetch (above): this block's split item of layer L at `pos` (mk_attention_flow's assignment, the first
-// item where a block has several), the rows he_attn_split_rows gives it (the newest excluded where the combine adds
-// it), K then V in 4 KiB pieces, one per lane of the block's last warp.
+// MK_KV_L2's prefetch (above): this block's first split item of layer L at `pos` (mk_split_first), the rows its split
+// reads (he_attn_split_range), K then V in 4 KiB pieces, one per lane of the block's last warp.
 HE_INLINE void mk_kv_l2(const MkParams& p, const MkLayer& L, int pos) {
   if constexpr (MK_KV_L2 != 0) {
-    const int items = p.nkv * p.nsplit, nb = he_grid_dim();
-    const int it = items <= nb ? he_block_idx() - (nb - items) : he_block_idx();
-    if (it < 0 || it >= items || he_warp_id() != he_num_warps() - 1) return;
-    const int kvh = it / p.nsplit, split = it % p.nsplit, seq = pos + 1;
-    const int chunk = he_attn_len(seq, p.nsplit, p.chunk), start = split * chunk;
-    int n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
-    if (kAttnFreshCombine && n != 0 && start + n == seq) --n;
+    const int it = mk_split_first(p);
+    if (it < 0 || it >= p.nkv * p.nsplit || he_warp_id() != he_num_warps() - 1) return;
+    const int kvh = it / p.nsplit;
+    int start, n;
+    he_attn_split_range(pos + 1, it % p.nsplit, p.nsplit, p.chunk, start, n);
     constexpr he_u32 kPiece = 4096;
     const he_u32 bytes = (he_u32)n * (he_u32)p.hd * (he_u32)sizeof(he_kv);
     const int pieces = (int)((bytes + kPiece - 1) / kPiece);
@@ -1427,8 +1430,10 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
         else he_mv_fill_next(mk_head_op(p, p.x, screen), s);
         if (!wait(kProfDown)) return;
-        if (l + 1 < p.n_layers) mk_start_l2<4>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-        if (l + 1 < p.n_layers) mk_kv_l2(p, p.layers[l + 1], pos);
+        if (l + 1 < p.n_layers) {
+          mk_start_l2<4>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
+          mk_kv_l2(p, p.layers[l + 1], pos);
+        }
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
       }
