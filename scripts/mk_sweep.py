@@ -167,9 +167,9 @@ VARIANTS = [  # name, build env, runtime attrs
      "before session 52)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, {}),
     # (session 52's neighbours of the short build's masks 7 / 7, measured at 1K in session 53 on an H100: without the
     # next layer's QKV half pair (3 / 3) +0.2 / −0.1%, level; down's whole pair (7 / 5) −0.6% — were variants 41 / 42.)
-    # session 53: the attention splits' K/V rows asked of L2 as the down barrier opens (and token selection's, for
-    # layer 0), by the blocks that run them (decode.hip MK_KV_L2=1), at 1K; values unchanged: tokens must equal 0's
-    ("the splits' K/V rows into L2 as the down barrier opens (MK_KV_L2=1)", {"HIPENGINE_MK_DEFINES": "MK_KV_L2=1"}, {}),
+    # (session 53's MK_KV_L2=1 — the attention splits' K/V rows asked of L2 as the down barrier opens (token selection's
+    # for layer 0) by the blocks that run them — measured in session 54 on an H100 at 1K: −0.8 / −0.7 / −1.0% over three
+    # rounds (its q poll came back 0.4 µs sooner, the split blocks' QKV 0.4 µs later) — was variant 41, removed.)
     # (session 45's MK_KV_EARLY=128 — each split block's cache rows copied into shared memory by two bulk copies after its
     # QKV prologue, read there by the split: −2.3% at 1K on an H100 — was variant 38, removed.)
     # (session 45's HE_STREAM_EVICT_FIRST=1 — the weight stream's loads with an L2 evict-first policy: +0.4 / −1.1 / −0.7%

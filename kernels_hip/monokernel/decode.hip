@@ -542,19 +542,6 @@ static_assert(MK_START_L2 >= 0 && MK_START_L2 < 8, "MK_START_L2: a mask of the l
 static_assert((MK_START_L2_HALF & ~MK_START_L2) == 0, "MK_START_L2_HALF: a subset of MK_START_L2's bits");
 static_assert(!((MK_START_L2 & 3) && (MK_MLP_PACKED || MK_FUSED_MLP)), "MK_START_L2: the bf16 two-stage MLP's streams");
 
-// MK_KV_L2=1 (session 53, an experiment; default 0): as the down barrier opens, each block that runs an attention split
-// asks L2 for the K and V rows its split of the next layer will read (token selection's barrier for layer 0: the
-// first step of a launch goes without), 4 KiB per bulk prefetch by its last warp (fire and forget; nothing on AMD).
-// Why: session 53's 1K profile (H100) has the split's first q poll back only 1.86 µs after the split starts, behind
-// its own 32 KiB of K/V requested from HBM (an SM's loads return in issue order), on the layer's critical path
-// (QKV → splits → the groups' O-proj → the O barrier); the cache rows do not depend on the step, and L2 hits should
-// come back sooner (predicted −0.6 to −1.0 µs per layer; docs/perf-log.md session 53). Unlike the prefetches of the
-// attention → O window (sessions 34, 35, 50: the chain lengthened), these 2 MB per layer go out at the start of QKV,
-// ahead of the chain. Values do not change.
-#ifndef MK_KV_L2
-#define MK_KV_L2 0
-#endif
-
 // Query heads per KV head, also a compile-time choice (-DMK_ATTN_G): the attention body keeps kG·10 values
 // per lane in registers and is a template on it.
 #ifndef MK_ATTN_G
@@ -970,13 +957,6 @@ HE_INLINE bool mk_attention(const MkParams& p, const MkLayer& L, int pos, float*
   return true;
 }
 
-// This block's first attention split item of the layer (items = nkv x nsplit, one per block from the grid's end where
-// they fit, else grid-strided from block 0); negative: none. mk_attention_flow runs them, mk_kv_l2 prefetches the first.
-HE_INLINE int mk_split_first(const MkParams& p) {
-  const int items = p.nkv * p.nsplit, nb = he_grid_dim();
-  return items <= nb ? he_block_idx() - (nb - items) : he_block_idx();
-}
-
 #if MK_QFLOW
 // mk_attention of the MK_QFLOW build: every item polls its words (the split body's kEarly path, with a wait that
 // returns at once), and the items of one round go to the grid's last blocks (the first ones stream the QKV stage's
@@ -985,7 +965,8 @@ HE_INLINE int mk_split_first(const MkParams& p) {
 // build differently — 16 / 44 B of stack / spill loads against 24 / 48; apart, its SASS stays as measured.)
 HE_INLINE bool mk_attention_flow(const MkParams& p, const MkLayer& L, int pos, float* smem, MkProf& prof,
                                  const MkFlowWait& wait) {
-  const int items = p.nkv * p.nsplit, nb = he_grid_dim(), first = mk_split_first(p);
+  const int items = p.nkv * p.nsplit, nb = he_grid_dim();
+  const int first = items <= nb ? he_block_idx() - (nb - items) : he_block_idx();
   for (int it = first < 0 ? items : first; it < items; it += nb) {
     const int kvh = it / p.nsplit, split = it % p.nsplit;
     he_attention_split_block<MK_ATTN_G, true>(p.q, L.k_cache, L.v_cache, p.partial, pos + 1, kvh, split, p.nsplit,
@@ -1018,28 +999,6 @@ HE_INLINE void mk_gu_prefetch(const MkParams& p, const MkLayer& L) {
     }
     const int j = g * kWarpSize + he_lane_id();
     if (j < 2 * units) he_prefetch_l2_bulk(((j & 1) ? L.w_up : L.w_gate) + (he_i64)(stride + (j >> 1)) * p.d, bytes);
-  }
-}
-
-// MK_KV_L2's prefetch (above): this block's first split item of layer L at `pos` (mk_split_first), the rows its split
-// reads (he_attn_split_range), K then V in 4 KiB pieces, one per lane of the block's last warp.
-HE_INLINE void mk_kv_l2(const MkParams& p, const MkLayer& L, int pos) {
-  if constexpr (MK_KV_L2 != 0) {
-    const int it = mk_split_first(p);
-    if (it < 0 || it >= p.nkv * p.nsplit || he_warp_id() != he_num_warps() - 1) return;
-    const int kvh = it / p.nsplit;
-    int start, n;
-    he_attn_split_range(pos + 1, it % p.nsplit, p.nsplit, p.chunk, start, n);
-    constexpr he_u32 kPiece = 4096;
-    const he_u32 bytes = (he_u32)n * (he_u32)p.hd * (he_u32)sizeof(he_kv);
-    const int pieces = (int)((bytes + kPiece - 1) / kPiece);
-    const he_i64 row0 = ((he_i64)kvh * p.max_ctx + start) * p.hd;
-    for (int j = he_lane_id(); j < 2 * pieces; j += kWarpSize) {
-      const bool v = j >= pieces;
-      const he_u32 off = (he_u32)(v ? j - pieces : j) * kPiece;
-      he_prefetch_l2_bulk((const char*)((v ? L.v_cache : L.k_cache) + row0) + off,
-                          bytes - off < kPiece ? bytes - off : kPiece);
-    }
   }
 }
 
@@ -1270,7 +1229,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         he_store_release_system(p.host + kMkHost_write_idx, (he_u32)(n_out + 1));
       }
       if (!he_grid_wait(w, epoch, nb)) return;
-      mk_kv_l2(p, p.layers[0], pos);
       prof.done(kProfSelect);
       n_out += 1;
       hist_len = hist_len < p.max_ctx ? hist_len + 1 : hist_len;
@@ -1430,10 +1388,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         if (l + 1 < p.n_layers) he_mv_fill_next(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
         else he_mv_fill_next(mk_head_op(p, p.x, screen), s);
         if (!wait(kProfDown)) return;
-        if (l + 1 < p.n_layers) {
-          mk_start_l2<4>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
-          mk_kv_l2(p, p.layers[l + 1], pos);
-        }
+        if (l + 1 < p.n_layers) mk_start_l2<4>(mk_qkv_op(p, p.layers[l + 1], pos, p.x), s);
       } else if (!tp && !barrier(kProfDown)) {
         return;  // tp > 1: the next stage gathers instead
       }

@@ -163,22 +163,17 @@ struct HeAttnPdlWait : HeAttnPlainQ {
   }
 };
 
-// The cache rows [start, start + n) split `split` reads of a `seq`-row sequence under the plan (nsplit, chunk); n
-// is 0 for a split past the ones in use. Also the monokernel's MK_KV_L2 prefetch of those rows.
-HE_INLINE void he_attn_split_range(int seq, int split, int nsplit, int chunk, int& start, int& n) {
+// The rows [start, start + n) a split takes of a `seq`-row sequence under the plan (nsplit, chunk); 0 when it
+// has none (it starts past seq): the block then marks the split empty for the combine (m = −inf, l = 0), after
+// the trigger and wait its kernel's place asks for, and the split body returns; 1 when it has rows; −1 when that
+// wait failed. Both split bodies start here.
+template <int kG, bool kEarly, bool kTrigger, class Wait>
+HE_INLINE int he_attn_split_rows(int seq, int kvh, int split, int nsplit, int chunk, int hd, float* partial,
+                                 int& start, int& n, const Wait& wait) {
   chunk = he_attn_len(seq, nsplit, chunk);  // splits past the ones in use start past seq: empty
   start = split * chunk;
   n = start < seq ? (seq - start < chunk ? seq - start : chunk) : 0;
   if (kAttnFreshCombine && n != 0 && start + n == seq) --n;  // the newest row is the combine's
-}
-
-// he_attn_split_range's rows; 0 when the split has none: the block then marks the split empty for the combine
-// (m = −inf, l = 0), after the trigger and wait its kernel's place asks for, and the split body returns; 1 when
-// it has rows; −1 when that wait failed. Both split bodies start here.
-template <int kG, bool kEarly, bool kTrigger, class Wait>
-HE_INLINE int he_attn_split_rows(int seq, int kvh, int split, int nsplit, int chunk, int hd, float* partial,
-                                 int& start, int& n, const Wait& wait) {
-  he_attn_split_range(seq, split, nsplit, chunk, start, n);
   if (n != 0) return 1;
   if (HeAttnTrigger<kEarly, kTrigger>::before) he_pdl_trigger();
   if (kEarly && !wait()) return -1;  // partial is step data
