@@ -101,7 +101,7 @@ PARAM_FIELDS = [
     ("eos", "const int*"),          # [n_eos]
     ("state", "MkState*"),          # device memory, written by the kernel
     ("bar", "HeGridBarrier*"),      # device memory, zeroed before each launch
-    ("attn_count", "he_u32*"),      # [nkv + 2] split arrivals per KV head, greedy arrivals, heads combined
+    ("attn_count", "he_u32*"),      # [nkv + 3] split arrivals per KV head, greedy arrivals, heads combined, q staged
     ("cand", "float*"),             # [2 * grid] greedy candidates per block: (value, index bits)
     ("host", "he_u32*"),            # mapped host words (MK_HOST_WORDS)
     ("ring", "int*"),               # mapped host token ring [ring_cap]
@@ -877,7 +877,7 @@ class MonokernelBackend(GpuBackend):
         self.iota = self._up(np.arange(self.max_context, dtype=np.int32))
         self.state_buf = self._buf(ctypes.sizeof(MkState))
         self.bar_buf = self._buf(16)
-        self.attn_count = self._buf(4 * (cfg.num_kv_heads + 2))
+        self.attn_count = self._buf(4 * (cfg.num_kv_heads + 3))  # the last word: decode.hip MK_QKV_LATE's count
         # MK_QFLOW's LL words (any build: 24 KB at d = 2,048). Fine-grained: on an MI300X the polling CU and the writing
         # one may sit in different XCDs, whose L2s do not see each other's lines of coarse-grained memory within a kernel.
         self.flow_words = cfg.q_dim + 2 * cfg.num_kv_heads * cfg.head_dim
@@ -960,7 +960,7 @@ class MonokernelBackend(GpuBackend):
         rt.memset(self.bar_buf, 0, 16, stream=s)
         if self._ll_on():  # every launch starts the exchange at epoch 0 (at tp > 1: before any rank starts)
             rt.memset(self.ll_buf, 0, self.ll_bytes, stream=s)
-        rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 2), stream=s)
+        rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 3), stream=s)
         if self.q_flow:  # the LL words' epochs count from 1 in every launch
             rt.memset(self.flow_ll, 0, 8 * self.flow_words, stream=s)
         if self.o_group:  # the O-proj's fixed-point shares start from zero (the kernel clears them after each use)
