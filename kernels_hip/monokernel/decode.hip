@@ -584,23 +584,23 @@ constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of colu
 static_assert(!MK_QFLOW || (MK_O_GROUP && !MK_QK_NORM && !MK_ATTN_EARLY && kAttnMma),
               "MK_QFLOW: the grouped O-proj, no q/k norms, the matrix-core split");
 
-// MK_QKV_LATE=d (session 54, an experiment; default 0; MK_QFLOW builds): the QKV stage's second round — the warps'
-// units past the grid's first 1,056, all of them the newest token's K and V rows at d = 2,048, which the splits do
-// not read (the grouped O-proj's combine adds that row) — requested only after ceil(items / d) of the layer's split
-// items have staged their q. Each split block counts its item on p.attn_count[nkv + 2] (thread 0, relaxed: it only
-// times the wait) once its q is in shared memory, and the blocks that hold second-round units wait for that count
-// (he_block_wait_geq: bounded, an error ends the kernel) before requesting their weights. Why: session 54's 1K
-// profiles (H100) put the split's q poll back at the same point of the layer with and without MK_KV_L2 — 4.55 and
-// 4.57 µs after the down barrier, when the two-unit blocks' QKV ends (4.55 / 4.67) — though MK_KV_L2 made the
-// split's own K/V rows L2 hits: the poll waits behind the second round's 3.9 MB in flight, not behind its block's
-// K/V. Those bytes go out after the polls instead, beside the split's tile loop (registers and shared memory only).
-// Where the rest is not all K/V (a grid of fewer warps than q's units), the split items are not all on blocks
-// without second-round units, or there is no second round, the stage runs as the default. Same units, same sums:
-// the same bits. The counter word is the launch's (the host zeroes nkv + 3 words).
+// MK_QKV_LATE=d (session 54, an experiment; default 0; MK_QFLOW builds — nothing in the others): the QKV stage's
+// second round — the warps' units past the grid's first 1,056, all of them the newest token's K and V rows at d =
+// 2,048, which the splits do not read (the grouped O-proj's combine adds that row) — requested only after
+// ceil(items / d) of the layer's split items have staged their q. Each split block counts its item on
+// p.attn_count[nkv + 2] (thread 0, relaxed: it only times the wait) once its q is in shared memory, and the blocks
+// that hold second-round units wait for that count (he_block_wait_geq: bounded, an error ends the kernel) before
+// requesting their weights. Why: session 54's 1K profiles (H100) put the split's q poll back at the same point of the
+// layer with and without MK_KV_L2 — 4.55 and 4.57 µs after the down barrier, when the two-unit blocks' QKV ends
+// (4.55 / 4.67) — though MK_KV_L2 made the split's own K/V rows L2 hits: the poll waits behind the second round's
+// 3.9 MB in flight, not behind its block's K/V. Those bytes go out after the polls instead, beside the split's tile
+// loop (registers and shared memory only). Where the rest is not all K/V (a grid of fewer warps than q's units), the
+// split items are not all on blocks without second-round units, or there is no second round, the stage runs as the
+// default. Same units, same sums: the same bits. The counter word is the launch's (the host zeroes nkv + 3 words).
 #ifndef MK_QKV_LATE
 #define MK_QKV_LATE 0
 #endif
-static_assert(MK_QKV_LATE >= 0 && (!MK_QKV_LATE || MK_QFLOW), "MK_QKV_LATE: a divisor of the split items, MK_QFLOW builds");
+static_assert(MK_QKV_LATE >= 0, "MK_QKV_LATE: a divisor of the split items (0: off)");
 #if MK_QFLOW
 // The block's poll failed (timeout or another block's error): the kernel ends after the split (mk_attention_flow).
 __shared__ int mk_flow_fail;
