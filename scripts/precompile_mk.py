@@ -62,9 +62,7 @@ VARIANTS = {  # name: (environment, weight dtypes, groups, precompile keywords)
     "1b-f3-sl0": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=0"}, (False,), (4,), L1B_F3),
     "1b-f3-sl4": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, (False,), (4,), L1B_F3),
     # session 54: QKV's second round after the splits' q (mk_sweep 41-44), and the profile build of the first
-    "1b-1k-late1": ({"HIPENGINE_MK_DEFINES": "MK_QKV_LATE=1"}, (False,), (4,), L1B_1K),
-    "1b-1k-late2": ({"HIPENGINE_MK_DEFINES": "MK_QKV_LATE=2"}, (False,), (4,), L1B_1K),
-    "1b-1k-late8": ({"HIPENGINE_MK_DEFINES": "MK_QKV_LATE=8"}, (False,), (4,), L1B_1K),
+    **{f"1b-1k-late{d}": ({"HIPENGINE_MK_DEFINES": f"MK_QKV_LATE={d}"}, (False,), (4,), L1B_1K) for d in (1, 2, 8)},
     "1b-1k-late1-sl3": ({"HIPENGINE_MK_DEFINES": "MK_QKV_LATE=1,MK_START_L2=3,MK_START_L2_HALF=3"}, (False,), (4,), L1B_1K),
     "1b-1k-late1-profile": ({"HIPENGINE_MK_DEFINES": "MK_QKV_LATE=1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_1K),
     "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,), L1B_TP2),  # the tensor-parallel build (MK_TP=1)

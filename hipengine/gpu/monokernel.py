@@ -877,7 +877,8 @@ class MonokernelBackend(GpuBackend):
         self.iota = self._up(np.arange(self.max_context, dtype=np.int32))
         self.state_buf = self._buf(ctypes.sizeof(MkState))
         self.bar_buf = self._buf(16)
-        self.attn_count = self._buf(4 * (cfg.num_kv_heads + 3))  # the last word: decode.hip MK_QKV_LATE's count
+        self.attn_count_bytes = 4 * (cfg.num_kv_heads + 3)  # the last word: decode.hip MK_QKV_LATE's count
+        self.attn_count = self._buf(self.attn_count_bytes)
         # MK_QFLOW's LL words (any build: 24 KB at d = 2,048). Fine-grained: on an MI300X the polling CU and the writing
         # one may sit in different XCDs, whose L2s do not see each other's lines of coarse-grained memory within a kernel.
         self.flow_words = cfg.q_dim + 2 * cfg.num_kv_heads * cfg.head_dim
@@ -960,7 +961,7 @@ class MonokernelBackend(GpuBackend):
         rt.memset(self.bar_buf, 0, 16, stream=s)
         if self._ll_on():  # every launch starts the exchange at epoch 0 (at tp > 1: before any rank starts)
             rt.memset(self.ll_buf, 0, self.ll_bytes, stream=s)
-        rt.memset(self.attn_count, 0, 4 * (self.config.num_kv_heads + 3), stream=s)
+        rt.memset(self.attn_count, 0, self.attn_count_bytes, stream=s)
         if self.q_flow:  # the LL words' epochs count from 1 in every launch
             rt.memset(self.flow_ll, 0, 8 * self.flow_words, stream=s)
         if self.o_group:  # the O-proj's fixed-point shares start from zero (the kernel clears them after each use)

@@ -860,6 +860,8 @@ HE_INLINE MkQkvFlow mk_qkv_flow_op(const MkParams& p, const MkLayer& L, int pos,
   return MkQkvFlow{mk_qkv_op(p, L, pos, x), p.flow_ll, ep};
 }
 #if MK_QKV_LATE
+// MK_QKV_LATE's count of q-staged split items: the split blocks add to it, the second round's blocks wait on it.
+HE_INLINE he_u32* mk_staged_count(const MkParams& p) { return p.attn_count + p.nkv + 2; }
 // Units [off, off + n) of Op as an op of n units (MK_QKV_LATE's two rounds of QKV): the same rows, epilogues, sums.
 template <class Op>
 struct MkUnitsFrom : Op {
@@ -1030,12 +1032,11 @@ HE_INLINE bool mk_qkv_late(const MkParams& p, const MkQkvFlow& op, HeMvStream<kR
   // The two rounds as one loop, so that the stream's code is there once (two copies of it spilled 166 / 348 B against
   // the default's 30 / 64; this form 78 / 144); the second round stages x again (nothing writes x before the O barrier).
   for (int round = 0;; ++round) {
-    const int off = round ? stride : 0;
-    he_mv_finish<kMkF16, kMkDefer>(MkUnitsFrom<MkQkvFlow>{op, off, round ? rest : late ? stride : units}, s, xs, scratch,
-                                   nxt);
+    he_mv_finish<kMkF16, kMkDefer>(MkUnitsFrom<MkQkvFlow>{op, round ? stride : 0, round ? rest : late ? stride : units}, s,
+                                   xs, scratch, nxt);
     if (round || !late || he_block_idx() * he_num_warps() >= rest) return true;  // no unit of the second round here
     const he_u32 target = (op.epoch - 1u) * (he_u32)items + (he_u32)((items + MK_QKV_LATE - 1) / MK_QKV_LATE);
-    if (!he_block_wait_geq(w, p.attn_count + p.nkv + 2, target)) return false;
+    if (!he_block_wait_geq(w, mk_staged_count(p), target)) return false;
     s.p = HeMvPos{he_mv_first(), 0, false};
     he_mv_fill_next(MkUnitsFrom<MkQkvFlow>{op, stride, rest}, s);
   }
@@ -1339,7 +1340,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       if (kAttnMma) he_compiler_fence();
 #if MK_QFLOW
 #if MK_QKV_LATE
-      const MkFlowWait split_wait{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd, p.attn_count + p.nkv + 2};
+      const MkFlowWait split_wait{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd, mk_staged_count(p)};
 #else
       const MkFlowWait split_wait{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd};
 #endif
