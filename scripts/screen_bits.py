@@ -58,4 +58,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from hipengine.errors import run_script
+
+    run_script(main)
