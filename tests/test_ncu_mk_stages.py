@@ -1,7 +1,6 @@
 """scripts/ncu_mk_stages.py's statement-to-stage naming (no GPU, no NVRTC): every matvec stage, weight fill
 and grid wait of monokernel_decode in the current decode.hip gets its name, so a profile cannot silently lump
 a stage into "other" after the kernel is edited."""
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,11 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location("ncu_mk_stages", ROOT / "scripts" / "ncu_mk_stages.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def tool(script_module):
+    return script_module("ncu_mk_stages")
 
 
 def test_every_stage_statement_is_named(tool):

@@ -1,19 +1,11 @@
 """scripts/profile_perop.py's analysis (no GPU): kernels labelled by their place in the decode step, each
 charged its increment over the previous kernel's end, whole steps only."""
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_perop.py"
 
 
 @pytest.fixture(scope="module")
-def prof():
-    spec = importlib.util.spec_from_file_location("profile_perop", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def prof(script_module):
+    return script_module("profile_perop")
 
 
 LAYER = ["matvec_qkv", "attention_split_g4", "attention_combine", "matvec", "matvec_gate_up", "matvec_rows1"]

@@ -1,20 +1,12 @@
 """scripts/screen_bits.py's quantiser (no GPU, no model): the rows it would stream are within half a step of the
 weights, per row or per column group, so the bounds it prints are the screen's bounds for that format."""
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location("screen_bits", ROOT / "scripts" / "screen_bits.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def tool(script_module):
+    return script_module("screen_bits")
 
 
 @pytest.mark.parametrize("levels,group", [(127, None), (7, None), (7, 16), (31, 32)])
