@@ -443,7 +443,8 @@ case "$MODE" in
     left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 60 ] && run default_model $((left < 90 ? left : 90)) \
       $PY -m pytest tests/test_gpu_default_model.py -q -rs
     left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
-  s55)  # the next session's first call: session 54's MK_QKV_LATE (QKV's second round — the newest K/V rows — requested
+  s55)  # (ran in session 55; MK_QKV_LATE and mk_sweep 41-44 removed after it)
+         # session 55's first call: session 54's MK_QKV_LATE (QKV's second round — the newest K/V rows — requested
          # after the layer's splits have staged their q) at 1K — mk_sweep 0 / 41-44 alternated twice in one process,
          # tokens compared — then its same-bits and 1B-preset monokernel tests, both 1K stage profiles (the splits' q
          # marks and the two-unit blocks' QKV are the question) and the engine tests while the call (${S55_S:-540} s)

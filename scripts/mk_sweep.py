@@ -170,15 +170,10 @@ VARIANTS = [  # name, build env, runtime attrs
     # (session 53's MK_KV_L2=1 — the attention splits' K/V rows asked of L2 as the down barrier opens (token selection's
     # for layer 0) by the blocks that run them — measured in session 54 on an H100 at 1K: −0.8 / −0.7 / −1.0% over three
     # rounds (its q poll came back 0.4 µs sooner, the split blocks' QKV 0.4 µs later) — was variant 41, removed.)
-    # session 54: QKV's second round (the newest K/V rows) requested only after the layer's split items have staged
-    # their q — all of them (1), half (2), an eighth (8) — and the first with the next layer's QKV half pair not asked
-    # of L2 (that pair is the second round's: bits 4 off, MK_START_L2=3 / HALF=3) (decode.hip MK_QKV_LATE); at 1K, the
-    # values unchanged: tokens must equal 0's
-    ("QKV's second round after every split's q (MK_QKV_LATE=1)", {"HIPENGINE_MK_DEFINES": "MK_QKV_LATE=1"}, {}),
-    ("QKV's second round after half the splits' q (MK_QKV_LATE=2)", {"HIPENGINE_MK_DEFINES": "MK_QKV_LATE=2"}, {}),
-    ("QKV's second round after an eighth of the splits' q (MK_QKV_LATE=8)", {"HIPENGINE_MK_DEFINES": "MK_QKV_LATE=8"}, {}),
-    ("QKV's second round after every split's q, not asked of L2 (MK_QKV_LATE=1, MK_START_L2=3 / HALF=3)",
-     {"HIPENGINE_MK_DEFINES": "MK_QKV_LATE=1,MK_START_L2=3,MK_START_L2_HALF=3"}, {}),
+    # (session 54's MK_QKV_LATE=d — QKV's second round (the newest K/V rows, blocks 0-59) requested only after ceil(64 / d)
+    # split items had staged their q — measured in session 55 on an H100 at 1K: d = 1 / 2 / 8 −6.0 / −5.5 / −5.6%, d = 1
+    # without the QKV half pair in L2 −6.6% (the split's q poll stayed at 2.0 µs; the deferred round ended inside the
+    # O-proj window) — were variants 41-44, removed.)
     # (session 45's MK_KV_EARLY=128 — each split block's cache rows copied into shared memory by two bulk copies after its
     # QKV prologue, read there by the split: −2.3% at 1K on an H100 — was variant 38, removed.)
     # (session 45's HE_STREAM_EVICT_FIRST=1 — the weight stream's loads with an L2 evict-first policy: +0.4 / −1.1 / −0.7%

@@ -3,7 +3,7 @@ variants a device session uses, on this CPU machine (NVRTC only), so device time
 Usage: HIPENGINE_CACHE=$PWD/.mkcache python scripts/precompile_mk.py [variant ...]
 Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unroll8, 2blk, 1b, 1b-profile,
 1b-bf16-head, 1b-packed, 1b-packed-profile, 1b-1k-gu-l2, 1b-1k-gu-l2x2, 1b-1k, 1b-1k-profile, 1b-1k-gu-pace148, 1b-1k-gu-pace74,
-1b-1k-gu-x2-pace74, 1b-1k-gu-pace148-profile, 1b-f3, 1b-ogroup, 1b-ogroup-2pass, 1b-plain-o, 1b-1k-ogroup-profile, 1b-f3-qflow, 1b-1k-qflow-profile, 1b-f3-noflow, 1b-1k-ge0, 1b-1k-ge1, 1b-f3-nofc, 1b-f3-sl0, 1b-f3-sl4, 1b-1k-late1, 1b-1k-late2, 1b-1k-late8, 1b-1k-late1-sl3, 1b-1k-late1-profile, 1b-tp, 1b-tp-profile (from 1b on: llama-3.2-1b only,
+1b-1k-gu-x2-pace74, 1b-1k-gu-pace148-profile, 1b-f3, 1b-ogroup, 1b-ogroup-2pass, 1b-plain-o, 1b-1k-ogroup-profile, 1b-f3-qflow, 1b-1k-qflow-profile, 1b-f3-noflow, 1b-1k-ge0, 1b-1k-ge1, 1b-f3-nofc, 1b-f3-sl0, 1b-f3-sl4, 1b-tp, 1b-tp-profile (from 1b on: llama-3.2-1b only,
 bf16, group 4; -tp: the LL exchange build, MK_TP=1; -1k-: the 1K cache class only).
 Compile-time experiments: set HIPENGINE_MK_DEFINES for the run (it is part of the build)."""
 from __future__ import annotations
@@ -61,10 +61,6 @@ VARIANTS = {  # name: (environment, weight dtypes, groups, precompile keywords)
     # (mk_sweep 40; the long builds keep it)
     "1b-f3-sl0": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=0"}, (False,), (4,), L1B_F3),
     "1b-f3-sl4": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, (False,), (4,), L1B_F3),
-    # session 54: QKV's second round after the splits' q (mk_sweep 41-44), and the profile build of the first
-    **{f"1b-1k-late{d}": ({"HIPENGINE_MK_DEFINES": f"MK_QKV_LATE={d}"}, (False,), (4,), L1B_1K) for d in (1, 2, 8)},
-    "1b-1k-late1-sl3": ({"HIPENGINE_MK_DEFINES": "MK_QKV_LATE=1,MK_START_L2=3,MK_START_L2_HALF=3"}, (False,), (4,), L1B_1K),
-    "1b-1k-late1-profile": ({"HIPENGINE_MK_DEFINES": "MK_QKV_LATE=1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_1K),
     "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,), L1B_TP2),  # the tensor-parallel build (MK_TP=1)
     "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_TP2),
 }

@@ -324,14 +324,10 @@ def test_start_l2_build_compiles(tmp_path, monkeypatch):
     """The next stage's second pair asked of L2 as every layer's grid barrier opens (decode.hip MK_START_L2=7; the kernel's
     default is 4, the next layer's QKV only), whole pairs and half pairs (MK_START_L2_HALF=7: the host's short-context
     build on NVIDIA, monokernel.start_l2_defines): the q-flow build with it compiles warnings-as-errors for gfx942
-    (where the prefetch is nothing) and sm_90 (cp.async.bulk.prefetch.L2). A third unit carries session 54's
-    experiment on the half-pair build: QKV's second round requested after the splits have staged their q (MK_QKV_LATE=1)."""
+    (where the prefetch is nothing) and sm_90 (cp.async.bulk.prefetch.L2)."""
     base = ("#define MK_O_GROUP 1\n#define MK_QFLOW 1\n#define HE_ATTN_HD 64\n#define HE_ATTN_MMA 1\n"
             "#define HE_ATTN_FRESH_COMBINE 1\n#define MK_HEAD_SCREEN 1\n#define HE_MV_WHOLE_PAIRS 1\n")
     _check_units(tmp_path, monkeypatch, {
         "decode_start_l2.hip": base + "#define MK_START_L2 7\n#include \"monokernel/decode.hip\"\n",
         "decode_start_l2_half.hip": base + "#define MK_START_L2 7\n#define MK_START_L2_HALF 7\n"
-                                           "#include \"monokernel/decode.hip\"\n",
-        # session 54's experiment: QKV's second round after the splits' q (MK_QKV_LATE, mk_sweep 41-44)
-        "decode_qkv_late.hip": base + "#define MK_START_L2 7\n#define MK_START_L2_HALF 7\n#define MK_QKV_LATE 1\n"
-                                      "#include \"monokernel/decode.hip\"\n"})
+                                           "#include \"monokernel/decode.hip\"\n"})

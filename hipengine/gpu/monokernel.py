@@ -101,7 +101,7 @@ PARAM_FIELDS = [
     ("eos", "const int*"),          # [n_eos]
     ("state", "MkState*"),          # device memory, written by the kernel
     ("bar", "HeGridBarrier*"),      # device memory, zeroed before each launch
-    ("attn_count", "he_u32*"),      # [nkv + 3] split arrivals per KV head, greedy arrivals, heads combined, q staged
+    ("attn_count", "he_u32*"),      # [nkv + 2] split arrivals per KV head, greedy arrivals, heads combined
     ("cand", "float*"),             # [2 * grid] greedy candidates per block: (value, index bits)
     ("host", "he_u32*"),            # mapped host words (MK_HOST_WORDS)
     ("ring", "int*"),               # mapped host token ring [ring_cap]
@@ -877,7 +877,7 @@ class MonokernelBackend(GpuBackend):
         self.iota = self._up(np.arange(self.max_context, dtype=np.int32))
         self.state_buf = self._buf(ctypes.sizeof(MkState))
         self.bar_buf = self._buf(16)
-        self.attn_count_bytes = 4 * (cfg.num_kv_heads + 3)  # the last word: decode.hip MK_QKV_LATE's count
+        self.attn_count_bytes = 4 * (cfg.num_kv_heads + 2)
         self.attn_count = self._buf(self.attn_count_bytes)
         # MK_QFLOW's LL words (any build: 24 KB at d = 2,048). Fine-grained: on an MI300X the polling CU and the writing
         # one may sit in different XCDs, whose L2s do not see each other's lines of coarse-grained memory within a kernel.

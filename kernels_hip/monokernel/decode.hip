@@ -583,24 +583,6 @@ constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of colu
 #endif
 static_assert(!MK_QFLOW || (MK_O_GROUP && !MK_QK_NORM && !MK_ATTN_EARLY && kAttnMma),
               "MK_QFLOW: the grouped O-proj, no q/k norms, the matrix-core split");
-
-// MK_QKV_LATE=d (session 54, an experiment; default 0; MK_QFLOW builds — nothing in the others): the QKV stage's
-// second round — the warps' units past the grid's first 1,056, all of them the newest token's K and V rows at d =
-// 2,048, which the splits do not read (the grouped O-proj's combine adds that row) — requested only after
-// ceil(items / d) of the layer's split items have staged their q. Each split block counts its item on
-// p.attn_count[nkv + 2] (thread 0, relaxed: it only times the wait) once its q is in shared memory, and the blocks
-// that hold second-round units wait for that count (he_block_wait_geq: bounded, an error ends the kernel) before
-// requesting their weights. Why: session 54's 1K profiles (H100) put the split's q poll back at the same point of the
-// layer with and without MK_KV_L2 — 4.55 and 4.57 µs after the down barrier, when the two-unit blocks' QKV ends
-// (4.55 / 4.67) — though MK_KV_L2 made the split's own K/V rows L2 hits: the poll waits behind the second round's
-// 3.9 MB in flight, not behind its block's K/V. Those bytes go out after the polls instead, beside the split's tile
-// loop (registers and shared memory only). Where the rest is not all K/V (a grid of fewer warps than q's units), the
-// split items are not all on blocks without second-round units, or there is no second round, the stage runs as the
-// default. Same units, same sums: the same bits. The counter word is the launch's (the host zeroes nkv + 3 words).
-#ifndef MK_QKV_LATE
-#define MK_QKV_LATE 0
-#endif
-static_assert(MK_QKV_LATE >= 0, "MK_QKV_LATE: a divisor of the split items (0: off)");
 #if MK_QFLOW
 // The block's poll failed (timeout or another block's error): the kernel ends after the split (mk_attention_flow).
 __shared__ int mk_flow_fail;
@@ -639,14 +621,6 @@ struct MkFlowWait {
   const he_u64* ll;
   he_u32 epoch;
   int q_dim, kv_dim;
-#if MK_QKV_LATE
-  he_u32* staged_count;  // MK_QKV_LATE's count of split items whose q is staged (null: the combine's fresh-row polls)
-  HE_INLINE void staged() const {
-    if (he_thread_idx() == 0) (void)he_fetch_add_relaxed_device(staged_count, 1u);
-  }
-#else
-  HE_INLINE void staged() const {}
-#endif
   HE_INLINE bool operator()() const { return true; }  // nothing to wait for as a block: the words are polled
   // words p[0 .. N)
   template <int N>
@@ -859,19 +833,6 @@ HE_INLINE HeMvQkv mk_qkv_op(const MkParams& p, const MkLayer& L, int pos, const 
 HE_INLINE MkQkvFlow mk_qkv_flow_op(const MkParams& p, const MkLayer& L, int pos, const float* x, he_u32 ep) {
   return MkQkvFlow{mk_qkv_op(p, L, pos, x), p.flow_ll, ep};
 }
-#if MK_QKV_LATE
-// MK_QKV_LATE's count of q-staged split items: the split blocks add to it, the second round's blocks wait on it.
-HE_INLINE he_u32* mk_staged_count(const MkParams& p) { return p.attn_count + p.nkv + 2; }
-// Units [off, off + n) of Op as an op of n units (MK_QKV_LATE's two rounds of QKV): the same rows, epilogues, sums.
-template <class Op>
-struct MkUnitsFrom : Op {
-  int off, n;
-  HE_INLINE int units() const { return n; }
-  HE_INLINE void rows(int u, const he_u16* (&rp)[2]) const { Op::rows(u + off, rp); }
-  HE_INLINE void pre(int u, float (&pv)[2]) const { Op::pre(u + off, pv); }
-  HE_INLINE void epi(int u, const float (&acc)[2], const float (&pv)[2]) const { Op::epi(u + off, acc, pv); }
-};
-#endif
 #endif
 #if MK_TP
 HE_INLINE MkMvOut mk_o_op(const MkParams& p, const MkLayer& L, he_u32 ep) {
@@ -1018,30 +979,6 @@ HE_INLINE bool mk_attention_flow(const MkParams& p, const MkLayer& L, int pos, f
   }
   return true;
 }
-
-#if MK_QKV_LATE
-// MK_QKV_LATE's QKV stage (above): every warp's first unit, then — in the blocks that hold units past the grid's
-// first round — the wait for ceil(items / MK_QKV_LATE) q-staged split items of this layer (the count is the launch's:
-// op.epoch − 1 layers of items before it), then those units. False when the wait failed (the kernel must end).
-template <class Next, int kRows>
-HE_INLINE bool mk_qkv_late(const MkParams& p, const MkQkvFlow& op, HeMvStream<kRows>& s, float* xs, float* scratch,
-                           const Next& nxt, const HeWaitCtx& w) {
-  const int stride = he_mv_stride(), units = op.units(), rest = units - stride, items = p.nkv * p.nsplit;
-  const int nb = he_grid_dim();
-  const bool late = rest > 0 && 2 * stride >= p.nh * p.hd && items <= nb && rest <= (nb - items) * he_num_warps();
-  // The two rounds as one loop, so that the stream's code is there once (two copies of it spilled 166 / 348 B against
-  // the default's 30 / 64; this form 78 / 144); the second round stages x again (nothing writes x before the O barrier).
-  for (int round = 0;; ++round) {
-    he_mv_finish<kMkF16, kMkDefer>(MkUnitsFrom<MkQkvFlow>{op, round ? stride : 0, round ? rest : late ? stride : units}, s,
-                                   xs, scratch, nxt);
-    if (round || !late || he_block_idx() * he_num_warps() >= rest) return true;  // no unit of the second round here
-    const he_u32 target = (op.epoch - 1u) * (he_u32)items + (he_u32)((items + MK_QKV_LATE - 1) / MK_QKV_LATE);
-    if (!he_block_wait_geq(w, mk_staged_count(p), target)) return false;
-    s.p = HeMvPos{he_mv_first(), 0, false};
-    he_mv_fill_next(MkUnitsFrom<MkQkvFlow>{op, stride, rest}, s);
-  }
-}
-#endif
 #endif
 
 // MK_GU_L2's prefetch (above): rows 2j (gate) and 2j + 1 (up) of unit S + j, j < units, in 32-row groups (one row
@@ -1311,13 +1248,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // QKV's stream stops at its end; the O-proj's first weights are requested after the attention splits.
 #if MK_QFLOW
       ++flow_ep;  // no barrier: the splits poll the LL words of this epoch (above)
-#if MK_QKV_LATE
-      if (!mk_qkv_late(p, mk_qkv_flow_op(p, L, pos, qx, flow_ep), s, he_mk_smem, scratch, mk_o_op(p, L, ep_o + 1), w))
-        return;
-#else
       he_mv_finish<kMkF16, kMkDefer>(mk_qkv_flow_op(p, L, pos, qx, flow_ep), s, he_mk_smem, scratch,
                                      mk_o_op(p, L, ep_o + 1));
-#endif
       prof.work(kProfQkv);
       he_sync_block();  // the split reuses the shared memory the QKV prologue staged x in
       prof.done(kProfQkv);
@@ -1339,12 +1271,8 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
       // stage, so the kernel reloads its parameters after it instead of keeping them live (spilled) across it.
       if (kAttnMma) he_compiler_fence();
 #if MK_QFLOW
-#if MK_QKV_LATE
-      const MkFlowWait split_wait{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd, mk_staged_count(p)};
-#else
-      const MkFlowWait split_wait{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd};
-#endif
-      if (!mk_attention_flow(p, L, pos, he_mk_smem, prof, split_wait)) return;
+      if (!mk_attention_flow(p, L, pos, he_mk_smem, prof, MkFlowWait{w, p.flow_ll, flow_ep, p.nh * p.hd, p.nkv * p.hd}))
+        return;
 #else
       if constexpr (kMkAttnEarly) {
         const bool ok = mk_attention<true>(p, L, pos, he_mk_smem, prof, MkWaitQkv{{}, w, epoch, nb, &prof});

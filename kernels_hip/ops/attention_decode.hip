@@ -153,9 +153,6 @@ struct HeAttnPlainQ {
     a = q[i];
     b = q[i + 1];
   }
-  // The split's q is in shared memory (or it has no rows): nothing here (decode.hip MkFlowWait counts it under
-  // MK_QKV_LATE).
-  HE_INLINE void staged() const {}
   // (a kFlow wait also has kv8(kvh, is_v, c): dims [c, c + 8) of KV head kvh's newest K or V row, as the cache
   // holds them)
 };
@@ -186,7 +183,6 @@ HE_INLINE int he_attn_split_rows(int seq, int kvh, int split, int nsplit, int ch
     pr[hd] = he_neg_inf();
     pr[hd + 1] = 0.f;
   }
-  wait.staged();
   return 0;
 }
 
@@ -295,7 +291,6 @@ HE_INLINE bool he_attention_split_fma(const float* q, const he_kv* k_cache,
   for (int i = t; i < G * hd; i += nt) qs[i] = q[(he_i64)(kvh * G) * hd + i] * qscale;
   he_sync_block();
   HE_ATTN_MARK(0);  // q staged
-  wait.staged();
   // This lane's 8 dims of head g's q: qs[g·hd + qoff ...], read from shared memory at each use — or, with
   // HE_ATTN_Q_REGS=1, held in registers for the whole item: the same values and the same products, so both
   // forms give the same bits. Registers pay where a warp scores several batches (long KV caches: the
@@ -577,7 +572,6 @@ HE_ATTN_MMA_FN bool he_attention_split_mma(const float* q, const he_kv* k_cache,
   }
   he_sync_block();
   HE_ATTN_MARK(0);  // q staged
-  wait.staged();
   HeMmaAcc o[kDt];
 #pragma unroll
   for (int d = 0; d < kDt; ++d) he_mma_zero(o[d]);
