@@ -169,6 +169,11 @@ class ReferenceBackend(Backend):
 
     def forward(self, token_ids: np.ndarray, all_logits: bool) -> np.ndarray:
         """token_ids (T,) at positions pos..pos+T-1 -> logits (T, vocab) or (1, vocab) for the last one."""
+        x = self.final_hidden(token_ids, all_logits)  # (T or 1, d)
+        return (x @ self.lm_head.T).astype(np.float32, copy=False)  # (T or 1, vocab)
+
+    def final_hidden(self, token_ids: np.ndarray, all_positions: bool = True) -> np.ndarray:
+        """forward's LM-head input: the final norm's output (T, d), or (1, d) for the last position; advances pos."""
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # (T,)
         T = ids.shape[0]
         if T == 0:
@@ -184,10 +189,9 @@ class ReferenceBackend(Backend):
             x = x + self._attention_block(i, x, pos0)  # (T, d)
             x = x + self._mlp_block(i, x)  # (T, d)
         self.pos = pos0 + T
-        if not all_logits:
+        if not all_positions:
             x = x[-1:]  # (1, d): only the last position's logits are needed
-        x = rmsnorm(x, self.final_norm, self.config.rms_norm_eps)  # (T or 1, d)
-        return (x @ self.lm_head.T).astype(np.float32, copy=False)  # (T or 1, vocab)
+        return rmsnorm(x, self.final_norm, self.config.rms_norm_eps)  # (T or 1, d)
 
     def prefill(self, token_ids: np.ndarray, all_logits: bool = False) -> np.ndarray:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # (T,)

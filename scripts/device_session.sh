@@ -443,21 +443,8 @@ case "$MODE" in
     left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 60 ] && run default_model $((left < 90 ? left : 90)) \
       $PY -m pytest tests/test_gpu_default_model.py -q -rs
     left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
-  s55)  # (ran in session 55; MK_QKV_LATE and mk_sweep 41-44 removed after it)
-         # session 55's first call: session 54's MK_QKV_LATE (QKV's second round — the newest K/V rows — requested
-         # after the layer's splits have staged their q) at 1K — mk_sweep 0 / 41-44 alternated twice in one process,
-         # tokens compared — then its same-bits and 1B-preset monokernel tests, both 1K stage profiles (the splits' q
-         # marks and the two-unit blocks' QKV are the question) and the engine tests while the call (${S55_S:-540} s)
-         # has time. On an H200 (or with S55_BENCH=1) the decode bench of record first: issue 4's figure. Builds:
-         # precompile_mk.py 1b-f3 1b-1k-late1 1b-1k-late2 1b-1k-late8 1b-1k-late1-sl3 1b-1k-late1-profile 1b-1k-profile.
-    if [ "${S55_BENCH:-}" = 1 ] || { [ -z "${S55_BENCH:-}" ] && echo "$GPU_NAME" | grep -q H200; }; then
-      bench ${BENCH_S:-150}
-    fi
-    ONLY=${ONLY:-0,41,42,43,44,0,41,42,43,44} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep ${S55_AB_S:-270}
-    left=$((${S55_S:-540} - SECONDS)); [ $left -gt 60 ] && same_bits $((left < 130 ? left : 130)) HIPENGINE_MK_DEFINES=MK_QKV_LATE=1
-    left=$((${S55_S:-540} - SECONDS)); [ $left -gt 60 ] && prof1k mkprof_late1 45 HIPENGINE_MK_DEFINES=MK_QKV_LATE=1
-    left=$((${S55_S:-540} - SECONDS)); [ $left -gt 60 ] && prof1k mkprof_default 45
-    left=$((${S55_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+  # (s55 — session 55's first call: MK_QKV_LATE at 1K, mk_sweep 0 / 41-44 twice (−5.5 to −6.6%), its same bits, both
+  # 1K profiles and the engine tests — done; MK_QKV_LATE removed.)
   # (s54 — session 54's first call: MK_KV_L2 at 1K, mk_sweep 0 / 41 three times (−0.8%), both 1K profiles, its same bits
   # and the engine tests — done; MK_KV_L2 removed.)
   # (s53 — session 53's first call: the bench of record on session 52's default, mk_sweep 0 / 40-42 at 1K (masks 4, 3 / 3,
@@ -550,7 +537,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s55|s53h|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s53h|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

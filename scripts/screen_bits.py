@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 
 from hipengine.loader import default_model_path, load_model
-from hipengine.reference import ReferenceBackend, rmsnorm
+from hipengine.reference import ReferenceBackend
 from hipengine.tokenizer import Tokenizer
 
 TEXT = ("The history of the Roman Empire spans many centuries, from the founding of the city to the fall of "
@@ -39,11 +39,7 @@ def main() -> None:
     m = load_model(a.model or default_model_path())
     ids = np.array(Tokenizer.for_model(m).encode(a.text))
     rb = ReferenceBackend(m, max(len(ids), 16))
-    x = rb.embed[ids]
-    for i in range(rb.config.num_layers):
-        x = x + rb._attention_block(i, x, 0)
-        x = x + rb._mlp_block(i, x)
-    xs = rmsnorm(x, rb.final_norm, rb.config.rms_norm_eps)  # (T, d): the head's inputs
+    xs = rb.final_hidden(ids)  # (T, d): the head's inputs
     w = rb.lm_head
     print(f"{len(ids)} positions, head {w.shape[0]} x {w.shape[1]}")
     for name, levels, group in [("int8 per row (the screen)", 127, None), ("int6 per row", 31, None),
