@@ -206,6 +206,15 @@ def test_extra_defines_parse_and_reach_the_build(monkeypatch):
             mk.extra_defines()
 
 
+def test_o_smem_bytes_match_the_kernels_tile():
+    """MK_O_SMEM (session 56's experiment): the shared memory the host adds is one block's grouped O-proj tile —
+    ops/matvec_group.hip's block_rows x G·hd bf16, 128 x 256 x 2 = 64 KiB for Llama-3.2-1B on either warp width —
+    and the tile's 128-byte mbarrier slot."""
+    assert mk.o_smem_bytes(256, 32) == 128 * 256 * 2 + 128
+    assert mk.o_smem_bytes(256, 64) == 128 * 256 * 2 + 128
+    assert mk.o_smem_bytes(128, 32) == 256 * 128 * 2 + 128  # kRowsPerLoad 2: the same 64 KiB
+
+
 def test_fine_follows_the_split_plan(monkeypatch):
     """mk_fine: fine = 3 (the last split block combines its group) while the split plan's (kv head, split)
     items fit in one round of the grid, 2 (a grid barrier, one head per block) when they take two; llama-3.2-1b
