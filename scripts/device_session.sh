@@ -443,6 +443,15 @@ case "$MODE" in
     left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 60 ] && run default_model $((left < 90 ? left : 90)) \
       $PY -m pytest tests/test_gpu_default_model.py -q -rs
     left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+  s56b)  # session 56's second call: on an H200 (or with S56_BENCH=1) the decode bench of record first; then mk_sweep
+          # 0 / 43 / 41 alternated twice at 1K — the default, the default with MK_O_SMEM's 64 KiB of shared memory unused
+          # (HIPENGINE_MK_SMEM_PAD: the carve-out alone), MK_O_SMEM — and MK_O_SMEM's 1K profile while the call
+          # (${S56_S:-400} s) has time. Builds: those of s56 (.carry/c56.tar.xz).
+    if [ "${S56_BENCH:-}" = 1 ] || { [ -z "${S56_BENCH:-}" ] && echo "$GPU_NAME" | grep -q H200; }; then
+      bench ${BENCH_S:-150}
+    fi
+    ONLY=${ONLY:-0,43,41,0,43,41} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep ${S56_AB_S:-200}
+    left=$((${S56_S:-400} - SECONDS)); [ $left -gt 70 ] && prof1k mkprof_osmem 65 HIPENGINE_MK_DEFINES=MK_O_SMEM=1 ;;
   s56)  # session 56's first call: MK_O_SMEM (the grouped O-proj's tiles copied into shared memory one stage early, so
          # the attention -> O-proj window carries no O bytes) and the probe without O-proj weight bytes (MK_PROBE_NO_O,
          # wrong tokens: the bound) at 1K — mk_sweep 0 / 41 / 42 alternated twice in one process, tokens compared —
@@ -553,7 +562,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s56|s53h|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s56b|s56|s53h|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -173,6 +173,9 @@ VARIANTS = [  # name, build env, runtime attrs
     ("O-proj tiles into shared memory one stage early (MK_O_SMEM)", {"HIPENGINE_MK_DEFINES": "MK_O_SMEM=1"}, {}),
     ("probe: no O-proj weight bytes at all (MK_PROBE_NO_O; wrong tokens)", {"HIPENGINE_MK_DEFINES": "MK_PROBE_NO_O=1"},
      {}),
+    # ... and the default build launched with MK_O_SMEM's 64 KiB + 128 B of shared memory unused (HIPENGINE_MK_SMEM_PAD):
+    # the L1 / shared-memory carve-out alone (session 22 on an H200: level from 44 to 175 KiB)
+    ("the default with 65,664 B of unused shared memory (HIPENGINE_MK_SMEM_PAD)", {"HIPENGINE_MK_SMEM_PAD": "65664"}, {}),
     # (session 52's neighbours of the short build's masks 7 / 7, measured at 1K in session 53 on an H100: without the
     # next layer's QKV half pair (3 / 3) +0.2 / −0.1%, level; down's whole pair (7 / 5) −0.6% — were variants 41 / 42.)
     # (session 53's MK_KV_L2=1 — the attention splits' K/V rows asked of L2 as the down barrier opens (token selection's

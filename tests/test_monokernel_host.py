@@ -215,6 +215,20 @@ def test_o_smem_bytes_match_the_kernels_tile():
     assert mk.o_smem_bytes(128, 32) == 256 * 128 * 2 + 128  # kRowsPerLoad 2: the same 64 KiB
 
 
+def test_smem_pad_is_bytes_or_one_clear_error(monkeypatch):
+    """HIPENGINE_MK_SMEM_PAD: unset or empty is 0, a number of bytes is that, anything else one clear error."""
+    from hipengine.errors import UnsupportedError
+
+    monkeypatch.delenv("HIPENGINE_MK_SMEM_PAD", raising=False)
+    assert mk.smem_pad() == 0
+    monkeypatch.setenv("HIPENGINE_MK_SMEM_PAD", "65664")
+    assert mk.smem_pad() == 65664
+    for bad in ("-1", "64K", "1.5"):
+        monkeypatch.setenv("HIPENGINE_MK_SMEM_PAD", bad)
+        with pytest.raises(UnsupportedError, match="HIPENGINE_MK_SMEM_PAD"):
+            mk.smem_pad()
+
+
 def test_fine_follows_the_split_plan(monkeypatch):
     """mk_fine: fine = 3 (the last split block combines its group) while the split plan's (kv head, split)
     items fit in one round of the grid, 2 (a grid barrier, one head per block) when they take two; llama-3.2-1b

@@ -23,7 +23,9 @@ LM head's int8 copy and recompute exactly only the rows that can hold the arg-ma
 HIPENGINE_MK_PACKED (0: the MLP's weights as bf16 rows; 1: their lossless 13-bit copies, mlp_packed_on),
 HIPENGINE_MK_OGROUP (1: the O-proj by KV-head group, o_group_decide — both decode paths; 0: the plain O-proj;
 unset: O_GROUP_DEFAULT where it applies), HIPENGINE_MK_QFLOW (1: the attention splits poll the QKV stage's LL words,
-no grid barrier between them, q_flow_decide; 0: the barrier; unset: Q_FLOW_DEFAULT where it applies).
+no grid barrier between them, q_flow_decide; 0: the barrier; unset: Q_FLOW_DEFAULT where it applies),
+HIPENGINE_MK_SMEM_PAD (0: bytes of unused dynamic shared memory added to the launch — a measurement knob for the L1 /
+shared-memory carve-out, smem_pad).
 """
 from __future__ import annotations
 
@@ -347,6 +349,16 @@ def extra_defines() -> dict:
             raise UnsupportedError(f"HIPENGINE_MK_DEFINES: {item!r} is not NAME=INTEGER")
         out[name] = int(val or 1)
     return out
+
+
+def smem_pad() -> int:
+    """HIPENGINE_MK_SMEM_PAD: bytes of dynamic shared memory the launch asks for beyond what the kernel uses (default
+    0). A measurement knob: a larger shared-memory carve-out leaves the SM less L1 (session 56: MK_O_SMEM's 64 KiB more
+    per block slowed streaming stages that never touch it); values do not change."""
+    raw = os.environ.get("HIPENGINE_MK_SMEM_PAD", "").strip() or "0"
+    if not raw.isdigit():
+        raise UnsupportedError(f"HIPENGINE_MK_SMEM_PAD={raw!r}: a number of bytes (0 or more)")
+    return int(raw)
 
 
 def o_smem_bytes(cols: int, warp: int) -> int:
@@ -821,6 +833,7 @@ class MonokernelBackend(GpuBackend):
             if rt.vendor != "nvidia" or not str(rt.arch).startswith("sm_9") or not getattr(self, "o_group", False):
                 raise UnsupportedError("MK_O_SMEM: the grouped O-proj on an NVIDIA sm_90 GPU (the copy engine)")
             self.smem = -(-self.smem // 128) * 128 + o_smem_bytes(G * cfg.head_dim, rt.warp_size)
+        self.smem += smem_pad()
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
