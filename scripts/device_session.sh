@@ -444,30 +444,15 @@ case "$MODE" in
       $PY -m pytest tests/test_gpu_default_model.py -q -rs
     left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   s56b)  # session 56's second call: on an H200 (or with S56_BENCH=1) the decode bench of record first; then mk_sweep
-          # 0 / 43 / 41 alternated twice at 1K — the default, the default with MK_O_SMEM's 64 KiB of shared memory unused
-          # (HIPENGINE_MK_SMEM_PAD: the carve-out alone), MK_O_SMEM — and MK_O_SMEM's 1K profile while the call
-          # (${S56_S:-400} s) has time. Builds: those of s56 (.carry/c56.tar.xz).
+          # 0 / 41 alternated at 1K — the default, and the default launched with MK_O_SMEM's 64 KiB + 128 B of shared
+          # memory unused (HIPENGINE_MK_SMEM_PAD: the carve-out alone) — while the call (${S56_S:-400} s) has time.
+          # Builds: precompile_mk.py 1b-f3 (the default's).
     if [ "${S56_BENCH:-}" = 1 ] || { [ -z "${S56_BENCH:-}" ] && echo "$GPU_NAME" | grep -q H200; }; then
       bench ${BENCH_S:-150}
     fi
-    ONLY=${ONLY:-0,43,41,0,43,41} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep ${S56_AB_S:-200}
-    left=$((${S56_S:-400} - SECONDS)); [ $left -gt 70 ] && prof1k mkprof_osmem 65 HIPENGINE_MK_DEFINES=MK_O_SMEM=1 ;;
-  s56)  # session 56's first call: MK_O_SMEM (the grouped O-proj's tiles copied into shared memory one stage early, so
-         # the attention -> O-proj window carries no O bytes) and the probe without O-proj weight bytes (MK_PROBE_NO_O,
-         # wrong tokens: the bound) at 1K — mk_sweep 0 / 41 / 42 alternated twice in one process, tokens compared —
-         # then the three 1K stage profiles (the window's marks are the question), MK_O_SMEM's same-bits tests and the
-         # engine tests while the call (${S56_S:-540} s) has time. On an H200 (or with S56_BENCH=1) the decode bench of
-         # record first: issue 4's figure. Builds: precompile_mk.py 1b-f3 1b-1k-profile 1b-1k-osmem 1b-1k-noo
-         # 1b-1k-osmem-profile 1b-1k-noo-profile.
-    if [ "${S56_BENCH:-}" = 1 ] || { [ -z "${S56_BENCH:-}" ] && echo "$GPU_NAME" | grep -q H200; }; then
-      bench ${BENCH_S:-150}
-    fi
-    ONLY=${ONLY:-0,41,42,0,41,42} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep ${S56_AB_S:-200}
-    left=$((${S56_S:-540} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_osmem 45 HIPENGINE_MK_DEFINES=MK_O_SMEM=1
-    left=$((${S56_S:-540} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default 45
-    left=$((${S56_S:-540} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_noo 45 HIPENGINE_MK_DEFINES=MK_PROBE_NO_O=1
-    left=$((${S56_S:-540} - SECONDS)); [ $left -gt 60 ] && same_bits $((left < 130 ? left : 130)) HIPENGINE_MK_DEFINES=MK_O_SMEM=1
-    left=$((${S56_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
+    ONLY=${ONLY:-0,41,0,41,0,41} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep ${S56_AB_S:-200} ;;
+  # (s56 — session 56's first call: MK_O_SMEM and the probe without O bytes at 1K, mk_sweep 0 / 41 / 42 twice (−5.5%,
+  # +2.1%), the three 1K profiles, its same bits and the engine tests — done; MK_O_SMEM removed.)
   # (s55 — session 55's first call: MK_QKV_LATE at 1K, mk_sweep 0 / 41-44 twice (−5.5 to −6.6%), its same bits, both
   # 1K profiles and the engine tests — done; MK_QKV_LATE removed.)
   # (s54 — session 54's first call: MK_KV_L2 at 1K, mk_sweep 0 / 41 three times (−0.8%), both 1K profiles, its same bits
@@ -562,7 +547,7 @@ case "$MODE" in
     ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
     left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
       bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s56b|s56|s53h|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (s56b|s53h|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="

@@ -165,16 +165,12 @@ VARIANTS = [  # name, build env, runtime attrs
     # builds keep.)
     ("the next layer's QKV whole 2nd pair into L2 only (MK_START_L2=4; the long builds' default, the short build's "
      "before session 52)", {"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, {}),
-    # session 56: MK_O_SMEM — each grouped O-proj block's Wo tile copied into shared memory by the copy engine one stage
-    # early (layer l + 1's as layer l's gate/up starts), so the attention -> O-proj window carries no O bytes (session
-    # 40's MK_O_BULK copied them inside the window: −1.6 to −3.9%). Same bits: tokens must equal variant 0's. And
-    # MK_PROBE_NO_O — a probe, not a product: the O-proj's weights never loaded (its tokens are wrong, a difference is
-    # expected) — the window without the O bytes anywhere, the bound on what moving them can win.
-    ("O-proj tiles into shared memory one stage early (MK_O_SMEM)", {"HIPENGINE_MK_DEFINES": "MK_O_SMEM=1"}, {}),
-    ("probe: no O-proj weight bytes at all (MK_PROBE_NO_O; wrong tokens)", {"HIPENGINE_MK_DEFINES": "MK_PROBE_NO_O=1"},
-     {}),
-    # ... and the default build launched with MK_O_SMEM's 64 KiB + 128 B of shared memory unused (HIPENGINE_MK_SMEM_PAD):
-    # the L1 / shared-memory carve-out alone (session 22 on an H200: level from 44 to 175 KiB)
+    # (session 56's MK_O_SMEM=1 — each grouped O-proj block's Wo tile copied into shared memory by the copy engine one stage
+    # early, as the previous layer's gate/up started: −5.5% at 1K on an H100, the window unchanged (13.43 → 13.40 µs per
+    # layer), gate/up +1.95 and down +1.15 µs — and the probe MK_PROBE_NO_O=1 — no O-proj weight bytes at all, wrong
+    # values: +2.1%, the bound on moving those bytes — were variants 41 / 42, removed.)
+    # session 56: the default build launched with MK_O_SMEM's 64 KiB + 128 B of shared memory unused (HIPENGINE_MK_SMEM_PAD):
+    # the L1 / shared-memory carve-out alone (session 22 on an H200: level from 44 to 175 KiB). Values unchanged.
     ("the default with 65,664 B of unused shared memory (HIPENGINE_MK_SMEM_PAD)", {"HIPENGINE_MK_SMEM_PAD": "65664"}, {}),
     # (session 52's neighbours of the short build's masks 7 / 7, measured at 1K in session 53 on an H100: without the
     # next layer's QKV half pair (3 / 3) +0.2 / −0.1%, level; down's whole pair (7 / 5) −0.6% — were variants 41 / 42.)

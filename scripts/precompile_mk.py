@@ -61,14 +61,6 @@ VARIANTS = {  # name: (environment, weight dtypes, groups, precompile keywords)
     # (mk_sweep 40; the long builds keep it)
     "1b-f3-sl0": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=0"}, (False,), (4,), L1B_F3),
     "1b-f3-sl4": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, (False,), (4,), L1B_F3),
-    # session 56: the O-proj tiles into shared memory one stage early (mk_sweep 41), its profile build, and the probe
-    # without O-proj weight bytes (mk_sweep 42) with its profile build
-    "1b-1k-osmem": ({"HIPENGINE_MK_DEFINES": "MK_O_SMEM=1"}, (False,), (4,), L1B_1K),
-    "1b-1k-osmem-profile": ({"HIPENGINE_MK_DEFINES": "MK_O_SMEM=1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_1K),
-    "1b-f3-osmem": ({"HIPENGINE_MK_DEFINES": "MK_O_SMEM=1"}, (False,), (4,), L1B_F3),
-    "1b-1k-noo": ({"HIPENGINE_MK_DEFINES": "MK_PROBE_NO_O=1"}, (False,), (4,), L1B_1K),
-    "1b-1k-noo-profile": ({"HIPENGINE_MK_DEFINES": "MK_PROBE_NO_O=1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,),
-                          L1B_1K),
     "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,), L1B_TP2),  # the tensor-parallel build (MK_TP=1)
     "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_TP2),
 }

@@ -206,15 +206,6 @@ def test_extra_defines_parse_and_reach_the_build(monkeypatch):
             mk.extra_defines()
 
 
-def test_o_smem_bytes_match_the_kernels_tile():
-    """MK_O_SMEM (session 56's experiment): the shared memory the host adds is one block's grouped O-proj tile —
-    ops/matvec_group.hip's block_rows x G·hd bf16, 128 x 256 x 2 = 64 KiB for Llama-3.2-1B on either warp width —
-    and the tile's 128-byte mbarrier slot."""
-    assert mk.o_smem_bytes(256, 32) == 128 * 256 * 2 + 128
-    assert mk.o_smem_bytes(256, 64) == 128 * 256 * 2 + 128
-    assert mk.o_smem_bytes(128, 32) == 256 * 128 * 2 + 128  # kRowsPerLoad 2: the same 64 KiB
-
-
 def test_smem_pad_is_bytes_or_one_clear_error(monkeypatch):
     """HIPENGINE_MK_SMEM_PAD: unset or empty is 0, a number of bytes is that, anything else one clear error."""
     from hipengine.errors import UnsupportedError

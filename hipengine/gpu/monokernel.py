@@ -353,19 +353,12 @@ def extra_defines() -> dict:
 
 def smem_pad() -> int:
     """HIPENGINE_MK_SMEM_PAD: bytes of dynamic shared memory the launch asks for beyond what the kernel uses (default
-    0). A measurement knob: a larger shared-memory carve-out leaves the SM less L1 (session 56: MK_O_SMEM's 64 KiB more
-    per block slowed streaming stages that never touch it); values do not change."""
+    0). A measurement knob: a larger shared-memory carve-out leaves the SM less L1 (session 56: the removed MK_O_SMEM's
+    64 KiB more per block came with streaming stages that never touched it running slower); values do not change."""
     raw = os.environ.get("HIPENGINE_MK_SMEM_PAD", "").strip() or "0"
     if not raw.isdigit():
         raise UnsupportedError(f"HIPENGINE_MK_SMEM_PAD={raw!r}: a number of bytes (0 or more)")
     return int(raw)
-
-
-def o_smem_bytes(cols: int, warp: int) -> int:
-    """Shared memory decode.hip's MK_O_SMEM build adds: one block's O-proj tile (kMkOTileRows rows of a KV-head group's
-    `cols` columns, bf16: ops/matvec_group.hip's block_rows) and 128 bytes for its mbarrier."""
-    rows = 16 * (warp * 8 // cols) * (THREADS // warp)
-    return rows * cols * 2 + 128
 
 
 LONG_CONTEXT = 8192  # KV caches from this many tokens get the long-context build (q_regs_build)
@@ -829,10 +822,6 @@ class MonokernelBackend(GpuBackend):
             from .head_screen import smem_bytes
 
             self.smem = max(self.smem, smem_bytes(cfg.hidden_size, cfg.vocab_size, rt.num_sms, THREADS // rt.warp_size))
-        if extra_defines().get("MK_O_SMEM"):  # the O-proj tile's shared memory and its mbarrier, at the end
-            if rt.vendor != "nvidia" or not str(rt.arch).startswith("sm_9") or not getattr(self, "o_group", False):
-                raise UnsupportedError("MK_O_SMEM: the grouped O-proj on an NVIDIA sm_90 GPU (the copy engine)")
-            self.smem = -(-self.smem // 128) * 128 + o_smem_bytes(G * cfg.head_dim, rt.warp_size)
         self.smem += smem_pad()
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "

@@ -565,87 +565,6 @@ static_assert(HE_ATTN_HD > 0, "MK_O_GROUP: the build's head_dim (HE_ATTN_HD, ops
 constexpr int kMkOCols = MK_ATTN_G * HE_ATTN_HD;  // one KV head's group of columns of Wo
 #endif
 
-// MK_O_SMEM=1 (an experiment, session 56; sm_90: the copy engine): each grouped O-proj block's tile of Wo — its
-// KV-head group's columns of its kMkOTileRows rows, 64 KiB for Llama-3.2-1B — is copied into the end of the dynamic
-// shared memory one stage early: layer l + 1's as layer l's gate/up stage starts (after the O barrier's exit, where
-// HBM streams anyway), layer 0's as the step's layer 0 starts. The attention -> O-proj window then carries no O-proj
-// bytes (8.4 MB at d = 2,048 that streamed beside the chain, and the split blocks' group poll no longer returns
-// behind their own tile's loads); gate/up streams them instead. Session 40's MK_O_BULK copied the same tiles at the
-// attention stage's start — inside the window — and lost 1.6-3.9%. The tile is read into the stream's registers, the
-// values he_mvg_fill loads, so he_mvg_finish makes the same sums: the same bits. The host adds kMkOTileBytes + 128 B
-// of shared memory (monokernel.py o_smem_bytes); the mbarrier sits in the last 128 B.
-// MK_PROBE_NO_O=1 (a probe, not a product build: its tokens are wrong): the O-proj's weights are never loaded (the
-// tiles multiply zeros), so the window's timing without the O bytes anywhere — the bound on what moving them can win.
-#ifndef MK_O_SMEM
-#define MK_O_SMEM 0
-#endif
-#ifndef MK_PROBE_NO_O
-#define MK_PROBE_NO_O 0
-#endif
-static_assert(!(MK_O_SMEM || MK_PROBE_NO_O) || MK_O_GROUP, "MK_O_SMEM / MK_PROBE_NO_O: the grouped O-proj");
-static_assert(!(MK_O_SMEM && MK_PROBE_NO_O), "MK_O_SMEM and MK_PROBE_NO_O are alternatives");
-#if MK_O_SMEM
-static_assert(kHasBulkCopy, "MK_O_SMEM: the copy engine (NVIDIA sm_90+)");
-constexpr int kMkOTileRows = HeMvgGeom<kMkOCols>::kWarpRows * (kMkThreads / kWarpSize);
-constexpr he_u32 kMkOTileBytes = (he_u32)kMkOTileRows * kMkOCols * 2;
-constexpr he_u32 kMkOBarBytes = 128;  // the tile's mbarrier, in the last 128 bytes
-__shared__ int mk_o_abort;  // thread 0's wait for the tile timed out: the block ends
-HE_INLINE he_u32 mk_dyn_smem_bytes() {
-  he_u32 r;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
-  return r;
-}
-HE_INLINE char* mk_o_tile(float* smem) { return (char*)smem + mk_dyn_smem_bytes() - kMkOBarBytes - kMkOTileBytes; }
-HE_INLINE he_u64* mk_o_bar(float* smem) { return (he_u64*)((char*)smem + mk_dyn_smem_bytes() - kMkOBarBytes); }
-// Block b's tile of `wo` into shared memory: one 2·kMkOCols-byte row per thread of the first kMkOTileRows (a block
-// without a tile copies nothing). Every thread calls it after a block barrier that follows the block's last read of
-// the previous tile; the tile's phase completes when all kMkOTileBytes have landed.
-HE_INLINE void mk_o_copy(const MkParams& p, const he_u16* wo, float* smem) {
-  const int per = p.d / kMkOTileRows;
-  if (he_block_idx() >= p.nkv * per) return;
-  const int t = he_thread_idx(), g = he_block_idx() / per, r0 = (he_block_idx() % per) * kMkOTileRows;
-  he_u64* bar = mk_o_bar(smem);
-  if (t == 0) he_mbar_expect_arrive(bar, kMkOTileBytes);  // (a copy landing first only sends tx-count below zero)
-  for (int r = t; r < kMkOTileRows; r += kMkThreads) {
-    he_fence_proxy_async();  // the block's reads of the previous tile (ordered by the barrier) before this copy
-    he_bulk_load(mk_o_tile(smem) + (he_i64)r * kMkOCols * 2, wo + (he_i64)(r0 + r) * (p.nh * p.hd) + g * kMkOCols,
-                 kMkOCols * 2, bar);
-  }
-}
-// Wait for the tile's phase `parity` (every thread: the landed bytes are visible to the threads that see the phase
-// complete), bounded by the kernel's timeout (thread 0's clock; a timeout is reported and ends the block). Then
-// the 16 vectors per lane he_mvg_fill would load, from the tile.
-HE_INLINE bool mk_o_take(const HeWaitCtx& w, float* smem, he_u32 parity, HeMvStream<2>& s) {
-  he_u64* bar = mk_o_bar(smem);
-  if (!he_mbar_try_wait(bar, parity)) {
-    const he_u64 t0 = he_thread_idx() == 0 ? he_clock_ns() : 0;
-    for (int polls = 1; !he_mbar_try_wait(bar, parity); ++polls) {
-      if (*(volatile int*)&mk_o_abort) break;
-      if (he_thread_idx() == 0 && polls % kPollsPerClock == 0 && he_clock_ns() - t0 > w.timeout_ns) {
-        he_report_error(w, kStatusCounterTimeout);
-        mk_o_abort = 1;
-        break;
-      }
-    }
-  }
-  using G = HeMvgGeom<kMkOCols>;
-  const char* tile = mk_o_tile(smem) + (he_lane_id() % G::kLanesPerRow) * 16;
-  auto at = [&](int i) {
-    const int r = he_warp_id() * G::kWarpRows + i * G::kRowsPerLoad + he_lane_id() / G::kLanesPerRow;
-    return *(const he_vec16*)(tile + (he_i64)r * kMkOCols * 2);
-  };
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-#pragma unroll
-    for (int k = 0; k < kMatvecUnroll; ++k) {
-      s.a[r][k] = at(r * kMatvecUnroll + k);
-      s.b[r][k] = at(2 * kMatvecUnroll + r * kMatvecUnroll + k);
-    }
-  he_sync_block();
-  return *(volatile int*)&mk_o_abort == 0;
-}
-#endif
-
 // MK_QFLOW=1 (tp = 1, the grouped O-proj, no q/k norms, the matrix-core split; hipengine/gpu/monokernel.py
 // q_flow_decide): no grid barrier between QKV and attention. The QKV epilogue also writes each q / k / v value it
 // computes as an LL word {payload, epoch} into p.flow_ll (row r of the stacked matrix at word r: q as f32 bits, k and
@@ -1198,15 +1117,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
   he_u32 flow_ep = 0;  // the LL words' epoch: one per layer of the launch
   if (he_thread_idx() == 0) mk_flow_fail = 0;
 #endif
-#if MK_O_SMEM
-  he_u32 o_phase = 0;  // the O tile's mbarrier phase to wait for next
-  if (he_thread_idx() == 0) {
-    mk_o_abort = 0;
-    he_mbar_init(mk_o_bar(he_mk_smem), 1);
-    he_mbar_init_fence();
-  }
-  he_sync_block();
-#endif
   // LL exchange (monokernel/tp_exchange.h; always at tp > 1, HIPENGINE_MK_LL at tp = 1): epochs of its
   // regions, advanced identically on every rank
   const bool tp = kMkTp && p.tp_ll != nullptr;
@@ -1328,9 +1238,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
     // ---- one decode step at `pos` ----
     for (int l = 0; l < p.n_layers; ++l) {
       const MkLayer& L = p.layers[l];
-#if MK_O_SMEM
-      if (l == 0) mk_o_copy(p, L.wo, he_mk_smem);  // (later layers' tiles: the previous layer's gate/up, below)
-#endif
       // tp > 1: the input is down(l-1)'s sum over ranks, gathered by every block (block 0 keeps it in p.x,
       // the residual stream the O-proj's rank 0 adds); layer 0's is the embedding in p.x.
       const float* qx = p.x;
@@ -1391,15 +1298,7 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         const HeMvGroupO oop{L.wo, p.nh * p.hd, p.d, he_block_idx() / per,
                              og ? (he_block_idx() % per) * rows + he_warp_id() * G::kWarpRows : p.d, p.x_fx,
                              he_block_idx() < per ? p.x : nullptr};
-#if MK_O_SMEM || MK_PROBE_NO_O
-        // no loads: the tile comes from shared memory (MK_O_SMEM) or never (the probe); s's previous values die here
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int k = 0; k < kMatvecUnroll; ++k) s.a[r][k] = s.b[r][k] = he_vec16{0u, 0u, 0u, 0u};
-#else
         he_mvg_fill<kMkOCols>(oop, s);
-#endif
         attn_done += (he_u32)p.nsplit;
         prof.work(kProfAttn);
         if (og && !he_block_wait_geq(w, p.attn_count + oop.g, attn_done)) return;
@@ -1421,10 +1320,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
 #if MK_QFLOW
           if (kAttnFreshCombine && mk_flow_fail) return;  // a poll timed out or saw another block's error
 #endif
-#if MK_O_SMEM
-          if (!mk_o_take(w, he_mk_smem, o_phase, s)) return;
-          o_phase ^= 1u;
-#endif
           he_mvg_finish<kMkF16, kMkOCols>(oop, s, he_mk_smem);
         }
         s.p = HeMvPos{he_mv_first(), 0, false};  // the stream goes on with gate/up's first pair
@@ -1432,9 +1327,6 @@ extern "C" __global__ void HE_LAUNCH_BOUNDS_MIN(kMkThreads, MK_MIN_BLOCKS) monok
         he_mv_fill_next(mk_gate_up_op(p, L, p.x), s);
         if (!wait(kProfO)) return;
         mk_start_l2<1>(mk_gate_up_op(p, L, p.x), s);
-#if MK_O_SMEM
-        if (l + 1 < p.n_layers) mk_o_copy(p, p.layers[l + 1].wo, he_mk_smem);  // read by this layer's tile: done
-#endif
       }
 #else
       he_mv_fill_next(mk_o_op(p, L, ep_o + 1), s);
