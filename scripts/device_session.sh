@@ -41,17 +41,6 @@
 #            the prefill benchmark with its op breakdown, the decode bench of record (TTFT included), and the
 #            1B preset's 512-position check in the time that is left (the call stays under 575 s)
 #   abp   : trees $AB_TREES (commits $AB_COMMITS) A/B on both paths at 1K/8K/32K, then op, engine, monokernel tests
-#   fusedmlp: the fused MLP (session 30): its op tests, bench_ops, mk_sweep $ONLY (0,19) at $AB_CONTEXTS, the decode bench of
-#           both paths per word of $AB_ENVS, the monokernel tests in the time left (of $BUDGET_S, default 575 s)
-#   mlpparts: bench_ops with the fused MLP's parts, the monokernel stage profile at 1K per $AB_PROFILE_ENVS word
-#   packed: packed 13-bit MLP weights (session 33): their tests, mk_sweep $ONLY (0,22,0,22) at $AB_CONTEXTS, the profile
-#   rows1fx: session 40: the one-row per-op down after the grouped O-proj — its op tests, the same-bits monokernel
-#           tests, the per-op A/B against the two-row kernel (HIPENGINE_MATVEC_ROWS1=0) at 1K/8K/32K
-#   rows1rec: session 40: those op tests again, the same-bits tests, the bench of record, the 1K stage profile, engine tests
-#   ogrecord: session 39: the bench of record, mk_sweep 0/29 (grouped / plain O-proj) at 1K/8K/32K, grouped op tests
-#   paced : session 35: mk_sweep $ONLY at $AB_CONTEXTS (default 1K), the 1K stage profiles of the default and $EXP_DEFINES
-#   screenrec: the bench of record, the head-screen tests, the monokernel tests (session 34: v77b the default)
-#   screen: the screened LM head (session 32): its tests, mk_sweep $ONLY (0,20,0,20) at $AB_CONTEXTS, its stage profile
 #   ab    : the sweep's variants ($ONLY: indices) at 1K/8K/32K after the trees in $AB_TREES (space-separated,
 #           e.g. `git archive` of earlier commits under .carry/: same measurement, tokens compared; and at 1K in
 #           a $AB_MAXCTX-token cache when given), op tests, monokernel tests, stage profile at 1K/8K
@@ -309,20 +298,10 @@ case "$MODE" in
     ops_tests; engine_tests
     run perop 150 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --context 8192 \
       --context 32768 --no-monokernel --json "$OUT/perop.json" ;;
-  fusedmlp)  # session 30 (v75, ops/mlp.hip): the fused MLP's op tests, then mk_sweep's variants $ONLY (default 0,19:
-             # the default / the fused MLP) at $AB_CONTEXTS, then the decode bench of both paths (tokens compared)
-             # per word of $AB_ENVS (default: the default build), then the monokernel tests in the time left
-    run ops_mlp 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "${AB_TESTS:-mlp_fused or fixed_point or embedding}"
-    run bench_ops 120 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"
-    ONLY=${ONLY:-0,19} mk_sweep_ab mk_sweep 220
-    env_runs abboth 150 "${AB_ENVS:--}" $PY -m hipengine bench decode --shape llama-3.2-1b \
-      $(for c in ${AB_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done)
-    left=$((${BUDGET_S:-575} - SECONDS)); [ $left -gt 40 ] && run mk_tests $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
-  mlpparts)  # session 30: where the fused MLP's time goes — bench_ops with its parts (HE_MLP_VARIANT builds), then the
-             # monokernel's stage profile at 1K per word of $AB_PROFILE_ENVS (VAR=V[,VAR=V] or -)
-    run bench_ops 240 $PY scripts/bench_ops.py --skip-decode --json "$OUT/bench_ops.json"
-    env_runs mkprof 110 "${AB_PROFILE_ENVS:--}" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 \
-      --profile ;;
+  # (Spent session modes, folded in session 56 — their mk_sweep indices have since changed meaning; docs/perf-log.md
+  # has each call: fusedmlp / mlpparts (session 30), screen (32), packed (33), screenrec (34), paced (35), ogroup (36),
+  # ogrecord (39), rows1fx / rows1rec (40), qflow / qflow2 / qflow3 / qflowrec (41), final42 / plan (42), s43, h200rec
+  # (43-44), s44b, s47, s50.)
   bench) bench ;;  # the decode bench of record alone (1K/8K/32K, JSON + PNG)
   abtrees) ab_sweep ;;  # the A/B alone (e.g. an order-controlled repeat: AB_TREES="a b a b" ONLY="")
   exp)  # compile-time experiments: the sweep's variants $ONLY at $AB_CONTEXTS (1K/8K/32K) after the trees $AB_TREES,
@@ -333,96 +312,6 @@ case "$MODE" in
     run exp_mk_tests 200 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs
     run exp_profile 80 env HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ${EXP_ENV:-} $PY -m hipengine bench decode --shape llama-3.2-1b \
       --context 1024 --profile --json "$OUT/exp_profile.json" ;;
-  screen)  # session 32 (v77, ops/head_screen.hip): the screened LM head's tests (CPU + GPU), mk_sweep's variants $ONLY
-           # (default 0,20,0,20: the screened head — the default since — and the bf16 head alternated) at $AB_CONTEXTS
-           # in one process, tokens compared, then the stage profile of the screened build at 1K / 8K
-    run screen_tests 150 $PY -m pytest tests/test_head_screen.py -q -x -rs
-    ONLY=${ONLY:-0,20,0,20} mk_sweep_ab mk_sweep 330
-    run screen_profile 100 env HIPENGINE_MK_HEAD_SCREEN=1 $PY -m hipengine bench decode --shape llama-3.2-1b \
-      --context 1024 --context 8192 --profile --json "$OUT/screen_profile.json" ;;
-  screenrec)  # session 34 (v77b, the butterfly epilogue the screen's only one): the decode bench of record at
-              # 1K/8K/32K (JSON + PNG), the head-screen tests (its op kernels and the monokernel with the screen on and
-              # off), mk_sweep's variants $ONLY at $AB_CONTEXTS when given (a probe riding along), then the monokernel
-              # tests in the time left (the call stays under 575 s)
-    bench
-    run screen_tests 80 $PY -m pytest tests/test_head_screen.py -q -x -rs
-    [ -n "${ONLY:-}" ] && mk_sweep_ab mk_sweep 160
-    left=$((575 - SECONDS)); [ $left -gt 40 ] && run mk_tests $left $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs ;;
-  paced)  # session 35: mk_sweep's variants $ONLY at $AB_CONTEXTS (default 1K) in one process (tokens compared with the first),
-          # then the 1K stage profiles of the default build and of $EXP_DEFINES (HIPENGINE_MK_DEFINES syntax)
-    AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 330
-    prof1k mkprof_default 70
-    prof1k mkprof_exp 70 HIPENGINE_MK_DEFINES="${EXP_DEFINES:-}" ;;
-  ogroup)  # session 36 (decode.hip MK_O_GROUP, ops/matvec_group.hip; since session 39 the default, and mk_sweep 29 the
-           # plain O-proj): the grouped O-proj's GPU test (its logits against
-           # the per-op path's), its per-op kernels' op tests, mk_sweep's variants $ONLY (default 0,29,30,0,29,30) at $AB_CONTEXTS (default 1K and 8K
-           # here: six variants) in one process, then the 1K stage profiles of the default build and of the grouped one
-    run ogroup_tests 100 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k o_group
-    run ogroup_op_tests 60 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k group_o  # the per-op kernels (session 37)
-    ONLY=${ONLY:-0,29,30,0,29,30} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 360
-    prof1k mkprof_default 55
-    prof1k mkprof_ogroup 55 HIPENGINE_MK_OGROUP=1 ;;
-  ogrecord)  # session 39: the grouped O-proj the default (its down keeps the fixed-point words' raw bits until the
-             # epilogue): the bench of record (both paths, tokens compared), mk_sweep's variants $ONLY (default
-             # 0,29,0,29: the default / the plain O-proj) at $AB_CONTEXTS (1K/8K/32K) in one process, then the grouped
-             # per-op kernels' op tests. Builds: precompile_mk.py 1b-f3 1b-plain-o.
-    bench
-    ONLY=${ONLY:-0,29,0,29} mk_sweep_ab mk_sweep 200
-    run ogroup_op_tests 60 $PY -m pytest tests/test_ops_gpu.py -q -rs -k group_o ;;
-  rows1fx)  # session 40: the per-op down-proj after the grouped O-proj in one-row units (matvec.hip matvec_rows1_fx_res,
-            # ops.matvec_fx_res by ops.matvec_rows1's rule): its op tests, the monokernel's same-bits tests against the
-            # per-op path, then the per-op decode A/B — the default against HIPENGINE_MATVEC_ROWS1=0 (the two-row kernel),
-            # alternated, each word its own process — at $AB_CONTEXTS (1K/8K/32K). Builds: precompile_mk.py 1b-f3.
-    run ops_tests_k 150 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "fx_res or group_o or rows1"
-    run mk_same_bits 200 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "o_group_same_bits or 1b_preset"
-    env_runs abenv 90 "${AB_ENVS:-- HIPENGINE_MATVEC_ROWS1=0 - HIPENGINE_MATVEC_ROWS1=0}" $PY -m hipengine bench decode \
-      --shape llama-3.2-1b $(for c in ${AB_CONTEXTS:-1024 8192 32768}; do echo --context "$c"; done) --no-monokernel ;;
-  rows1rec)  # session 40, after rows1fx: the one-row down's op tests (its final form: 32-bit halves throughout), the
-             # monokernel's same-bits tests, the decode bench of record (both paths, tokens compared), the monokernel's
-             # 1K stage profile, then the engine tests in the time left (the call stays under 575 s). Builds: 1b-f3.
-    run ops_tests_k 120 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "fx_res or group_o or rows1"
-    run mk_same_bits 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "o_group_same_bits or 1b_preset"
-    bench
-    run mkprof 90 $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile --json "$OUT/mkprof_1k.json"
-    left=$((575 - SECONDS)); [ $left -gt 40 ] && run engine_tests $left $PY -m pytest tests/test_gpu_engine.py -q -rs \
-      -k "not 1b_preset" ;;
-  qflow)  # session 41 (decode.hip MK_QFLOW: the QKV values as LL words, the splits poll them, no QKV barrier): its
-          # same-bits tests against the per-op path (1K and 8K caches), mk_sweep's variants $ONLY (default 0,31,32,0,31,32:
-          # the default, MK_QFLOW, MK_QFLOW with the 0.5 plan) at $AB_CONTEXTS (1K/8K/32K) in one process, tokens
-          # compared with the first, then the MK_QFLOW build's 1K stage profile. Builds: precompile_mk.py 1b-f3
-          # 1b-f3-qflow 1b-1k-qflow-profile.
-    run qflow_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits"
-    ONLY=${ONLY:-0,31,32,0,31,32} mk_sweep_ab mk_sweep 330
-    left=$((575 - SECONDS)); [ $left -gt 40 ] && prof1k mkprof_qflow $left HIPENGINE_MK_QFLOW=1 ;;
-  qflow2)  # session 41, after qflow: mk_sweep's variants $ONLY (default 0,31,32,17,0,31,32,17: the default, MK_QFLOW, MK_QFLOW
-           # with the 0.5 plan — 64 split items at 1K, all on blocks without a second QKV unit — and the 0.5 plan alone) at
-           # $AB_CONTEXTS (default 1K / 8K: the 0.5 plan takes two rounds at 32K, where the grouped O-proj does not apply) in
-           # one process, then the 1K stage profiles of the default build and of MK_QFLOW with the 0.5 plan. Builds:
-           # precompile_mk.py 1b-f3 1b-f3-qflow 1b-1k-qflow-profile 1b-1k-profile.
-    ONLY=${ONLY:-0,31,32,17,0,31,32,17} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 330
-    prof1k mkprof_default 70
-    left=$((575 - SECONDS)); [ $left -gt 40 ] && prof1k mkprof_qflow_half $left HIPENGINE_MK_QFLOW=1 \
-      HIPENGINE_ATTN_BLOCKS_PER_SM=0.5 ;;
-  qflow3)  # session 41, after qflow2 (the newest row's words polled where its tile is staged): the same-bits tests, mk_sweep's
-           # variants $ONLY (default 0,31,32,17,0,31,32,17) at $AB_CONTEXTS (default 1K / 8K) in one process, then the 1K
-           # stage profiles of MK_QFLOW with the 0.5 plan and with the default plan. Builds: as qflow2.
-    run qflow_tests 150 $PY -m pytest tests/test_monokernel_gpu.py -q -x -rs -k "q_flow or o_group_same_bits"
-    ONLY=${ONLY:-0,31,32,17,0,31,32,17} AB_CONTEXTS=${AB_CONTEXTS:-1024 8192} mk_sweep_ab mk_sweep 300
-    prof1k mkprof_qflow_half 60 HIPENGINE_MK_QFLOW=1 HIPENGINE_ATTN_BLOCKS_PER_SM=0.5
-    left=$((575 - SECONDS)); [ $left -gt 40 ] && prof1k mkprof_qflow $left HIPENGINE_MK_QFLOW=1 ;;
-  s43)  # session 43: the RMSNorm prologues' gamma loads (ops/rmsnorm.hip HE_NORM_GAMMA_EARLY, default 2) — mk_sweep's
-        # variants $ONLY at $AB_CONTEXTS (default 0,35,36 twice at 1K: the new prologues, session 42's, gate/up's only; on
-        # an H200 also 17, the 0.5 plan) in one process, the same-bits and 1B-preset monokernel tests, the per-op norm /
-        # matvec op tests, the decode bench of record (1K only when little time is left), then the default's 1K stage
-        # profile while the call (${S43_S:-570} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-ge0 1b-1k-ge1
-        # 1b-1k-profile. (Its second call, s43b, measured HE_MV_EARLY_A — mk_sweep 37 then — and went with it.)
-    case "$GPU_NAME" in *H200*) ONLY=${ONLY:-0,35,36,17,0,35,36,17} ;; *) ONLY=${ONLY:-0,35,36,0,35,36} ;; esac
-    AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 300
-    same_bits 120
-    run op_tests 80 $PY -m pytest tests/test_ops_gpu.py -q -x -rs -k "rmsnorm or matvec_gate_up or matvec_qkv or test_matvec"
-    left=$((${S43_S:-570} - SECONDS)); [ $left -lt 200 ] && BENCH_CONTEXTS=${BENCH_CONTEXTS:-1024}
-    [ $left -gt 60 ] && bench $((left - 10))
-    left=$((${S43_S:-570} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default $((left < 75 ? left : 75)) ;;
   # (s43q — session 43's MK_QKV_POS A/B, mk_sweep 0/38 and its same-bits test — removed with it.)
   # (s44 — session 44's MK_O_RES_EARLY / MK_BAL A/B, mk_sweep 0/37/38/39 at 1K, same-bits, bench, profile — removed with them.)
   benchtests)  # the decode bench of record (1K / 8K / 32K, both paths), then the GPU engine tests while the call
@@ -467,87 +356,11 @@ case "$MODE" in
   # (s50c — session 50's MK_START_L2 A/B: mk_sweep 0 / masks 1, 2, 4, 7 and the profiles of the default and of 7 —
   # done: mask 4 became the default; s51, then s52 followed.)
   # (s50b — session 50's MK_ARRIVE_L2 A/B, mk_sweep 0/39-43 and its profile — removed with it.)
-  s50)  # the next session's first call: the decode bench of record (1K / 8K / 32K, both paths; on an H200 issue 4's figure)
-         # with the fresh combine the default (session 49), then mk_sweep 0,38,39,40,41 twice at 1K / 8K / 32K in one process
-         # (the fresh combine against the newest row in its split: its figure on this card; 39 / 40: MK_GU_L2_LATE=1 / 2,
-         # gate/up's next pair(s) into L2 after the splits; 41: =1 after the group's combine), the 1K stage profiles of the
-         # default and of 39, then the GPU engine tests while the call (${S50_S:-560} s) has time. A short call:
-         # S50_BENCH=0, ONLY=0,39,41,0,39,41. Builds: precompile_mk.py 1b-f3 1b-f3-nofc 1b-f3-gulate 1b-f3-gulate2
-         # 1b-f3-gulate-at1 1b-1k-profile 1b-1k-gulate-profile.
-    [ "${S50_BENCH:-1}" = 1 ] && bench ${BENCH_S:-150}
-    ONLY=${ONLY:-0,38,39,40,41,0,38,39,40,41} mk_sweep_ab mk_sweep ${S50_AB_S:-330}
-    left=$((${S50_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_default 45
-    left=$((${S50_S:-560} - SECONDS)); [ $left -gt 50 ] && prof1k mkprof_gulate 45 HIPENGINE_MK_DEFINES=MK_GU_L2_LATE=1
-    left=$((${S50_S:-560} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
   # (s49 — session 49's MK_PART_LL A/B: mk_sweep 0/39 at 1K / 8K / 32K, its same-bits tests and both 1K profiles — removed
   # with it. s48 — session 48's first measurement of the fresh combine, then opt-in (on ae9e953: the bench on an H200,
   # mk_sweep 0/38, its same-bits and op tests, its profile, engine tests) — done in session 49: s50 is its successor.)
-  s47)  # session 47: the fresh-row guard the default (session 46's HE_ATTN_FRESH_GUARD=2, measured +4.3 / +3.2% at 8K / 32K)
-         # — the decode bench of record (1K / 8K / 32K, both paths; on an H200 it is issue 4's figure), the same-bits and
-         # 1B-preset monokernel tests, the default's 1K stage profile (the split's q / newest-row marks), then the GPU
-         # engine tests while the call (${S47_S:-480} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-profile
-         # (the next-tile test written out after the call that measured =2: the same instructions, one block order).
-    bench 150
-    same_bits 110
-    prof1k mkprof_default 45
-    left=$((${S47_S:-480} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
-  s44b)  # session 44: half a block per SM at caches up to 1K (ops.SHORT_PLAN_BPS, the default now) — mk_sweep 0,37 three
-         # times at 1K in one process (the new plan and the one before), the same-bits and 1B-preset monokernel tests, the
-         # decode bench of record (1K/8K/32K, both paths), the default's 1K stage profile, then the GPU engine tests while
-         # the call (${S44B_S:-400} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-profile.
-    ONLY=${ONLY:-0,37,0,37,0,37} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 160
-    same_bits 100
-    bench 90
-    prof1k mkprof_default 45
-    left=$((${S44B_S:-400} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
-  h200rec)  # sessions 43-44: on an H200 only — mk_sweep 0,17,0,17 (the default plan and the 0.5 plan) at 1K in one
-            # process, the 1K stage profile, then the decode bench of record (1K/8K/32K, both paths) while the call
-            # (${H200REC_S:-500} s) has time; any other GPU: the 1K bench alone (the call ends in ≈ 1 minute). Builds:
-            # precompile_mk.py 1b-f3 1b-1k-profile.
-    case "$GPU_NAME" in
-      *H200*) ONLY=${ONLY:-0,17,0,17} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 150
-              prof1k mkprof_default 60
-              left=$((${H200REC_S:-500} - SECONDS)); [ $left -gt 60 ] && bench $((left - 10)) ;;
-      *) BENCH_CONTEXTS=1024 bench 90 ;;
-    esac ;;
-  final42)  # session 42's last call: mk_sweep's variants $ONLY (default 0,17,0,17: the default plan and the 0.5 plan) at 1K in
-            # one process, the decode bench of record (1K/8K/32K, both paths, JSON + PNG), then the same-bits and 1B-preset
-            # monokernel tests in the time left (the call stays under ${FINAL42_S:-560} s). Builds: precompile_mk.py 1b-f3.
-    ONLY=${ONLY:-0,17,0,17} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep 120
-    bench
-    left=$((${FINAL42_S:-560} - SECONDS)); [ $left -gt 60 ] && same_bits $left ;;
-  plan)  # session 42: the attention plan at short contexts with MK_QFLOW (the default) — mk_sweep's variants $ONLY (default
-        # 0,17,34,0,17,34: the default plan, 0.5 blocks per SM, 0.24) at $AB_CONTEXTS (default 1K / 2K) in one process,
-        # the 1K stage profiles of the default and the 0.5 plan, then the decode bench of both paths at 1K on each plan
-        # (the per-op path's cost of the plan; tokens compared between the paths). Builds: precompile_mk.py 1b-f3
-        # 1b-1k-profile.
-    ONLY=${ONLY:-0,17,34,0,17,34} AB_CONTEXTS=${AB_CONTEXTS:-1024 2048} mk_sweep_ab mk_sweep 280
-    prof1k mkprof_default 60
-    prof1k mkprof_half 60 HIPENGINE_ATTN_BLOCKS_PER_SM=0.5
-    for e in half default; do
-      left=$((575 - SECONDS)); [ $left -gt 40 ] || break
-      run "bench_1k_$e" $((left < 75 ? left : 75)) env HIPENGINE_ATTN_BLOCKS_PER_SM=$([ $e = half ] && echo 0.5) $PY -m \
-        hipengine bench decode --shape llama-3.2-1b --context 1024 --json "$OUT/bench_1k_$e.json"
-    done ;;
   # (ospare — session 42's MK_O_SPARE A/B: same-bits tests, mk_sweep 0/17/35 at 1K/2K, two profiles — removed with it.)
-  qflowrec)  # session 41: MK_QFLOW the default — the same-bits and 1B-preset monokernel tests, the engine tests, mk_sweep's
-             # variants $ONLY (default 0,33,0,33: the default and the QKV barrier) at 1K/8K/32K in one process, then the
-             # decode bench of record in the time left (the call stays under ${QFLOWREC_S:-500} s). Builds: precompile_mk.py
-             # 1b-f3 1b-f3-noflow.
-    same_bits 150
-    engine_tests 110
-    ONLY=${ONLY:-0,33,0,33} mk_sweep_ab mk_sweep 220
-    left=$((${QFLOWREC_S:-500} - SECONDS)); [ $left -gt 60 ] && run bench $left $PY -m hipengine bench decode \
-      --shape llama-3.2-1b --context 1024 --context 8192 --context 32768 --json "$OUT/bench_decode.json" \
-      --plot "$OUT/bench_decode.png" ;;
-  packed)  # session 33 (v78, ops/matvec_packed.hip): the packed weights' tests (CPU + GPU: the per-op kernels against the
-           # bf16 ones, the monokernel's tokens), mk_sweep's variants $ONLY (default 0,22,0,22: bf16 MLP weights and
-           # packed alternated) at $AB_CONTEXTS in one process, tokens compared, then the packed build's stage profile
-    run packed_tests 150 $PY -m pytest tests/test_matvec_packed.py -q -x -rs
-    ONLY=${ONLY:-0,22,0,22} mk_sweep_ab mk_sweep 300
-    left=$((570 - SECONDS)); [ $left -gt 40 ] && run packed_profile $left env HIPENGINE_MK_PACKED=1 $PY -m hipengine \
-      bench decode --shape llama-3.2-1b --context 1024 --context 8192 --profile --json "$OUT/packed_profile.json" ;;
-  *) echo "unknown mode $MODE (s56b|s53h|s50|benchtests|benchonly|s47|s44b|h200rec|s43|final42|plan|qflowrec|qflow3|qflow2|qflow|rows1rec|rows1fx|ogrecord|ogroup|paced|packed|screen|fusedmlp|iter|tune|quick|full|final|pdl|gen|record|ab|abtrees|bench|exp|sweepops|mkdefault|perop|abp|abperop|abenv|abboth|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncumk|tests|prefill|prefillrecord|paths|ncuprefill)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abp|abperop|abenv|abboth|mkdefault|sweepops|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncuprefill|ncumk|tests|prefillrecord|paths|prefill|perop|bench|abtrees|exp|benchtests|benchonly|s53h|s56b)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
