@@ -332,14 +332,15 @@ case "$MODE" in
     left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 60 ] && run default_model $((left < 90 ? left : 90)) \
       $PY -m pytest tests/test_gpu_default_model.py -q -rs
     left=$((${S53H_S:-540} - SECONDS)); [ $left -gt 40 ] && engine_tests $left ;;
-  s56b)  # session 56's second call: on an H200 (or with S56_BENCH=1) the decode bench of record first; then mk_sweep
-          # 0 / 41 alternated at 1K — the default, and the default launched with MK_O_SMEM's 64 KiB + 128 B of shared
-          # memory unused (HIPENGINE_MK_SMEM_PAD: the carve-out alone) — while the call (${S56_S:-400} s) has time.
-          # Builds: precompile_mk.py 1b-f3 (the default's).
-    if [ "${S56_BENCH:-}" = 1 ] || { [ -z "${S56_BENCH:-}" ] && echo "$GPU_NAME" | grep -q H200; }; then
+  s57)  # session 57's call (session 56's s56b, with the profile): on an H200 (or with S57_BENCH=1) the decode bench of
+         # record first and the monokernel's 1K stage profile; then mk_sweep 0 / 41 alternated at 1K — the default, and
+         # the default launched with 64 KiB + 128 B of shared memory unused (HIPENGINE_MK_SMEM_PAD: the carve-out alone)
+         # — while the call (${S57_AB_S:-200} s) has time. Builds: precompile_mk.py 1b-f3 1b-1k-profile.
+    if [ "${S57_BENCH:-}" = 1 ] || { [ -z "${S57_BENCH:-}" ] && echo "$GPU_NAME" | grep -q H200; }; then
       bench ${BENCH_S:-150}
+      prof1k profile_1k 70
     fi
-    ONLY=${ONLY:-0,41,0,41,0,41} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep ${S56_AB_S:-200} ;;
+    ONLY=${ONLY:-0,41,0,41,0,41} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep ${S57_AB_S:-200} ;;
   # (s56 — session 56's first call: MK_O_SMEM and the probe without O bytes at 1K, mk_sweep 0 / 41 / 42 twice (−5.5%,
   # +2.1%), the three 1K profiles, its same bits and the engine tests — done; MK_O_SMEM removed.)
   # (s55 — session 55's first call: MK_QKV_LATE at 1K, mk_sweep 0 / 41-44 twice (−5.5 to −6.6%), its same bits, both
@@ -360,7 +361,7 @@ case "$MODE" in
   # with it. s48 — session 48's first measurement of the fresh combine, then opt-in (on ae9e953: the bench on an H200,
   # mk_sweep 0/38, its same-bits and op tests, its profile, engine tests) — done in session 49: s50 is its successor.)
   # (ospare — session 42's MK_O_SPARE A/B: same-bits tests, mk_sweep 0/17/35 at 1K/2K, two profiles — removed with it.)
-  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abp|abperop|abenv|abboth|mkdefault|sweepops|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncuprefill|ncumk|tests|prefillrecord|paths|prefill|perop|bench|abtrees|exp|benchtests|benchonly|s53h|s56b)"
+  *) echo "unknown mode $MODE (iter|tune|quick|full|final|pdl|gen|record|ab|abp|abperop|abenv|abboth|mkdefault|sweepops|abmk|recordmk|recordenv|recordperop|recordall|ncu|ncuprefill|ncumk|tests|prefillrecord|paths|prefill|perop|bench|abtrees|exp|benchtests|benchonly|s53h|s57)"
      exit 2 ;;
 esac
 echo "==== logs (tails) ===="
