@@ -3,7 +3,7 @@ variants a device session uses, on this CPU machine (NVRTC only), so device time
 Usage: HIPENGINE_CACHE=$PWD/.mkcache python scripts/precompile_mk.py [variant ...]
 Variants: default (groups 1-4, bf16 + fp16), session (groups 2-4), profile, unroll8, 2blk, 1b, 1b-profile,
 1b-bf16-head, 1b-packed, 1b-packed-profile, 1b-1k-gu-l2, 1b-1k-gu-l2x2, 1b-1k, 1b-1k-profile, 1b-1k-gu-pace148, 1b-1k-gu-pace74,
-1b-1k-gu-x2-pace74, 1b-1k-gu-pace148-profile, 1b-f3, 1b-ogroup, 1b-ogroup-2pass, 1b-plain-o, 1b-1k-ogroup-profile, 1b-f3-qflow, 1b-1k-qflow-profile, 1b-f3-noflow, 1b-1k-ge0, 1b-1k-ge1, 1b-f3-nofc, 1b-f3-sl0, 1b-f3-sl4, 1b-tp, 1b-tp-profile (from 1b on: llama-3.2-1b only,
+1b-1k-gu-x2-pace74, 1b-1k-gu-pace148-profile, 1b-f3, 1b-ogroup, 1b-ogroup-2pass, 1b-plain-o, 1b-1k-ogroup-profile, 1b-f3-qflow, 1b-1k-qflow-profile, 1b-f3-noflow, 1b-1k-ge0, 1b-1k-ge1, 1b-f3-nofc, 1b-f3-sl0, 1b-f3-sl4, 1b-1k-sl0, 1b-1k-sl4, 1b-tp, 1b-tp-profile (from 1b on: llama-3.2-1b only,
 bf16, group 4; -tp: the LL exchange build, MK_TP=1; -1k-: the 1K cache class only).
 Compile-time experiments: set HIPENGINE_MK_DEFINES for the run (it is part of the build)."""
 from __future__ import annotations
@@ -61,6 +61,9 @@ VARIANTS = {  # name: (environment, weight dtypes, groups, precompile keywords)
     # (mk_sweep 40; the long builds keep it)
     "1b-f3-sl0": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=0"}, (False,), (4,), L1B_F3),
     "1b-f3-sl4": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, (False,), (4,), L1B_F3),
+    # session 57: the same two at 1K only (the H200's first A/B of the masks, mk_sweep 39 / 40)
+    "1b-1k-sl0": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=0"}, (False,), (4,), L1B_1K),
+    "1b-1k-sl4": ({"HIPENGINE_MK_DEFINES": "MK_START_L2=4"}, (False,), (4,), L1B_1K),
     "1b-tp": ({"HIPENGINE_MK_LL": "1"}, (False,), (4,), L1B_TP2),  # the tensor-parallel build (MK_TP=1)
     "1b-tp-profile": ({"HIPENGINE_MK_LL": "1", "HIPENGINE_MK_PROFILE": "1"}, (False,), (4,), L1B_TP2),
 }
