@@ -172,6 +172,9 @@ VARIANTS = [  # name, build env, runtime attrs
     # session 56: the default build launched with MK_O_SMEM's 64 KiB + 128 B of shared memory unused (HIPENGINE_MK_SMEM_PAD):
     # the L1 / shared-memory carve-out alone (session 22 on an H200: level from 44 to 175 KiB). Values unchanged.
     ("the default with 65,664 B of unused shared memory (HIPENGINE_MK_SMEM_PAD)", {"HIPENGINE_MK_SMEM_PAD": "65664"}, {}),
+    # session 57: the KV cache's lines persisting in L2 (an access-policy window on the decode stream, an L2 set-aside of
+    # up to the device's limit: hipengine/gpu/ops.py l2_persist_kv). A host setting: same build, same values.
+    ("the KV cache persisting in L2 (HIPENGINE_L2_PERSIST_KV=1)", {"HIPENGINE_L2_PERSIST_KV": "1"}, {}),
     # (session 52's neighbours of the short build's masks 7 / 7, measured at 1K in session 53 on an H100: without the
     # next layer's QKV half pair (3 / 3) +0.2 / −0.1%, level; down's whole pair (7 / 5) −0.6% — were variants 41 / 42.)
     # (session 53's MK_KV_L2=1 — the attention splits' K/V rows asked of L2 as the down barrier opens (token selection's
@@ -284,7 +287,10 @@ def sweep(picks, model, contexts, args, rows: list, ref: dict) -> None:
                     t0 = time.perf_counter()
                     be, be_env = MonokernelBackend(model, max_context=max(min(contexts), args.max_context)), env
                     base = {"poll_sleep_ns": be.poll_sleep_ns}  # (fine is the build's: mk_fine / HIPENGINE_MK_FINE)
-                    print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}", flush=True)
+                    l2 = getattr(be, "l2_kv_bytes", 0)
+                    print(f"built {name}: {time.perf_counter() - t0:.1f} s, {grid_info(be)}"
+                          + (f", {l2 / 2**20:.1f} MiB of L2 set aside for the {be.kv_cache.nbytes / 2**20:.1f} MiB KV cache"
+                             if l2 else ""), flush=True)
                 for k, v in {**base, **attrs}.items():
                     setattr(be, k, v)
                 for r in measure(be, contexts, ["monokernel"], runs=args.runs, log=lambda m: None,

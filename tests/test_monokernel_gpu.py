@@ -142,6 +142,36 @@ def test_tiny_decode_logits_identical(tiny):
         assert np.array_equal(x, y)
 
 
+def test_l2_persisting_kv_cache_same_tokens(tmp_path, monkeypatch):
+    """HIPENGINE_L2_PERSIST_KV=1: the KV cache (K and V in one allocation) under a persisting L2 window on NVIDIA —
+    a cache policy: the monokernel's greedy tokens equal the per-op path's and the default's; closing the backend
+    gives the set-aside back."""
+    from hipengine.gpu.monokernel import MonokernelBackend
+    from hipengine.loader import load_model
+    from tiny_models import save_tiny_model
+
+    path, _ = save_tiny_model("llama", tmp_path, seed=5, max_position_embeddings=1024)
+    model = load_model(path, progress=False)
+    prompt = np.array([5, 17, 99, 42, 7, 250, 31, 8, 64], np.int64)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    be = MonokernelBackend(model, max_context=1024)
+    want = _mono(be, prompt, params)
+    be.close()
+    monkeypatch.setenv("HIPENGINE_L2_PERSIST_KV", "1")
+    be = MonokernelBackend(model, max_context=1024)
+    try:
+        assert be.v_cache.ptr - be.k_cache.ptr >= be.k_cache.nbytes
+        assert be.v_cache.ptr + be.v_cache.nbytes <= be.kv_cache.ptr + be.kv_cache.nbytes
+        if be.rt.vendor == "nvidia":
+            assert be.l2_kv_bytes > 0
+        got = _mono(be, prompt, params)
+        assert got == want
+        assert _per_op(be, prompt, params) == want
+    finally:
+        be.close()
+    assert getattr(be.rt, "l2_aside", 0) == 0
+
+
 def test_seeded_sampling_reproducible(tiny):
     prompt = np.array([5, 6, 7, 8], np.int64)
     p = SamplingParams(max_tokens=64, temperature=0.9, top_k=40, top_p=0.9, min_p=0.01, repetition_penalty=1.1,

@@ -434,3 +434,23 @@ def test_q_flow_rule_and_build(monkeypatch):
     assert "MK_QFLOW" not in M.compile_args("nvidia", False, 4, o_group=False, q_flow=True, **kw)["defines"]
     fewer = M.barriers_per_token(SimpleNamespace(num_layers=16, qk_norm=False), q_flow=True)
     assert fewer == M.barriers_per_token(SimpleNamespace(num_layers=16, qk_norm=False)) - 16
+
+
+def test_l2_persist_kv_switch_or_one_clear_error(monkeypatch):
+    """HIPENGINE_L2_PERSIST_KV: off unless 1, 0 / 1 only, anything else one clear error; a runtime without the control
+    (the base class: AMD) sets nothing aside and its reset is a no-op."""
+    from hipengine.errors import UnsupportedError
+    from hipengine.gpu import ops as O
+    from hipengine.gpu.runtime import Runtime
+
+    monkeypatch.delenv("HIPENGINE_L2_PERSIST_KV", raising=False)
+    assert O.l2_persist_kv() is False
+    monkeypatch.setenv("HIPENGINE_L2_PERSIST_KV", "1")
+    assert O.l2_persist_kv() is True
+    monkeypatch.setenv("HIPENGINE_L2_PERSIST_KV", "0")
+    assert O.l2_persist_kv() is False
+    monkeypatch.setenv("HIPENGINE_L2_PERSIST_KV", "yes")
+    with pytest.raises(UnsupportedError, match="HIPENGINE_L2_PERSIST_KV"):
+        O.l2_persist_kv()
+    assert Runtime.l2_persist(object(), None, 0, 1 << 20) == 0
+    assert Runtime.l2_persist_reset(object()) is None

@@ -159,6 +159,8 @@ def measure(be, contexts, paths, runs: int = RUNS, gen: int = GEN, log=print,
                          # plan and the per-op one differ at some caches (monokernel.mk_plan), and then so may
                          # the tokens (other split sums, other rounding)
                          "split_plan": list(_split_plan(be, path)),
+                         # L2 bytes set aside for the KV cache's persisting lines (HIPENGINE_L2_PERSIST_KV; 0: none)
+                         "l2_kv_bytes": int(getattr(be, "l2_kv_bytes", 0)),
                          "prompt": "real" if real else "synthetic-kv",
                          "ttft_ms": statistics.median(ttfts) * 1e3 if real else None,
                          "tok_s": statistics.median(rates), "tok_s_runs": rates, "tokens": first})

@@ -377,6 +377,45 @@ class CudaRuntime(Runtime):
     def _current(self) -> None:
         check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
 
+    # ---- cache policy -----------------------------------------------------
+    def l2_persist(self, stream, base: int, nbytes: int) -> int:
+        """An access-policy window on `stream` (hit lines persisting, the rest streaming) over [base, base + nbytes),
+        cut to the device's largest window, and an L2 set-aside of min(nbytes, the device's limit) for this
+        context (a per-context limit, gone with the context: no device setting changes). hitRatio = set-aside /
+        window, so the lines marked persisting fit the set-aside."""
+        self._current()
+        A = cu.CUdevice_attribute
+        most = int(check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE, self.dev),
+                         "cuDeviceGetAttribute(MAX_PERSISTING_L2_CACHE_SIZE)"))
+        widest = int(check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE, self.dev),
+                           "cuDeviceGetAttribute(MAX_ACCESS_POLICY_WINDOW_SIZE)"))
+        nbytes = min(int(nbytes), widest)
+        if most <= 0 or nbytes <= 0:
+            return 0
+        aside = min(most, nbytes)
+        check(cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, aside),
+              f"cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE, {aside})")
+        w = cu.CUaccessPolicyWindow()
+        w.base_ptr = int(base)
+        w.num_bytes = nbytes
+        w.hitRatio = min(1.0, aside / nbytes)
+        w.hitProp = cu.CUaccessProperty.CU_ACCESS_PROPERTY_PERSISTING
+        w.missProp = cu.CUaccessProperty.CU_ACCESS_PROPERTY_STREAMING
+        v = cu.CUstreamAttrValue()
+        v.accessPolicyWindow = w
+        check(cu.cuStreamSetAttribute(_stream(stream), cu.CUstreamAttrID.CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW, v),
+              "cuStreamSetAttribute(ACCESS_POLICY_WINDOW)")
+        self.l2_aside, self.l2_stream = aside, stream
+        return aside
+
+    def l2_persist_reset(self, stream=None) -> None:
+        if not getattr(self, "l2_aside", 0) or (stream is not None and stream is not self.l2_stream):
+            return
+        self._current()
+        check(cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
+        check(cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0), "cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE, 0)")
+        self.l2_aside, self.l2_stream = 0, None
+
     # ---- code -------------------------------------------------------------
     def compile(self, source, *, defines=None, options=None) -> Module:
         path, text = compiler.resolve_source(source)

@@ -29,7 +29,7 @@ import numpy as np
 from ..backend import Backend, SamplingParams
 from ..errors import DeviceError, RequestError, UnsupportedError
 from . import ops as O
-from .runtime import get_runtime
+from .runtime import DeviceBuffer, get_runtime
 
 
 # _generate_per_op: decode steps the host enqueues beyond the tokens it has read (enough to keep the GPU
@@ -218,9 +218,21 @@ class GpuBackend(Backend):
     def _alloc_state(self) -> None:
         cfg, C = self.config, self.max_context
         per_layer = cfg.num_kv_heads * C * cfg.head_dim * 2
-        self.k_cache = self._buf(cfg.num_layers * per_layer)
-        self.v_cache = self._buf(cfg.num_layers * per_layer)
+        # K and V in one allocation (V from the next 256-byte boundary after K), so that one access-policy window
+        # covers the whole cache (HIPENGINE_L2_PERSIST_KV, below); k_cache / v_cache are views of it
+        n = cfg.num_layers * per_layer
+        k_bytes = -(-n // 256) * 256
+        self.kv_cache = self._buf(k_bytes + n)
+        self.k_cache = DeviceBuffer(self.kv_cache.ptr, n, self.rt)
+        self.v_cache = DeviceBuffer(self.kv_cache.ptr + k_bytes, n, self.rt)
         self.kv_layer_bytes = per_layer
+        # the cache's lines persisting in L2 for this stream's kernels (NVIDIA; 0 bytes set aside elsewhere or off),
+        # and no window of an earlier backend or cache size left behind in this process when off
+        if O.l2_persist_kv():
+            self.l2_kv_bytes = self.rt.l2_persist(self.stream, self.kv_cache.ptr, self.kv_cache.nbytes)
+        else:
+            self.rt.l2_persist_reset()
+            self.l2_kv_bytes = 0
         self.nsplit, self.chunk = O.attention_plan(C, cfg.num_kv_heads, self.rt.num_sms, head_dim=cfg.head_dim)
         for name, nbytes in self._state_sizes().items():  # x, xn, qkv, q, att, h, partial, logits, mm_part, ...
             setattr(self, name, self._buf(nbytes))
@@ -595,6 +607,12 @@ class GpuBackend(Backend):
 
     def close(self) -> None:
         self._drop_graphs()
+        if getattr(self, "l2_kv_bytes", 0):
+            try:
+                self.rt.l2_persist_reset(self.stream)
+            except Exception:
+                pass
+            self.l2_kv_bytes = 0
         for b in getattr(self, "_bufs", []):
             try:
                 b.free()

@@ -545,6 +545,15 @@ def fused_mlp() -> bool:
     return _env_switch("HIPENGINE_FUSED_MLP") is True
 
 
+def l2_persist_kv() -> bool:
+    """HIPENGINE_L2_PERSIST_KV=1: the KV cache's lines marked persisting in L2 for the decode stream's kernels (NVIDIA:
+    an access-policy window over the cache and an L2 set-aside of up to the device's limit; nothing on AMD, whose
+    runtime has no such window). Every step rereads the whole cache while the weights stream past it once; the
+    attention splits' K/V loads, and the q poll that returns behind them, then come from L2 instead of HBM. Values do
+    not change. Off by default until measured (docs/perf-log.md session 57)."""
+    return _env_switch("HIPENGINE_L2_PERSIST_KV") is True
+
+
 def _fx_defines(x_fx=None, res_fx=None) -> dict:
     """The matvec module's build for the fixed-point addends given (ops/matvec.hip HE_MV_X_FX / HE_MV_RES_FX)."""
     return {**({"HE_MV_X_FX": 1} if x_fx is not None else {}), **({"HE_MV_RES_FX": 1} if res_fx is not None else {})}

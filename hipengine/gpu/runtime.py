@@ -69,6 +69,17 @@ class Runtime(ABC):
     l2_bytes: int
     total_mem: int
 
+    # ---- cache policy -----------------------------------------------------
+    def l2_persist(self, stream, base: int, nbytes: int) -> int:
+        """Mark device memory [base, base + nbytes) as persisting in L2 for the kernels later launched into `stream`,
+        with an L2 set-aside of up to the device's limit; the bytes set aside, 0 where the device has no such
+        control (the default: AMD's runtime has none). A cache policy only: no value changes."""
+        return 0
+
+    def l2_persist_reset(self, stream=None) -> None:
+        """Undo l2_persist for this process — persisting lines back to normal, no set-aside — or, given a stream, only
+        if the last window was set on that stream (nothing by default)."""
+
     # ---- code -------------------------------------------------------------
     @abstractmethod
     def compile(self, source: str | Path, *, defines: dict | None = None, options: list[str] | None = None):
