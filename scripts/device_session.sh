@@ -335,16 +335,16 @@ case "$MODE" in
   s57)  # session 57's call: on an H200 (or with S57_BENCH=1) the decode bench of record first and the monokernel's 1K stage
          # profile; then mk_sweep at 1K alternated — 0 the default, 42 the KV cache persisting in L2
          # (HIPENGINE_L2_PERSIST_KV=1, new), 41 the default with 64 KiB + 128 B of shared memory unused (the carve-out
-         # alone), and on an H200 also 40 / 39 (the MK_START_L2 masks before session 52: the next layer's whole QKV pair;
+         # alone), 43 the carve-out preferring the most L1 (HIPENGINE_MK_CARVEOUT=0, new), and on an H200 also 40 / 39 (the MK_START_L2 masks before session 52: the next layer's whole QKV pair;
          # none — never measured on an H200) and 37 (the attention plan at one block per SM, the 1K plan before session
          # 44); then, while the call has time, the 1K profile with the persisting KV cache and its GPU test.
          # Builds: precompile_mk.py 1b-f3 1b-1k-profile 1b-1k-sl0 1b-1k-sl4.
     if [ "${S57_BENCH:-}" = 1 ] || { [ -z "${S57_BENCH:-}" ] && echo "$GPU_NAME" | grep -q H200; }; then
       bench ${BENCH_S:-150}
       prof1k profile_1k 70
-      ONLY=${ONLY:-0,42,40,39,37,41,0,42,40,39,37,41}
+      ONLY=${ONLY:-0,42,43,40,39,37,41,0,42,43,40,39,37,41}
     fi
-    ONLY=${ONLY:-0,42,41,0,42,41,0,42} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep $((480 - SECONDS))
+    ONLY=${ONLY:-0,42,43,41,0,42,43,41,0,42} AB_CONTEXTS=${AB_CONTEXTS:-1024} mk_sweep_ab mk_sweep $((480 - SECONDS))
     [ $SECONDS -lt 490 ] && prof1k profile_1k_l2kv 60 HIPENGINE_L2_PERSIST_KV=1
     left=$((575 - SECONDS)); [ $left -gt 30 ] && run l2_test $left $PY -m pytest tests/test_monokernel_gpu.py -q -rs \
       -k l2_persisting ;;

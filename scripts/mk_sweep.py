@@ -175,6 +175,9 @@ VARIANTS = [  # name, build env, runtime attrs
     # session 57: the KV cache's lines persisting in L2 (an access-policy window on the decode stream, an L2 set-aside of
     # up to the device's limit: hipengine/gpu/ops.py l2_persist_kv). A host setting: same build, same values.
     ("the KV cache persisting in L2 (HIPENGINE_L2_PERSIST_KV=1)", {"HIPENGINE_L2_PERSIST_KV": "1"}, {}),
+    # ... and the launch's carve-out asked for the most L1 its shared memory allows (HIPENGINE_MK_CARVEOUT=0; the driver
+    # chooses otherwise — session 11's profile of the split kernel found it taking 64 KiB where 32 held its blocks)
+    ("the default preferring the most L1 (HIPENGINE_MK_CARVEOUT=0)", {"HIPENGINE_MK_CARVEOUT": "0"}, {}),
     # (session 52's neighbours of the short build's masks 7 / 7, measured at 1K in session 53 on an H100: without the
     # next layer's QKV half pair (3 / 3) +0.2 / −0.1%, level; down's whole pair (7 / 5) −0.6% — were variants 41 / 42.)
     # (session 53's MK_KV_L2=1 — the attention splits' K/V rows asked of L2 as the down barrier opens (token selection's

@@ -454,3 +454,21 @@ def test_l2_persist_kv_switch_or_one_clear_error(monkeypatch):
         O.l2_persist_kv()
     assert Runtime.l2_persist(object(), None, 0, 1 << 20) == 0
     assert Runtime.l2_persist_reset(object()) is None
+
+
+def test_carveout_is_a_percentage_or_one_clear_error(monkeypatch):
+    """HIPENGINE_MK_CARVEOUT: unset or empty is -1 (the driver's choice), 0-100 is that percentage, anything else one
+    clear error; AMD's Function has nothing to prefer."""
+    from hipengine.errors import UnsupportedError
+    from hipengine.gpu.backend_hip import Function
+
+    monkeypatch.delenv("HIPENGINE_MK_CARVEOUT", raising=False)
+    assert mk.carveout() == -1
+    for ok in ("0", "100", "25"):
+        monkeypatch.setenv("HIPENGINE_MK_CARVEOUT", ok)
+        assert mk.carveout() == int(ok)
+    for bad in ("-1", "101", "max", "0.5"):
+        monkeypatch.setenv("HIPENGINE_MK_CARVEOUT", bad)
+        with pytest.raises(UnsupportedError, match="HIPENGINE_MK_CARVEOUT"):
+            mk.carveout()
+    assert Function(None, None, "k").prefer_carveout(0) is None

@@ -212,6 +212,15 @@ class Function:
               f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes}, {self.name})")
         self._dyn_shared = nbytes
 
+    def prefer_carveout(self, percent: int) -> None:
+        """The preferred shared-memory share of the SM's unified L1 / shared storage for this function's launches, in
+        percent (0: the most L1 the launch's shared memory allows); -1 gives the choice back to the driver."""
+        self.rt._current()
+        check(cu.cuFuncSetAttribute(self.handle,
+                                    cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                    int(percent)),
+              f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT={percent}, {self.name})")
+
     def __repr__(self):
         return f"<cuda Function {self.name}>"
 

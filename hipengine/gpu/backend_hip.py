@@ -180,6 +180,9 @@ class Function:
             raise DeviceError(f"{self.name}: {nbytes} bytes of dynamic LDS requested, the device has "
                               f"{self.rt.max_shared_per_block}")
 
+    def prefer_carveout(self, percent: int) -> None:
+        """Nothing to prefer: a CU's LDS is its own storage, not carved out of its L1 (CUDA's Function has the knob)."""
+
     def __repr__(self):
         return f"<hip Function {self.name}>"
 

@@ -361,6 +361,19 @@ def smem_pad() -> int:
     return int(raw)
 
 
+def carveout() -> int:
+    """HIPENGINE_MK_CARVEOUT: the monokernel's preferred shared-memory carve-out in percent of the SM's unified L1 /
+    shared storage (NVIDIA; 0: the most L1 its shared memory allows), or -1 (unset, the default): the driver's
+    choice. A measurement knob beside smem_pad (session 57): the streams' loads bypass L1 allocation, but every
+    experiment with 64 KiB more shared memory per block slowed them on an H100. Values do not change."""
+    raw = os.environ.get("HIPENGINE_MK_CARVEOUT", "").strip()
+    if not raw:
+        return -1
+    if not raw.isdigit() or int(raw) > 100:
+        raise UnsupportedError(f"HIPENGINE_MK_CARVEOUT={raw!r}: a percentage from 0 to 100")
+    return int(raw)
+
+
 LONG_CONTEXT = 8192  # KV caches from this many tokens get the long-context build (q_regs_build)
 
 
@@ -826,6 +839,8 @@ class MonokernelBackend(GpuBackend):
         if self.smem > rt.max_shared_per_block:
             raise UnsupportedError(f"monokernel needs {self.smem} B of shared memory per block; the device "
                                    f"allows {rt.max_shared_per_block}")
+        # set every time: the loaded kernel is shared by every backend of the process (mk_sweep's variants)
+        self.fn.prefer_carveout(carveout())
         occ = rt.max_active_blocks(self.fn, THREADS, self.smem)
         if occ < 1:
             raise UnsupportedError(f"monokernel cannot be resident with {THREADS} threads and {self.smem} B "
