@@ -603,6 +603,13 @@ class EmulatedRuntime:
         self.kv_f16 = False
         self.attn_fresh = False
 
+    # cache policy (an emulated device has no L2 to steer: as the Runtime base class, AMD's) --------------------
+    def l2_persist(self, stream, base, nbytes):
+        return 0
+
+    def l2_persist_reset(self, stream=None):
+        pass
+
     # memory ---------------------------------------------------------------------------------------------
     def malloc(self, n):
         p = self.top
