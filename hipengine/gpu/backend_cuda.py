@@ -172,6 +172,7 @@ class Function:
         self.rt, self.handle, self.name = rt, handle, name
         self._dyn_shared = 0  # largest dynamic shared size this function has been opted into
         self._static = None  # its static shared memory, read once (fit_shared)
+        self._carveout = -1  # its preferred carve-out as last set (prefer_carveout; -1: none, the driver's choice)
 
     def attribute(self, attr: str) -> int:
         """``attr`` is the suffix of a CUfunction_attribute, e.g. "NUM_REGS", "MAX_THREADS_PER_BLOCK"."""
@@ -214,12 +215,16 @@ class Function:
 
     def prefer_carveout(self, percent: int) -> None:
         """The preferred shared-memory share of the SM's unified L1 / shared storage for this function's launches, in
-        percent (0: the most L1 the launch's shared memory allows); -1 gives the choice back to the driver."""
+        percent (0: the most L1 the launch's shared memory allows); -1 gives the choice back to the driver — a call
+        made only to undo an earlier preference, so a function never given one never sees the attribute."""
+        if int(percent) == self._carveout:
+            return
         self.rt._current()
         check(cu.cuFuncSetAttribute(self.handle,
                                     cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                                     int(percent)),
               f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT={percent}, {self.name})")
+        self._carveout = int(percent)
 
     def __repr__(self):
         return f"<cuda Function {self.name}>"
