@@ -180,6 +180,12 @@ class Function:
         enum = getattr(cu.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attr}")
         return int(check(cu.cuFuncGetAttribute(enum, self.handle), f"cuFuncGetAttribute({attr}, {self.name})"))
 
+    def set_attribute(self, attr: str, value: int) -> None:
+        """Set the CUfunction_attribute named by its suffix, e.g. "MAX_DYNAMIC_SHARED_SIZE_BYTES"."""
+        self.rt._current()
+        enum = getattr(cu.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{attr}")
+        check(cu.cuFuncSetAttribute(self.handle, enum, int(value)), f"cuFuncSetAttribute({attr}={value}, {self.name})")
+
     @property
     def num_regs(self) -> int:
         return self.attribute("NUM_REGS")
@@ -206,11 +212,7 @@ class Function:
         """Opt in to more than the default dynamic shared memory (up to ``rt.max_shared_per_block``)."""
         if nbytes <= self._dyn_shared:
             return
-        self.rt._current()
-        check(cu.cuFuncSetAttribute(self.handle,
-                                    cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                    int(nbytes)),
-              f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes}, {self.name})")
+        self.set_attribute("MAX_DYNAMIC_SHARED_SIZE_BYTES", nbytes)
         self._dyn_shared = nbytes
 
     def prefer_carveout(self, percent: int) -> None:
@@ -219,11 +221,7 @@ class Function:
         made only to undo an earlier preference, so a function never given one never sees the attribute."""
         if int(percent) == self._carveout:
             return
-        self.rt._current()
-        check(cu.cuFuncSetAttribute(self.handle,
-                                    cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                    int(percent)),
-              f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT={percent}, {self.name})")
+        self.set_attribute("PREFERRED_SHARED_MEMORY_CARVEOUT", percent)
         self._carveout = int(percent)
 
     def __repr__(self):
