@@ -129,6 +129,9 @@ prof1k() {
   shift 2
   run "$name" "$limit" env "$@" $PY -m hipengine bench decode --shape llama-3.2-1b --context 1024 --profile \
     --json "$OUT/$name.json"
+  # the per-layer table by block role (scripts/profile_table.py), into the logs the call's output ends with
+  [ -s "$OUT/$name.json" ] && $PY scripts/profile_table.py "$OUT/$name.json" > "$OUT/${name}_table.log" 2>&1
+  return 0
 }
 case "$MODE" in
   iter) profile; sweep; mk_tests; ops_tests; bench_ops ;;
