@@ -44,7 +44,9 @@ def load(path: str, context: int | None) -> tuple[dict, dict]:
 
 
 def layers_of(doc: dict, given: int | None) -> int:
-    if given:
+    if given is not None:
+        if given < 1:
+            raise HipEngineError(f"--layers {given}: give the model's number of layers (1 or more)")
         return given
     from hipengine.presets import PRESETS
 
@@ -95,7 +97,8 @@ def table(blocks: dict, groups: list[tuple[int, int, str]], n_layers: int) -> li
 
     out = []
     for lo, hi, role in groups:
-        qkv, attn = med(t, "qkv", lo, hi), med(t, "attention", lo, hi)
+        # (the attention stage, then fine = 2 builds' combine stage behind its own barrier; absent elsewhere)
+        qkv, attn = med(t, "qkv", lo, hi), med(t, "attention", lo, hi) + med(t, "combine", lo, hi)
         row = {"blocks": f"{lo}-{hi}", "role": role, "qkv": qkv, "attn_left": qkv + attn,
                "o_work": qkv + attn + med(w, "o_proj", lo, hi), "window": qkv + attn + med(t, "o_proj", lo, hi),
                "gate_up": med(t, "gate_up", lo, hi), "down": med(t, "down", lo, hi)}

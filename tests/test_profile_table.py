@@ -55,3 +55,5 @@ def test_given_groups_and_errors(tool, tmp_path):
     with pytest.raises(HipEngineError, match="give --layers"):
         tool.layers_of({"model": "nope"}, None)
     assert tool.layers_of({"model": "nope"}, 7) == 7
+    with pytest.raises(HipEngineError, match="--layers 0"):
+        tool.layers_of({"model": "llama-3.2-1b"}, 0)
