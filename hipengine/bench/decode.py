@@ -111,6 +111,71 @@ def profile_table(prof: dict, n_layers: int) -> str:
                 cells.append(f"{np.median(a):7.1f} ({a.max():7.1f})")
             a = np.asarray(col)
             out.append(f"    {k:10s} " + " ".join(cells) + f"  SM {blocks['sm'][int(a.argmax())]}")
+        if blocks.get("total_us", {}).get("qkv"):  # (a step's layers ran: always, for a decode bench)
+            out.append(role_table(layer_marks(blocks, block_roles(blocks), n_layers)))
+    return "\n".join(out)
+
+
+# ---- the per-block rows read as a layer's critical path (also scripts/profile_table.py) -------------------------
+SPLIT_MARKS = [("attn_q_first", "q first"), ("attn_q_ready", "q ready"), ("attn_loop", "scored"),
+               ("attn_merge", "merged"), ("attn_split", "split done")]
+LAYER_MARKS = [("qkv", "QKV done"), ("attn_left", "attn left"), ("o_work", "O work"), ("window", "O exit"),
+               ("gate_up", "gate/up"), ("down", "down"), ("layer", "layer")]
+
+
+def block_roles(blocks: dict) -> list[tuple[int, int, str]]:
+    """Contiguous block ranges of one role in the layer: whether the block ran an attention split, and whether its
+    QKV took the longer or the shorter of the grid's QKV times (more units per warp, or fewer)."""
+    qkv = np.asarray(blocks["total_us"]["qkv"], float)
+    split = np.asarray(blocks["work_us"].get("attn_split", np.zeros_like(qkv)), float) > 0
+    lo, hi = qkv.min(), qkv.max()
+    long_ = qkv > (lo + hi) / 2 if hi - lo > 0.2 * hi else np.zeros_like(split)
+    sig = [(bool(a), bool(b)) for a, b in zip(long_, split)]
+    out, start = [], 0
+    for i in range(1, len(sig) + 1):
+        if i == len(sig) or sig[i] != sig[start]:
+            lg, sp = sig[start]
+            out.append((start, i - 1, ("QKV long" if lg else "QKV short") + (" + split" if sp else "")))
+            start = i
+    return out
+
+
+def layer_marks(blocks: dict, groups: list[tuple[int, int, str]], n_layers: int) -> list[dict]:
+    """Per block range (lo, hi, role): medians over its blocks, µs per layer from the layer's start — QKV done, the
+    attention stage left (the grouped O-proj's group counter seen), the O-proj's work done, the O barrier's exit
+    (the QKV → attention → O-proj window), gate/up, down and the layer — and the attention split's marks from its
+    start. Each block row is cumulative within its stage (work <= sync <= arrive <= total)."""
+    w, t = blocks["work_us"], blocks["total_us"]
+
+    def med(col: dict, key: str, lo: int, hi: int) -> float:
+        v = col.get(key)
+        return float(np.median(np.asarray(v[lo:hi + 1], float))) / n_layers if v else 0.0
+
+    out = []
+    for lo, hi, role in groups:
+        # (the attention stage, then fine = 2 builds' combine stage behind its own barrier; absent elsewhere)
+        qkv, attn = med(t, "qkv", lo, hi), med(t, "attention", lo, hi) + med(t, "combine", lo, hi)
+        row = {"blocks": f"{lo}-{hi}", "role": role, "qkv": qkv, "attn_left": qkv + attn,
+               "o_work": qkv + attn + med(w, "o_proj", lo, hi), "window": qkv + attn + med(t, "o_proj", lo, hi),
+               "gate_up": med(t, "gate_up", lo, hi), "down": med(t, "down", lo, hi)}
+        row["layer"] = row["window"] + row["gate_up"] + row["down"]
+        row["split"] = {k: med(w, k, lo, hi) for k, _ in SPLIT_MARKS}
+        out.append(row)
+    return out
+
+
+def role_table(rows: list[dict]) -> str:
+    """layer_marks' rows as text."""
+    out = ["  the layer by block role, µs per layer from the layer's start (medians over each block range):",
+           f"    {'blocks':9s} {'role':18s}" + "".join(f"{h:>10s}" for _, h in LAYER_MARKS)]
+    for r in rows:
+        out.append(f"    {r['blocks']:9s} {r['role']:18s}" + "".join(f"{r[k]:10.2f}" for k, _ in LAYER_MARKS))
+    splits = [r for r in rows if r["split"]["attn_split"] > 0]
+    if splits:
+        out.append("  the attention split, µs per layer from its start:")
+        out.append(f"    {'blocks':9s} {'':18s}" + "".join(f"{h:>11s}" for _, h in SPLIT_MARKS))
+        for r in splits:
+            out.append(f"    {r['blocks']:9s} {r['role']:18s}" + "".join(f"{r['split'][k]:11.2f}" for k, _ in SPLIT_MARKS))
     return "\n".join(out)
 
 
