@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--json", default=None, metavar="OUT")
     bd.add_argument("--plot", default=None, metavar="OUT.png")
     bd.add_argument("--profile", action="store_true",
-                    help="monokernel stage profile (µs per stage per step; a separately built, slightly slower kernel)")
+                    help="monokernel stage profile (µs per stage per step, then per layer by block role; a separately "
+                         "built, slightly slower kernel)")
     bd.set_defaults(entry="hipengine.bench.decode")
     ba = bsub.add_parser("allreduce", help="custom all-reduce vs NCCL/RCCL latency per size")
     ba.add_argument("--tp", type=_positive_int, default=2)
