@@ -355,6 +355,7 @@ def kernel_params(args: list):
 # ---------------------------------------------------------------------------------------------------------
 class CudaRuntime(Runtime):
     vendor = "nvidia"
+    l2_aside, l2_stream = 0, None  # the L2 set-aside l2_persist made, and the stream its window is on
 
     def __init__(self, index: int):
         if not _init():
@@ -421,7 +422,7 @@ class CudaRuntime(Runtime):
         return aside
 
     def l2_persist_reset(self, stream=None) -> None:
-        if not getattr(self, "l2_aside", 0) or (stream is not None and stream is not self.l2_stream):
+        if not self.l2_aside or (stream is not None and stream is not self.l2_stream):
             return
         self._current()
         check(cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
